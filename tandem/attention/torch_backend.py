@@ -1,0 +1,76 @@
+"""Paged attention in plain PyTorch: the reference every kernel is tested against.
+
+KV layout (shared with the Triton kernels): per layer, `k_cache` and `v_cache` are
+[num_slots, num_kv_heads, head_dim]; a request's tokens live at the slots listed in
+its row of `req_to_token`. Slot 0 is a dummy slot that padding rows may write to.
+"""
+import torch
+import torch.nn.functional as F
+
+from tandem.forward_batch import ForwardBatch
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, loc: torch.Tensor,
+             k: torch.Tensor, v: torch.Tensor) -> None:
+    """Store the new tokens' K/V ([T, kv_heads, head_dim]) at cache slots `loc` ([T])."""
+    k_cache[loc] = k.to(k_cache.dtype)
+    v_cache[loc] = v.to(v_cache.dtype)
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     req_to_token: torch.Tensor, req_slots: torch.Tensor, seq_lens: torch.Tensor,
+                     scale: float, max_seq_len: int) -> torch.Tensor:
+    """One query token per request: q [B, H, D] -> [B, H, D].
+
+    All requests are padded to `max_seq_len` (a host int) and masked, so there is no
+    per-request Python loop and no device value is read.
+    """
+    token_idx = req_to_token[req_slots, :max_seq_len].long()  # [B, L]
+    k = k_cache[token_idx].transpose(1, 2)  # [B, KVH, L, D]
+    v = v_cache[token_idx].transpose(1, 2)
+    positions = torch.arange(max_seq_len, device=q.device)
+    mask = (positions[None, :] < seq_lens[:, None])[:, None, None, :]  # [B, 1, 1, L]
+    out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask, scale=scale,
+                                         enable_gqa=True)
+    return out.squeeze(2)
+
+
+def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     req_to_token: torch.Tensor, host_req_slots: list[int],
+                     host_seq_lens: list[int], host_extend_lens: list[int],
+                     scale: float) -> torch.Tensor:
+    """New tokens attend causally to their request's cached prefix and to each other.
+
+    q is [T, H, D] with requests packed back to back; the new tokens' K/V must already be
+    in the cache. Loops over requests on the host (lengths are host ints).
+    """
+    out = torch.empty_like(q)
+    start = 0
+    for slot, seq_len, n in zip(host_req_slots, host_seq_lens, host_extend_lens):
+        token_idx = req_to_token[slot, :seq_len].long()
+        k = k_cache[token_idx].transpose(0, 1).unsqueeze(0)  # [1, KVH, L, D]
+        v = v_cache[token_idx].transpose(0, 1).unsqueeze(0)
+        q_pos = torch.arange(seq_len - n, seq_len, device=q.device)
+        k_pos = torch.arange(seq_len, device=q.device)
+        mask = k_pos[None, :] <= q_pos[:, None]  # [n, L] causal with prefix offset
+        qi = q[start:start + n].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+        oi = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        out[start:start + n] = oi.squeeze(0).transpose(0, 1)
+        start += n
+    return out
+
+
+class TorchAttention:
+    """Attention backend over the reference functions above."""
+
+    name = "torch"
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch,
+                scale: float) -> torch.Tensor:
+        write_kv(k_cache, v_cache, batch.out_cache_loc, k, v)
+        if batch.is_decode:
+            return decode_attention(q, k_cache, v_cache, batch.req_to_token, batch.req_slots,
+                                    batch.seq_lens, scale, batch.max_seq_len)
+        return extend_attention(q, k_cache, v_cache, batch.req_to_token, batch.host_req_slots,
+                                batch.host_seq_lens, batch.host_extend_lens, scale)

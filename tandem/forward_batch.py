@@ -1,0 +1,36 @@
+"""The one object a forward pass reads: token inputs plus attention metadata.
+
+It is passed explicitly into `model.forward` (no module-global context). Device
+tensors live on the forward device; the `host_*` fields are the same facts as
+plain Python values, known to the CPU at schedule time, so kernels that need a
+Python-side size (a loop bound, a grid) never read a device value.
+"""
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class ForwardBatch:
+    input_ids: torch.Tensor  # [T] int64, all new tokens of all requests, request-major
+    positions: torch.Tensor  # [T] int64, absolute position of each new token
+    out_cache_loc: torch.Tensor  # [T] int64, KV slot each new token is written to
+    req_slots: torch.Tensor  # [B] int64, row of each request in req_to_token
+    seq_lens: torch.Tensor  # [B] int32, tokens in cache after this step (prefix + new)
+    prefix_lens: torch.Tensor  # [B] int32, tokens already cached before this step
+    qo_indptr: torch.Tensor  # [B+1] int32, offsets of each request's new tokens in T
+    req_to_token: torch.Tensor  # [max_reqs, max_context] int32, shared table
+    # Host mirrors (no device reads needed):
+    host_req_slots: list[int]
+    host_seq_lens: list[int]
+    host_extend_lens: list[int]
+    is_decode: bool  # every request has exactly one new token
+    max_seq_len: int
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.host_seq_lens)
