@@ -1,0 +1,26 @@
+"""Attention backend over the Triton kernels; same interface as `TorchAttention`.
+
+Grid sizes come from the batch's host fields (`max_seq_len`, `host_extend_lens`), so a
+forward never reads a device value.
+"""
+import torch
+
+from tandem.forward_batch import ForwardBatch
+from tandem.kernels import decode_attention, extend_attention, write_kv
+
+
+class TritonAttention:
+    """Paged attention: split-K decode kernel, single-launch extend kernel."""
+
+    name = "triton"
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch,
+                scale: float) -> torch.Tensor:
+        write_kv(k_cache, v_cache, batch.out_cache_loc, k, v)
+        if batch.is_decode:
+            return decode_attention(q, k_cache, v_cache, batch.req_to_token, batch.req_slots,
+                                    batch.seq_lens, scale, batch.max_seq_len)
+        return extend_attention(q, k_cache, v_cache, batch.req_to_token, batch.req_slots,
+                                batch.seq_lens, batch.prefix_lens, batch.qo_indptr, scale,
+                                max(batch.host_extend_lens, default=0))

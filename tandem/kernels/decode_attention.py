@@ -1,0 +1,189 @@
+"""Paged decode attention (one query token per request), split along the sequence.
+
+Stage 1, grid (request, kv head x head block, split): one program owns the query
+heads that share a KV head, so each K/V tile is loaded once for the whole GQA group
+and QK / PV are `tl.dot`s of [heads, D] x [D, keys] (heads padded to 16, the smallest
+MMA tile). Each split covers one chunk of the sequence and writes its normalised
+partial output and log-sum-exp; stage 2 merges the splits (flash-decoding).
+
+The split count is a host int; each program derives its chunk from the device
+`seq_lens`, so the grid is fixed for a given (batch, num_splits) and nothing is read
+back to the host: the launch is safe to capture in a CUDA graph. Softmax runs in
+base 2 with log2(e) folded into the scale (exp2 is the native instruction).
+"""
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+MIN_TOKENS_PER_SPLIT = 256  # below this a split's fixed cost outweighs the parallelism
+MAX_SPLITS = 32
+MAX_BLOCK_H = 64  # larger GQA groups are spread over several head blocks
+
+
+@triton.jit
+def _decode_split_kernel(
+    Q, K, V, ReqToToken, ReqSlots, SeqLens, MidO, MidLse, Out,
+    stride_qb, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_r2t,
+    stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, stride_ob, stride_oh,
+    qk_scale,
+    GROUP: tl.constexpr, HEAD_BLOCKS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kv_head = tl.program_id(1) // HEAD_BLOCKS
+    offs_g = (tl.program_id(1) % HEAD_BLOCKS) * BLOCK_H + tl.arange(0, BLOCK_H)
+    heads = kv_head * GROUP + offs_g
+    mask_h = offs_g < GROUP
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < HEAD_DIM
+    split = tl.program_id(2)
+
+    seq_len = tl.load(SeqLens + b)
+    # Chunks are whole key blocks so only a chunk's last block is ragged.
+    split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * split_len
+    end = tl.minimum(start + split_len, seq_len)
+    slot_row = ReqToToken + tl.load(ReqSlots + b).to(tl.int64) * stride_r2t
+
+    q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=mask_h[:, None] & mask_d[None, :], other=0.0).to(K.dtype.element_ty)
+    # Every executed iteration has >= 1 valid key, so -inf never meets -inf below.
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+    for start_n in range(start, end, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < end
+        slots = tl.load(slot_row + offs_n, mask=mask_n, other=0).to(tl.int64)
+        k = tl.load(K + slots[None, :] * stride_kt + kv_head * stride_kh + offs_d[:, None],
+                    mask=mask_n[None, :] & mask_d[:, None], other=0.0)  # [D, N]
+        qk = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
+        qk = tl.where(mask_n[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(V + slots[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :],
+                    mask=mask_n[:, None] & mask_d[None, :], other=0.0)  # [N, D]
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    has_keys = l_i > 0  # false only for an empty split (short sequence, many splits)
+    out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+    mask_hd = mask_h[:, None] & mask_d[None, :]
+    if NUM_SPLITS == 1:
+        tl.store(Out + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+                 out.to(Out.dtype.element_ty), mask=mask_hd)
+    else:
+        lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
+        tl.store(MidO + b * stride_mb + heads[:, None] * stride_mh + split * stride_ms
+                 + offs_d[None, :], out, mask=mask_hd)
+        tl.store(MidLse + b * stride_lb + heads * stride_lh + split, lse, mask=mask_h)
+
+
+@triton.jit
+def _decode_merge_kernel(
+    MidO, MidLse, Out,
+    stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, stride_ob, stride_oh,
+    HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_s = offs_s < NUM_SPLITS
+    mask_d = offs_d < HEAD_DIM
+    lse = tl.load(MidLse + b * stride_lb + h * stride_lh + offs_s, mask=mask_s,
+                  other=float("-inf"))
+    m = tl.max(lse, 0)
+    # A zero-length row (CUDA-graph padding) has no keys at all: emit zeros, not NaN.
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(lse - m)
+    o = tl.load(MidO + b * stride_mb + h * stride_mh + offs_s[:, None] * stride_ms
+                + offs_d[None, :], mask=mask_s[:, None] & mask_d[None, :], other=0.0)
+    denom = tl.sum(w, 0)
+    out = tl.sum(w[:, None] * o, 0) / tl.where(denom > 0, denom, 1.0)
+    tl.store(Out + b * stride_ob + h * stride_oh + offs_d, out.to(Out.dtype.element_ty),
+             mask=mask_d)
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 8  # interpreter: few programs keep the CPU tests fast
+
+
+def _head_block(group: int) -> tuple[int, int]:
+    """(BLOCK_H, head blocks per KV head) for a GQA group size."""
+    block_h = min(MAX_BLOCK_H, max(16, triton.next_power_of_2(group)))
+    return block_h, triton.cdiv(group, block_h)
+
+
+def decode_num_splits(batch_size: int, num_kv_heads: int, group: int, max_seq_len: int,
+                      device: torch.device) -> int:
+    """Splits per sequence from host ints only: enough programs for ~2 waves of SMs,
+    but no split shorter than MIN_TOKENS_PER_SPLIT."""
+    programs = batch_size * num_kv_heads * _head_block(group)[1]
+    by_occupancy = triton.cdiv(2 * _num_sms(device), programs)
+    by_length = triton.cdiv(max(max_seq_len, 1), MIN_TOKENS_PER_SPLIT)
+    return max(1, min(by_occupancy, by_length, MAX_SPLITS))
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     req_to_token: torch.Tensor, req_slots: torch.Tensor, seq_lens: torch.Tensor,
+                     scale: float, max_seq_len: int, out: torch.Tensor | None = None, *,
+                     num_splits: int | None = None, block_n: int | None = None) -> torch.Tensor:
+    """q [B, H, D] -> [B, H, D]; matches `torch_backend.decode_attention`.
+
+    `num_splits` fixes the grid (e.g. for a CUDA graph captured once and replayed at
+    other lengths); any value is correct for any `seq_lens`.
+    """
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[1]
+    assert num_heads % num_kv_heads == 0, "query heads must be a multiple of KV heads"
+    assert q.stride(2) == 1 and k_cache.stride(2) == 1 and v_cache.stride(2) == 1
+    if out is None:
+        out = torch.empty_like(q)
+    assert out.shape == q.shape and out.stride(2) == 1
+    if batch == 0:
+        return out
+    group = num_heads // num_kv_heads
+    block_h, head_blocks = _head_block(group)
+    if num_splits is None:
+        num_splits = decode_num_splits(batch, num_kv_heads, group, max_seq_len, q.device)
+    if block_n is None:
+        block_n = 64 if head_dim <= 128 else 32
+    if num_splits > 1:
+        mid_o = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32,
+                            device=q.device)
+        mid_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
+    else:  # stage 1 writes `out` directly; the mid buffers are never touched
+        mid_o, mid_lse = out, out
+    block_d = triton.next_power_of_2(head_dim)
+    precision = "ieee" if k_cache.dtype == torch.float32 else "tf32"
+    _decode_split_kernel[(batch, num_kv_heads * head_blocks, num_splits)](
+        q, k_cache, v_cache, req_to_token, req_slots, seq_lens, mid_o, mid_lse, out,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+        v_cache.stride(0), v_cache.stride(1), req_to_token.stride(0),
+        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2) if num_splits > 1 else 0,
+        mid_lse.stride(0), mid_lse.stride(1), out.stride(0), out.stride(1),
+        scale * LOG2E,
+        GROUP=group, HEAD_BLOCKS=head_blocks, HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
+        BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=block_d, DOT_PRECISION=precision,
+        num_warps=4, num_stages=2,
+    )
+    if num_splits > 1:
+        _decode_merge_kernel[(batch, num_heads)](
+            mid_o, mid_lse, out,
+            mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0),
+            mid_lse.stride(1), out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
+            BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d, num_warps=4,
+        )
+    return out

@@ -1,0 +1,136 @@
+"""One decoder for the Llama family: Llama, Mistral, Qwen2 (qkv bias), Qwen3 (q/k norm).
+
+Read top to bottom: attention, layer, model, then weight loading. Parameter names follow
+transformers, except that q/k/v and gate/up are packed into one matmul each.
+"""
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from tandem.config import ModelConfig
+from tandem.forward_batch import ForwardBatch
+from tandem.memory.kv_cache import KVCache
+from tandem.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding):
+        super().__init__()
+        self.layer_id = layer_id
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim ** -0.5
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.qk_norm = cfg.qk_norm
+        self.rotary = rotary
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, kv: KVCache, backend) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(batch.positions, q, k)
+        out = backend.forward(q, k, v, kv.k[self.layer_id], kv.v[self.layer_id], batch, self.scale)
+        return self.o_proj(out.reshape(-1, self.q_size))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding):
+        super().__init__()
+        self.self_attn = Attention(cfg, layer_id, rotary)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch,
+                kv: KVCache, backend) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm.add_forward(x, residual)
+        x = self.self_attn(x, batch, kv, backend)
+        x, residual = self.post_attention_layernorm.add_forward(x, residual)
+        return self.mlp(x), residual
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, max_positions: int):
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rotary) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def forward(self, batch: ForwardBatch, kv: KVCache, backend) -> torch.Tensor:
+        """Hidden states [T, hidden] of every new token in the batch."""
+        x = self.embed_tokens(batch.input_ids)
+        residual = None
+        for layer in self.layers:
+            x, residual = layer(x, residual, batch, kv, backend)
+        x, _ = self.norm.add_forward(x, residual)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return (hidden @ weight.t()).float()
+
+    # ---- weights ----
+    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors into the packed parameters; every parameter must be filled."""
+        params = dict(self.named_parameters())
+        filled: set[str] = set()
+        for name, tensor in tensors:
+            if name == "lm_head.weight" and self.lm_head is None:
+                continue  # tied checkpoints sometimes store the copy anyway
+            if "rotary_emb" in name:
+                continue
+            target, rows = _packed_target(name, self.config)
+            if target not in params:
+                raise ValueError(f"unknown tensor {name!r} for {self.config.architecture}")
+            param = params[target]
+            dest = param.data if rows is None else param.data[rows[0]:rows[1]]
+            if tuple(dest.shape) != tuple(tensor.shape):
+                raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)}, "
+                                 f"expected {tuple(dest.shape)}")
+            dest.copy_(tensor)
+            filled.add(target if rows is None else f"{target}:{rows[0]}")
+        missing = [n for n, p in params.items() if not _is_filled(n, p, filled, self.config)]
+        if missing:
+            raise ValueError(f"checkpoint is missing tensors for: {', '.join(missing[:8])}"
+                             + (" ..." if len(missing) > 8 else ""))
+
+
+def _shard_rows(cfg: ModelConfig, packed: str) -> dict[str, tuple[int, int]]:
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    if packed == "qkv_proj":
+        return {"q_proj": (0, q), "k_proj": (q, q + kv), "v_proj": (q + kv, q + 2 * kv)}
+    inter = cfg.intermediate_size
+    return {"gate_proj": (0, inter), "up_proj": (inter, 2 * inter)}
+
+
+def _packed_target(name: str, cfg: ModelConfig) -> tuple[str, tuple[int, int] | None]:
+    """HF name -> (our parameter name, row range inside it or None)."""
+    for packed, shards in (("qkv_proj", ("q_proj", "k_proj", "v_proj")),
+                           ("gate_up_proj", ("gate_proj", "up_proj"))):
+        for shard in shards:
+            if f".{shard}." in name:
+                return name.replace(f".{shard}.", f".{packed}.").removeprefix("model."), \
+                    _shard_rows(cfg, packed)[shard]
+    return name.removeprefix("model."), None
+
+
+def _is_filled(name: str, param: torch.Tensor, filled: set[str], cfg: ModelConfig) -> bool:
+    for packed in ("qkv_proj", "gate_up_proj"):
+        if f".{packed}." in name:
+            return all(f"{name}:{start}" in filled for start, _ in _shard_rows(cfg, packed).values())
+    return name in filled

@@ -1,0 +1,28 @@
+"""FutureMap: sampled token ids that stay on the device, indexed by request slot.
+
+Step N's sampled ids are step N+1's decode inputs, and the host has not seen them yet. The
+forward stream writes them here after sampling (`stash`) and the next forward reads them
+back (`resolve`); both on the forward stream, so ordering is free. Slot 0 is a padding slot
+(CUDA-graph padding rows read it harmlessly).
+"""
+import torch
+
+
+class FutureMap:
+    def __init__(self, max_slots: int, device: torch.device, debug: bool = False):
+        self.debug = debug
+        # Debug: -1 marks "no token written"; a resolve of it fails on the device.
+        self.buf = torch.full((max_slots + 1,), -1 if debug else 0, dtype=torch.int64, device=device)
+        self.buf[0] = 0
+
+    def stash(self, slots: torch.Tensor, token_ids: torch.Tensor) -> None:
+        self.buf[slots] = token_ids
+
+    def resolve(self, slots: torch.Tensor) -> torch.Tensor:
+        ids = self.buf[slots]
+        if self.debug:
+            torch._assert_async(((ids >= 0) | (slots == 0)).all(),
+                                "FutureMap: read of a slot with no stashed token")
+            self.buf[slots] = -1  # a second read without a new stash fails too
+            self.buf[0] = 0
+        return ids

@@ -1,0 +1,65 @@
+"""Device-to-host copy of sampled ids (and logprobs) into pinned buffers, on the copy stream.
+
+Pinned host buffers form a two-deep ring: step N's slot is reused by step N + 2, which is
+launched only after step N's result was processed.
+"""
+from dataclasses import dataclass
+
+import torch
+
+from tandem.overlap.streams import StreamSet
+
+MAX_TOP_LOGPROBS = 20
+
+
+@dataclass
+class HostResult:
+    """Views of pinned host memory, valid to read once `copy_done` completed."""
+
+    token_ids: torch.Tensor
+    logprobs: torch.Tensor | None
+    top_ids: torch.Tensor | None
+    top_logprobs: torch.Tensor | None
+    copy_done: object
+
+    def wait(self) -> None:
+        self.copy_done.synchronize()  # the loop's one sanctioned host wait
+
+
+class ResultCopier:
+    def __init__(self, streams: StreamSet, max_rows: int, depth: int = 2):
+        self.streams, self.depth = streams, depth
+        pin = streams.pin()
+        self.tokens = [torch.zeros(max_rows, dtype=torch.int64, pin_memory=pin) for _ in range(depth)]
+        self.logprobs = [torch.zeros(max_rows, dtype=torch.float32, pin_memory=pin) for _ in range(depth)]
+        # Flat, so that an [n, k] view is contiguous (async copies need contiguous targets).
+        self.top_ids = [torch.zeros(max_rows * MAX_TOP_LOGPROBS, dtype=torch.int64, pin_memory=pin)
+                        for _ in range(depth)]
+        self.top_lps = [torch.zeros(max_rows * MAX_TOP_LOGPROBS, dtype=torch.float32, pin_memory=pin)
+                        for _ in range(depth)]
+
+    def copy(self, step: int, token_ids: torch.Tensor, logprobs: torch.Tensor | None,
+             top_ids: torch.Tensor | None, top_logprobs: torch.Tensor | None, sampled) -> HostResult:
+        """Queue the copies behind event `sampled` (recorded on the forward stream)."""
+        i, n = step % self.depth, token_ids.shape[0]
+        copy = self.streams.copy
+        out = HostResult(self.tokens[i][:n], None, None, None, self.streams.event())
+        with self.streams.use(copy):
+            copy.wait_event(sampled)
+            self._to_host(out.token_ids, token_ids)
+            if logprobs is not None:
+                out.logprobs = self.logprobs[i][:n]
+                self._to_host(out.logprobs, logprobs)
+            if top_ids is not None:
+                k = top_ids.shape[1]
+                out.top_ids = self.top_ids[i][:n * k].view(n, k)
+                out.top_logprobs = self.top_lps[i][:n * k].view(n, k)
+                self._to_host(out.top_ids, top_ids)
+                self._to_host(out.top_logprobs, top_logprobs)
+            out.copy_done.record(copy)
+        return out
+
+    def _to_host(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        dst.copy_(src, non_blocking=True)
+        # Lifetime: src was allocated on the forward stream and is read here on the copy stream.
+        self.streams.record_stream(src, self.streams.copy)

@@ -1,0 +1,70 @@
+"""Streams and events that are real on CUDA and no-ops on the CPU.
+
+The overlap loop is written once against this small surface, so the identical loop runs
+(and is tested) on CPU-only CI: there every call completes in order, synchronously.
+"""
+import contextlib
+from dataclasses import dataclass
+
+import torch
+
+
+class NullEvent:
+    def record(self, stream=None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def elapsed_time(self, other: "NullEvent") -> float:
+        return 0.0
+
+
+class NullStream:
+    def wait_stream(self, other) -> None:
+        pass
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
+@dataclass
+class StreamSet:
+    """schedule: host-to-device metadata; forward: model + sampling; copy: device-to-host."""
+
+    device: torch.device
+    schedule: object
+    forward: object
+    copy: object
+
+    @staticmethod
+    def create(device: torch.device) -> "StreamSet":
+        if device.type == "cuda":
+            return StreamSet(device, torch.cuda.Stream(device), torch.cuda.Stream(device),
+                             torch.cuda.Stream(device))
+        return StreamSet(device, NullStream(), NullStream(), NullStream())
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    def use(self, stream):
+        """Make `stream` current for the ops inside the block."""
+        return torch.cuda.stream(stream) if self.is_cuda else contextlib.nullcontext()
+
+    def event(self, timing: bool = False):
+        return torch.cuda.Event(enable_timing=timing) if self.is_cuda else NullEvent()
+
+    def record_stream(self, tensor: torch.Tensor, stream) -> None:
+        """Tell the caching allocator `tensor` is used on `stream` (no reuse before it passes)."""
+        if self.is_cuda:
+            tensor.record_stream(stream)
+
+    def pin(self) -> bool:
+        return self.is_cuda

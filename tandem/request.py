@@ -1,0 +1,54 @@
+"""A request's state, as the scheduler and the output processor see it."""
+import enum
+import time
+from dataclasses import dataclass, field
+
+from tandem.sampling import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Request:
+    rid: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int
+    max_samples: int  # min(max_tokens, room left in the context)
+    arrival_time: float = field(default_factory=time.monotonic)
+    status: Status = Status.WAITING
+    output_token_ids: list[int] = field(default_factory=list)  # processed (known to the host)
+    output_logprobs: list = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    # Placement, owned by the scheduler:
+    slot: int = 0  # row in req_to_token and in the FutureMap; 0 = none
+    kv_slots: list[int] = field(default_factory=list)
+    num_computed: int = 0  # tokens whose KV is written by work already launched
+    prefill_target: int = 0  # len(fill_ids) when (re)admitted; decode starts once computed
+    num_scheduled_samples: int = 0  # samples launched (>= processed outputs, by the lag)
+    last_step: int = -1  # last step that included this request (its KV is live until it completes)
+    first_token_time: float | None = None
+    num_preemptions: int = 0
+
+    @property
+    def fill_ids(self) -> list[int]:
+        """The tokens a (re)prefill must compute: the prompt, plus outputs after a preemption."""
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def prefill_done(self) -> bool:
+        return self.num_computed >= self.prefill_target
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    @property
+    def can_decode(self) -> bool:
+        return (self.status is Status.RUNNING and self.prefill_done
+                and self.num_scheduled_samples < self.max_samples)

@@ -1,0 +1,4 @@
+from tandem.scheduler.batch import Row, ScheduledBatch
+from tandem.scheduler.scheduler import Scheduler, SchedulerConfig
+
+__all__ = ["Row", "ScheduledBatch", "Scheduler", "SchedulerConfig"]

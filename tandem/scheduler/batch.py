@@ -1,0 +1,41 @@
+"""What the scheduler hands the runner: host-side facts about one step, no tensors."""
+from dataclasses import dataclass
+
+from tandem.request import Request
+
+
+@dataclass
+class Row:
+    """One request's share of a step."""
+
+    req: Request
+    start: int  # position of the first new token
+    kv_slots: list[int]  # cache slots of the new tokens
+    prefill_ids: list[int] | None  # known input ids; None for a decode row (ids come from the FutureMap)
+    sample_index: int | None  # output index sampled at this row's last token; None: no sample
+
+    @property
+    def num_new(self) -> int:
+        return len(self.kv_slots)
+
+
+@dataclass
+class ScheduledBatch:
+    step: int
+    rows: list[Row]
+
+    @property
+    def is_decode(self) -> bool:
+        return all(r.prefill_ids is None for r in self.rows)
+
+    @property
+    def has_prefill(self) -> bool:
+        return any(r.prefill_ids is not None for r in self.rows)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(r.num_new for r in self.rows)
+
+    @property
+    def sample_rows(self) -> list[Row]:
+        return [r for r in self.rows if r.sample_index is not None]

@@ -1,0 +1,200 @@
+"""Triton kernels vs the torch reference (`tandem.attention.torch_backend`).
+
+Without CUDA the kernels run in Triton's interpreter on the CPU (float32/float16
+only: the interpreter's bfloat16 `tl.dot` is wrong); with CUDA they run compiled,
+bfloat16 included. References are computed in float32 from the same (rounded) inputs.
+"""
+import os
+
+import pytest
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:  # must precede the first kernel definition (tandem.kernels does it too)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+triton = pytest.importorskip("triton")
+
+from tandem.attention import torch_backend as ref  # noqa: E402
+from tandem.attention.triton_backend import TritonAttention  # noqa: E402
+from tandem.forward_batch import ForwardBatch  # noqa: E402
+from tandem.kernels import decode_attention, decode_num_splits, extend_attention, write_kv  # noqa: E402
+
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+_gpu = [pytest.mark.gpu] if HAS_CUDA else [pytest.mark.skip(reason="bfloat16 needs CUDA")]
+DTYPES = [
+    pytest.param(torch.float32, id="fp32", marks=[pytest.mark.gpu] if HAS_CUDA else []),
+    pytest.param(torch.float16, id="fp16", marks=[pytest.mark.gpu] if HAS_CUDA else []),
+    pytest.param(torch.bfloat16, id="bf16", marks=_gpu),
+]
+TOL = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+# (query heads, kv heads, head_dim): GQA ratios 1, 3, 8, a single KV head, a group
+# wider than one head block (80 > 64), and head dims that are not 64 or 128.
+HEADS = [(4, 4, 64), (6, 2, 128), (16, 2, 64), (8, 1, 128), (80, 1, 64), (3, 1, 96),
+         (4, 2, 256)]
+
+
+def _paged(seq_lens: list[int], num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+           seed: int = 0):
+    """Random caches with each request's tokens scattered over shuffled slots.
+
+    Returns k_cache, v_cache, req_to_token, req_slots (rows deliberately not 0..B-1).
+    """
+    g = torch.Generator().manual_seed(seed)
+    num_slots = sum(seq_lens) + 8
+    k_cache = torch.randn(num_slots, num_kv_heads, head_dim, generator=g).to(dtype)
+    v_cache = torch.randn(num_slots, num_kv_heads, head_dim, generator=g).to(dtype)
+    free = (torch.randperm(num_slots - 1, generator=g) + 1).int()  # slot 0 is the dummy
+    req_slots = torch.arange(len(seq_lens)) * 2 + 1
+    req_to_token = torch.zeros(2 * len(seq_lens) + 1, max(seq_lens) + 5, dtype=torch.int32)
+    start = 0
+    for row, n in zip(req_slots.tolist(), seq_lens):
+        req_to_token[row, :n] = free[start:start + n]
+        start += n
+    to = lambda t: t.to(DEVICE)  # noqa: E731
+    return to(k_cache), to(v_cache), to(req_to_token), to(req_slots)
+
+
+def _close(out: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
+    tol = TOL[dtype]
+    torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)
+
+
+def _decode_case(heads, dtype, seq_lens, **kwargs):
+    num_heads, num_kv_heads, head_dim = heads
+    k_cache, v_cache, r2t, req_slots = _paged(seq_lens, num_kv_heads, head_dim, dtype)
+    q = torch.randn(len(seq_lens), num_heads, head_dim, device=DEVICE).to(dtype)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    scale = head_dim ** -0.5
+    out = decode_attention(q, k_cache, v_cache, r2t, req_slots, lens, scale, max(seq_lens),
+                           **kwargs)
+    expected = ref.decode_attention(q.float(), k_cache.float(), v_cache.float(), r2t, req_slots,
+                                    lens, scale, max(seq_lens))
+    _close(out, expected, dtype)
+    return out
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads", HEADS, ids=lambda h: "h{}kv{}d{}".format(*h))
+def test_decode_matches_reference(heads, dtype):
+    # Lengths include 1 and non-multiples of the key block; small block so several run.
+    _decode_case(heads, dtype, [1, 17, 100, 45], block_n=16)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_splits", [2, 5, 32])
+def test_decode_splits(num_splits, dtype):
+    # 32 splits over a 3-token sequence leaves most splits empty; the merge must skip them.
+    _decode_case((8, 2, 64), dtype, [700, 1, 3, 260], num_splits=num_splits, block_n=32)
+
+
+def test_decode_auto_splits_long_context():
+    seq_lens = [1500, 2]
+    num_splits = decode_num_splits(2, 1, 4, max(seq_lens), torch.device(DEVICE))
+    assert num_splits > 1  # the case must exercise the split-and-merge path
+    _decode_case((4, 1, 64), torch.float16, seq_lens)
+
+
+def test_decode_out_buffer_and_strided_q():
+    # q sliced out of a fused qkv projection: strided rows, written into a caller's buffer.
+    seq_lens = [5, 40]
+    k_cache, v_cache, r2t, req_slots = _paged(seq_lens, 2, 64, torch.float16)
+    qkv = torch.randn(2, 8, 64, device=DEVICE).half()
+    q = qkv[:, :4]
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    out = torch.empty(2, 4, 64, device=DEVICE, dtype=torch.float16)
+    for splits in (1, 3):
+        result = decode_attention(q, k_cache, v_cache, r2t, req_slots, lens, 0.125, 40,
+                                  out=out, num_splits=splits)
+        assert result is out
+        expected = ref.decode_attention(q.float(), k_cache.float(), v_cache.float(), r2t,
+                                        req_slots, lens, 0.125, 40)
+        _close(out, expected, torch.float16)
+
+
+def test_decode_zero_length_row_gives_zeros():
+    # CUDA-graph padding rows may carry seq_len 0; they must not produce NaN.
+    k_cache, v_cache, r2t, req_slots = _paged([4, 9], 1, 64, torch.float32)
+    lens = torch.tensor([0, 9], dtype=torch.int32, device=DEVICE)
+    q = torch.randn(2, 2, 64, device=DEVICE)
+    for splits in (1, 4):
+        out = decode_attention(q, k_cache, v_cache, r2t, req_slots, lens, 0.125, 9,
+                               num_splits=splits)
+        assert torch.equal(out[0], torch.zeros_like(out[0]))
+        assert torch.isfinite(out[1]).all()
+
+
+def _extend_case(heads, dtype, prefix_lens, extend_lens, **kwargs):
+    num_heads, num_kv_heads, head_dim = heads
+    seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
+    k_cache, v_cache, r2t, req_slots = _paged(seq_lens, num_kv_heads, head_dim, dtype)
+    q = torch.randn(sum(extend_lens), num_heads, head_dim, device=DEVICE).to(dtype)
+    as_int32 = lambda xs: torch.tensor(xs, dtype=torch.int32, device=DEVICE)  # noqa: E731
+    qo_indptr = as_int32([0] + torch.tensor(extend_lens).cumsum(0).tolist())
+    scale = head_dim ** -0.5
+    out = extend_attention(q, k_cache, v_cache, r2t, req_slots, as_int32(seq_lens),
+                           as_int32(prefix_lens), qo_indptr, scale, max(extend_lens), **kwargs)
+    expected = ref.extend_attention(q.float(), k_cache.float(), v_cache.float(), r2t,
+                                    req_slots.tolist(), seq_lens, extend_lens, scale)
+    _close(out, expected, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads", HEADS[:4] + HEADS[5:], ids=lambda h: "h{}kv{}d{}".format(*h))
+def test_extend_matches_reference(heads, dtype):
+    # Fresh prefill, single-token extends with and without prefix, a chunk whose prefix
+    # is not block-aligned, and lengths spanning several 16-row query blocks.
+    _extend_case(heads, dtype, prefix_lens=[0, 0, 45, 21, 13], extend_lens=[1, 37, 1, 50, 16],
+                 block_m=16, block_n=16)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_extend_default_blocks(dtype):
+    _extend_case((6, 2, 128), dtype, prefix_lens=[130, 0], extend_lens=[70, 150])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_write_kv_matches_reference(dtype):
+    num_slots, kvh, d, t = 32, 3, 96, 7
+    k_cache = torch.randn(num_slots, kvh, d, device=DEVICE).to(dtype)
+    v_cache = torch.randn(num_slots, kvh, d, device=DEVICE).to(dtype)
+    # Float32 source sliced from a fused projection: strided, and cast on write.
+    qkv = torch.randn(t, 4 + 2 * kvh, d, device=DEVICE)
+    k, v = qkv[:, 4:4 + kvh], qkv[:, 4 + kvh:]
+    loc = torch.tensor([3, 0, 31, 8, 9, 1, 20], device=DEVICE)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    ref.write_kv(k_ref, v_ref, loc, k, v)
+    write_kv(k_cache, v_cache, loc, k, v)
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+
+
+def _batch(prefix_lens, extend_lens, r2t, req_slots) -> ForwardBatch:
+    seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
+    as_int32 = lambda xs: torch.tensor(xs, dtype=torch.int32, device=DEVICE)  # noqa: E731
+    loc = torch.cat([r2t[s, p:p + e].long() for s, p, e in
+                     zip(req_slots.tolist(), prefix_lens, extend_lens)])
+    positions = torch.cat([torch.arange(p, p + e) for p, e in zip(prefix_lens, extend_lens)])
+    return ForwardBatch(
+        input_ids=torch.zeros(sum(extend_lens), dtype=torch.long, device=DEVICE),
+        positions=positions.to(DEVICE), out_cache_loc=loc, req_slots=req_slots,
+        seq_lens=as_int32(seq_lens), prefix_lens=as_int32(prefix_lens),
+        qo_indptr=as_int32([0] + torch.tensor(extend_lens).cumsum(0).tolist()),
+        req_to_token=r2t, host_req_slots=req_slots.tolist(), host_seq_lens=seq_lens,
+        host_extend_lens=list(extend_lens), is_decode=all(e == 1 for e in extend_lens),
+        max_seq_len=max(seq_lens))
+
+
+@pytest.mark.parametrize("prefix_lens,extend_lens", [([0, 12], [20, 3]), ([30, 0, 7], [1, 1, 1])],
+                         ids=["extend", "decode"])
+def test_backend_matches_torch_backend(prefix_lens, extend_lens):
+    heads, kvh, d = 6, 2, 64
+    seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
+    k_cache, v_cache, r2t, req_slots = _paged(seq_lens, kvh, d, torch.float32)
+    batch = _batch(prefix_lens, extend_lens, r2t, req_slots)
+    t = sum(extend_lens)
+    q = torch.randn(t, heads, d, device=DEVICE)
+    k, v = torch.randn(t, kvh, d, device=DEVICE), torch.randn(t, kvh, d, device=DEVICE)
+    caches = (k_cache.clone(), v_cache.clone())
+    out = TritonAttention().forward(q, k, v, k_cache, v_cache, batch, d ** -0.5)
+    expected = ref.TorchAttention().forward(q, k, v, *caches, batch, d ** -0.5)
+    assert torch.equal(k_cache, caches[0]) and torch.equal(v_cache, caches[1])
+    _close(out, expected, torch.float32)

