@@ -31,7 +31,7 @@ def make_inputs(params, seeds=None, output_index=None, slots=None) -> SamplingIn
 
 def fixed_logits(v: int = V, seed: int = 0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(v, generator=g) * 2.0
+    return torch.randn(v, generator=g)
 
 
 def draw_many(params: SamplingParams, logits: torch.Tensor, n: int = 20000) -> torch.Tensor:
