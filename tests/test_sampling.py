@@ -553,8 +553,8 @@ class OpRecorder(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func._schema.name.split("::")[-1]
         self.ops.append(name)
-        if func is torch.ops.aten.index.Tensor:
-            # Boolean-mask indexing turns into a nonzero inside; integer indexing is fine.
+        if name in ("index", "index_put", "index_put_", "_index_put_impl_"):
+            # Boolean-mask indexing (read or write) needs a nonzero on CUDA; integer indexing is fine.
             assert all(i is None or i.dtype not in (torch.bool, torch.uint8) for i in args[1]), "bool index"
         return func(*args, **(kwargs or {}))
 
@@ -606,6 +606,8 @@ def test_forbid_actually_catches_host_reads(monkeypatch):
         _ = int(t.sum())
         with pytest.raises(AssertionError, match="bool index"):
             t[t > 1]
+        with pytest.raises(AssertionError, match="bool index"):
+            t[t > 1] = 0.0
     assert "_local_scalar_dense" in rec.ops
 
 
