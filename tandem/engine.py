@@ -1,0 +1,258 @@
+"""The engine: requests in, tokens out, the CPU one step ahead of the GPU.
+
+    loop:
+        batch   <- schedule(step N+1)          # host only, no device reads
+        launch(batch)                          # forward + sampling queued on the device
+        process(result of step N)              # the one completion wait
+It is the same code with overlap off: then each step is processed right after its launch.
+"""
+import hashlib
+import itertools
+import logging
+import time
+
+import torch
+
+from tandem.attention import make_attention_backend
+from tandem.config import EngineConfig, ModelConfig, resolve_device, resolve_dtype
+from tandem.memory.allocator import SlotAllocator
+from tandem.memory.kv_cache import KVCache
+from tandem.memory.req_to_token import ReqToTokenTable
+from tandem.models.checkpoint import builtin_model_path, open_checkpoint
+from tandem.models.loader import load_model
+from tandem.outputs import RequestOutput, StepOutput, TokenLogprob
+from tandem.overlap.future_map import FutureMap
+from tandem.overlap.results import ResultCopier
+from tandem.overlap.staging import InputStager
+from tandem.overlap.streams import StreamSet
+from tandem.request import Request, Status
+from tandem.runner import ModelRunner, PendingResult
+from tandem.sampling import Sampler, SamplingParams
+from tandem.scheduler import Scheduler, SchedulerConfig
+from tandem.text import RequestText
+
+log = logging.getLogger("tandem")
+
+
+class Engine:
+    def __init__(self, cfg: EngineConfig):
+        self.cfg = cfg
+        self.device = resolve_device(cfg.device)
+        path = cfg.model if cfg.model is not None else builtin_model_path()
+        ckpt = open_checkpoint(path, allow_pickle=cfg.allow_pickle, config_only=cfg.dummy_weights)
+        self.model_config = ModelConfig.from_hf(ckpt.config)
+        self.dtype = resolve_dtype(cfg.dtype, self.device, self.model_config.dtype)
+        self.tokenizer = ckpt.load_tokenizer()
+        self.max_model_len = min(cfg.max_model_len or self.model_config.max_position_embeddings,
+                                 self.model_config.max_position_embeddings)
+        started = time.monotonic()
+        self.model = load_model(ckpt, self.model_config, self.dtype, self.device,
+                                self.max_model_len, cfg.dummy_weights)
+        log.info("loaded %s in %.1fs", path, time.monotonic() - started)
+        self.eos_token_ids = set(self.model_config.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            self.eos_token_ids.add(self.tokenizer.eos_token_id)
+        self._build_memory()
+        self._build_loop()
+        self.requests: dict[str, Request] = {}
+        self.texts: dict[str, RequestText] = {}
+        self._prompts: dict[str, str | None] = {}
+        self._ids = itertools.count()
+        self._aborted: list[StepOutput] = []
+        self.pending: PendingResult | None = None
+        self.step_id = 0
+        self.completed_step = -1
+
+    # ---- construction ----
+    def _build_memory(self) -> None:
+        mc, cfg = self.model_config, self.cfg
+        per_token = KVCache.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype)
+        if cfg.max_total_tokens is not None:
+            num_tokens = cfg.max_total_tokens
+        elif self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            num_tokens = int(free * cfg.gpu_memory_utilization) // per_token
+        else:
+            num_tokens = cfg.cpu_kv_cache_bytes // per_token
+        num_tokens = min(num_tokens, cfg.max_running_requests * self.max_model_len)
+        if num_tokens < 2:
+            raise ValueError(f"KV pool of {num_tokens} tokens is too small")
+        self.max_model_len = min(self.max_model_len, num_tokens)
+        self.kv = KVCache(mc.num_layers, num_tokens + 1, mc.num_kv_heads, mc.head_dim, self.dtype, self.device)
+        self.kv_slots = SlotAllocator(num_tokens)  # slot 0 is the dummy slot
+        self.req_slots = SlotAllocator(cfg.max_running_requests)  # row 0 is the padding row
+        self.table = ReqToTokenTable(cfg.max_running_requests, self.max_model_len, self.device)
+        log.info("KV pool: %d tokens (%.1f MiB)", num_tokens, num_tokens * per_token / 2**20)
+
+    def _build_loop(self) -> None:
+        cfg, rows = self.cfg, self.cfg.max_running_requests
+        self.streams = StreamSet.create(self.device)
+        max_tokens = max(cfg.max_prefill_tokens, self.max_model_len) + rows
+        self.stager = InputStager(self.streams, capacity=4 * max_tokens + 8 * rows + 16,
+                                  coarse=cfg.coarse_war_barrier)
+        self.copier = ResultCopier(self.streams, max_rows=rows)
+        self.sampler = Sampler(self.model_config.vocab_size, rows + 1, self.device)
+        self.future_map = FutureMap(rows, self.device, debug=cfg.debug_future_map)
+        self.runner = ModelRunner(self.model, self.kv, self.table,
+                                  make_attention_backend(cfg.attention_backend, self.device),
+                                  self.sampler, self.future_map, self.streams, self.stager, self.copier)
+        self.scheduler = Scheduler(
+            SchedulerConfig(rows, cfg.max_prefill_tokens, cfg.chunked_prefill_size, cfg.enable_mixed_batch),
+            self.kv_slots, self.req_slots, self.table,
+            on_admit=lambda r: self.runner.start_request(r.slot, r.prompt_token_ids, r.params,
+                                                         r.output_token_ids))
+
+    # ---- requests ----
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        params = params or SamplingParams()
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass prompts as token-id lists")
+            ids, text = self.tokenizer.encode(prompt), prompt
+        else:
+            ids, text = [int(t) for t in prompt], None
+        self._check_prompt(ids, params)
+        rid = request_id if request_id is not None else str(next(self._ids))
+        if rid in self.requests:
+            raise ValueError(f"request id {rid!r} is already in use")
+        seed = params.seed if params.seed is not None else _derived_seed(self.cfg.seed, rid)
+        room = self.max_model_len - len(ids)
+        req = Request(rid, ids, params, seed, max_samples=min(params.max_tokens, room))
+        if self.tokenizer is not None:
+            self.texts[rid] = RequestText(self.tokenizer, ids, params.stop)
+        self.requests[rid], self._prompts[rid] = req, text
+        self.scheduler.add(req)
+        return rid
+
+    def _check_prompt(self, ids: list[int], params: SamplingParams) -> None:
+        if not ids:
+            raise ValueError("prompt is empty")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids must be in [0, {vocab}); got {bad[:5]}")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(ids)} tokens; the context holds {self.max_model_len} "
+                             "and at least one must be left to generate")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer; this model has none")
+
+    def abort(self, request_id: str) -> None:
+        req = self.requests.get(request_id)
+        if req is None or req.finished:
+            return
+        self._finish(req, "abort")
+        text = self.texts.get(request_id)
+        self._aborted.append(StepOutput(request_id, [], text.finish() if text else "", True, "abort"))
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work() or self.pending is not None or bool(self._aborted)
+
+    def output(self, request_id: str) -> RequestOutput:
+        req = self.requests[request_id]
+        text = self.texts.get(request_id)
+        return RequestOutput(request_id, self._prompts[request_id], req.prompt_token_ids,
+                             text.text if text else "", list(req.output_token_ids), req.finish_reason,
+                             req.stop_reason, req.output_logprobs if req.params.logprobs is not None else None,
+                             req.num_preemptions)
+
+    def release(self, request_id: str) -> None:
+        """Forget a finished request's bookkeeping (its KV was already freed or deferred)."""
+        req = self.requests.pop(request_id)
+        assert req.finished, "release() of a running request"
+        self.texts.pop(request_id, None)
+        self._prompts.pop(request_id, None)
+
+    # ---- the loop ----
+    def step(self) -> list[StepOutput]:
+        outputs, self._aborted = self._aborted, []
+        batch = self.scheduler.schedule(self.step_id, drain=lambda: self._drain(outputs))
+        if batch is None:  # nothing to launch: the pending result is processed at once
+            self._drain(outputs)
+            return outputs
+        if self.pending is not None and self._process_first(batch):
+            self._drain(outputs)
+        launched = self.runner.launch(batch)
+        self.step_id += 1
+        self._drain(outputs)  # step N's result, while step N+1 runs
+        self.pending = launched
+        if self.cfg.disable_overlap:
+            self._drain(outputs)
+        return outputs
+
+    def _process_first(self, batch) -> bool:
+        """Consecutive-prefill switch: finish the previous prefill before the next one."""
+        return (self.cfg.process_before_consecutive_prefill and batch.has_prefill
+                and self.pending.batch.has_prefill)
+
+    def _drain(self, outputs: list[StepOutput]) -> None:
+        if self.pending is not None:
+            pending, self.pending = self.pending, None
+            outputs.extend(self._process(pending))
+
+    def _process(self, pending: PendingResult) -> list[StepOutput]:
+        pending.host.wait()
+        host = pending.host
+        tokens = host.token_ids.tolist()  # pinned memory, already complete: no device sync
+        logprobs = host.logprobs.tolist() if host.logprobs is not None else None
+        top_ids = host.top_ids.tolist() if host.top_ids is not None else None
+        top_lps = host.top_logprobs.tolist() if host.top_logprobs is not None else None
+        self.completed_step = pending.batch.step
+        outputs = []
+        for i, row in enumerate(pending.batch.sample_rows):
+            req = row.req
+            if req.finished:
+                continue  # one-step lag: the token after a finish is dropped, never emitted
+            assert row.sample_index == len(req.output_token_ids), "result out of order"
+            lp = None
+            if logprobs is not None and req.params.logprobs is not None:
+                n = req.params.logprobs
+                lp = TokenLogprob(tokens[i], logprobs[i], list(zip(top_ids[i][:n], top_lps[i][:n]))
+                                  if n and top_ids is not None else [])
+            outputs.append(self._append_token(req, tokens[i], lp))
+        self.scheduler.on_step_completed(self.completed_step)
+        return outputs
+
+    def _append_token(self, req: Request, token: int, lp: TokenLogprob | None) -> StepOutput:
+        req.output_token_ids.append(token)
+        if lp is not None:
+            req.output_logprobs.append(lp)
+        if req.first_token_time is None:
+            req.first_token_time = time.monotonic()
+        text, new_text, reason = self.texts.get(req.rid), "", None
+        if token in req.params.stop_tokens or (token in self.eos_token_ids and not req.params.ignore_eos):
+            reason, req.stop_reason = "stop", (token if token in req.params.stop_tokens else None)
+        elif text is not None:
+            delta = text.append([token])
+            new_text = delta.text
+            if delta.stop is not None:
+                reason, req.stop_reason = "stop", delta.stop
+        if reason is None and len(req.output_token_ids) >= req.max_samples:
+            reason = "length"
+        if reason is not None:
+            self._finish(req, reason)
+            if text is not None:
+                new_text += text.finish()
+        return StepOutput(req.rid, [token], new_text, reason is not None, reason,
+                          [lp] if lp is not None else None)
+
+    def _finish(self, req: Request, reason: str) -> None:
+        req.status, req.finish_reason = Status.FINISHED, reason
+        self.scheduler.finish(req, self.completed_step)
+
+    # ---- introspection ----
+    def stats(self) -> dict:
+        used = self.kv_slots.count - self.kv_slots.num_free
+        return {"running": sum(not r.finished for r in self.scheduler.running),
+                "waiting": len(self.scheduler.waiting),
+                "kv_cache_usage": used / self.kv_slots.count,
+                "kv_free_tokens": self.kv_slots.num_free,
+                "num_preemptions": self.scheduler.num_preemptions,
+                "steps": self.step_id}
+
+
+def _derived_seed(engine_seed: int, request_id: str) -> int:
+    """A request's seed when it gave none: stable across runs and processes (unlike hash())."""
+    digest = hashlib.blake2b(f"{engine_seed}:{request_id}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 2

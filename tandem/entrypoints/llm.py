@@ -1,0 +1,91 @@
+"""The offline API: `LLM(...).generate(prompts, params)` and `.chat(messages, params)`."""
+import logging
+from typing import Sequence
+
+from tqdm import tqdm
+
+from tandem.config import EngineConfig
+from tandem.engine import Engine
+from tandem.outputs import RequestOutput
+from tandem.sampling import SamplingParams
+
+Prompt = str | list[int]
+
+
+class LLM:
+    def __init__(self, model: str | None = None, *, dtype: str = "auto", device: str = "auto",
+                 dummy_weights: bool = False, disable_overlap: bool = False,
+                 max_total_tokens: int | None = None, seed: int = 0, **engine_options):
+        cfg = EngineConfig(model=model, dtype=dtype, device=device, dummy_weights=dummy_weights,
+                           disable_overlap=disable_overlap, max_total_tokens=max_total_tokens,
+                           seed=seed)
+        for key, value in engine_options.items():
+            if not hasattr(cfg, key):
+                raise TypeError(f"LLM() got an unknown option {key!r}")
+            setattr(cfg, key, value)
+        self.engine = Engine(cfg)
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        prompts = _as_prompt_list(prompts)
+        params = _as_params_list(sampling_params, len(prompts))
+        engine = self.engine
+        rids: list[str] = []
+        try:
+            for prompt, sp in zip(prompts, params):
+                rids.append(engine.add_request(prompt, sp))
+            bar = tqdm(total=len(rids), desc="generate", disable=not use_tqdm or len(rids) < 2,
+                       dynamic_ncols=True)
+            while engine.has_unfinished():
+                for out in engine.step():
+                    bar.update(out.finished)
+            bar.close()
+            return [engine.output(rid) for rid in rids]
+        finally:
+            for rid in rids:  # on error too: nothing left running, nothing leaked
+                engine.abort(rid)
+            while engine.has_unfinished():
+                engine.step()
+            for rid in rids:
+                engine.release(rid)
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation or a list of them."""
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("this model has no chat template")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.apply_chat_template(c, add_generation_prompt) for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def apply_chat_template(self, conversation: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        ids = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
+                                                 tokenize=True, return_dict=False)
+        return list(ids)
+
+
+def _as_prompt_list(prompts) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(t, int) for t in prompts):
+        raise TypeError("pass token ids as a list of lists: [[1, 2, 3]]")
+    for p in prompts:
+        if not isinstance(p, (str, list)):
+            raise TypeError(f"a prompt must be a str or a list of token ids, got {type(p).__name__}")
+    return prompts
+
+
+def _as_params_list(params, n: int) -> list[SamplingParams]:
+    if params is None or isinstance(params, SamplingParams):
+        return [params or SamplingParams()] * n
+    params = list(params)
+    if len(params) != n:
+        raise ValueError(f"got {len(params)} sampling params for {n} prompts")
+    return params
+
+
+logging.getLogger("tandem").addHandler(logging.NullHandler())

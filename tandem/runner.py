@@ -1,0 +1,138 @@
+"""Turns a scheduled batch into queued device work: inputs, forward, sampling, async results.
+
+`launch` only queues work and returns at once; nothing in it reads a device value. Streams:
+metadata is staged on the schedule stream, the forward stream waits for it (read-after-
+write), runs the model and the sampler, and the copy stream brings results to pinned memory.
+"""
+from dataclasses import dataclass, field
+
+import torch
+
+from tandem.forward_batch import ForwardBatch
+from tandem.memory.kv_cache import KVCache
+from tandem.memory.req_to_token import ReqToTokenTable
+from tandem.models.decoder import DecoderModel
+from tandem.overlap.future_map import FutureMap
+from tandem.overlap.results import HostResult, ResultCopier
+from tandem.overlap.staging import InputStager
+from tandem.overlap.streams import StreamSet
+from tandem.sampling import Sampler, SamplingInputs
+from tandem.scheduler.batch import ScheduledBatch
+
+
+@dataclass
+class PendingResult:
+    """A launched step whose result the host has not read yet."""
+
+    batch: ScheduledBatch
+    host: HostResult
+    # Lifetime: per-step device tensors made on the schedule stream and read on the forward
+    # stream stay referenced here until the result is processed (which implies the forward
+    # completed), so the caching allocator cannot hand their memory out early.
+    keepalive: list = field(default_factory=list)
+    forward_start: object = None
+    forward_end: object = None
+
+
+class ModelRunner:
+    def __init__(self, model: DecoderModel, kv: KVCache, table: ReqToTokenTable, backend,
+                 sampler: Sampler, future_map: FutureMap, streams: StreamSet,
+                 stager: InputStager, copier: ResultCopier, timing: bool = False):
+        self.model, self.kv, self.table, self.backend = model, kv, table, backend
+        self.sampler, self.future_map, self.streams = sampler, future_map, streams
+        self.stager, self.copier, self.timing = stager, copier, timing
+
+    def launch(self, batch: ScheduledBatch) -> PendingResult:
+        rows, sample_rows = batch.rows, batch.sample_rows
+        fields = _metadata(batch)
+        dev = self.stager.stage(batch.step, fields)
+        sampling = None
+        if sample_rows:
+            sampling = SamplingInputs.build(
+                [r.req.params for r in sample_rows], [r.req.seed for r in sample_rows],
+                [r.sample_index for r in sample_rows], [r.req.slot for r in sample_rows],
+                pin_memory=self.streams.pin())
+            with self.streams.use(self.streams.schedule):
+                sampling = sampling.to(self.streams.device, non_blocking=True)
+
+        forward = self.streams.forward
+        pending = PendingResult(batch, None, keepalive=[sampling])
+        with self.streams.use(forward):
+            forward.wait_stream(self.streams.schedule)  # read-after-write: staged inputs
+            if self.timing:
+                pending.forward_start = self.streams.event(timing=True)
+                pending.forward_start.record(forward)
+            input_ids = self._input_ids(batch, dev)
+            self.table.write_on_device(dev["token_req_slots"], dev["positions"], dev["out_cache_loc"])
+            fb = ForwardBatch(
+                input_ids=input_ids, positions=dev["positions"], out_cache_loc=dev["out_cache_loc"],
+                req_slots=dev["req_slots"], seq_lens=dev["seq_lens"], prefix_lens=dev["prefix_lens"],
+                qo_indptr=dev["qo_indptr"], req_to_token=self.table.table,
+                host_req_slots=fields["req_slots"], host_seq_lens=fields["seq_lens"],
+                host_extend_lens=[r.num_new for r in rows], is_decode=batch.is_decode,
+                max_seq_len=max(fields["seq_lens"]))
+            hidden = self.model(fb, self.kv, self.backend)
+            if sample_rows:
+                logits = self.model.compute_logits(hidden[dev["sample_token_idx"]])
+                out = self.sampler.sample(logits, sampling)
+                self.future_map.stash(dev["sample_slots"], out.token_ids)
+                self.sampler.record(dev["sample_slots"], out.token_ids)
+                result = (out.token_ids, out.logprobs, out.top_ids, out.top_logprobs)
+            else:  # only partial prefill chunks: nothing sampled
+                result = (torch.empty(0, dtype=torch.int64, device=self.streams.device), None, None, None)
+            self.stager.mark_consumed(batch.step)  # write-after-read: last read of staged inputs
+            if self.timing:
+                pending.forward_end = self.streams.event(timing=True)
+                pending.forward_end.record(forward)
+            sampled = self.streams.event()
+            sampled.record(forward)
+        pending.host = self.copier.copy(batch.step, *result, sampled)
+        return pending
+
+    def _input_ids(self, batch: ScheduledBatch, dev: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Prefill ids come staged from the host; decode ids from the FutureMap."""
+        if batch.is_decode:
+            return self.future_map.resolve(dev["decode_slots"])
+        ids = dev["input_ids"]
+        if len(dev["decode_token_idx"]):
+            ids[dev["decode_token_idx"]] = self.future_map.resolve(dev["decode_slots"])
+        return ids
+
+    def start_request(self, slot: int, token_ids: list[int], params, outputs: list[int]) -> None:
+        """Reset per-slot sampling state; on the forward stream so it orders before sampling."""
+        if not params.uses_penalties:
+            return
+        with self.streams.use(self.streams.forward):
+            self.sampler.start_request(slot, token_ids[:len(token_ids) - len(outputs)], params)
+            if outputs:  # a preempted request brings its earlier outputs back
+                ids = torch.tensor(outputs, dtype=torch.int64).to(self.streams.device)
+                self.sampler.record(torch.full_like(ids, slot), ids)
+
+
+def _metadata(batch: ScheduledBatch) -> dict[str, list[int]]:
+    """Every integer the step's device work needs, as host lists (staged in one copy)."""
+    input_ids, positions, locs, token_req = [], [], [], []
+    req_slots, seq_lens, prefix_lens, qo_indptr = [], [], [0], [0]
+    decode_idx, decode_slots, sample_idx, sample_slots = [], [], [], []
+    for row in batch.rows:
+        n, slot = row.num_new, row.req.slot
+        if row.prefill_ids is None:
+            decode_idx.append(len(input_ids))
+            decode_slots.append(slot)
+            input_ids.append(0)
+        else:
+            input_ids.extend(row.prefill_ids)
+        positions.extend(range(row.start, row.start + n))
+        locs.extend(row.kv_slots)
+        token_req.extend([slot] * n)
+        req_slots.append(slot)
+        seq_lens.append(row.start + n)
+        prefix_lens.append(row.start)
+        qo_indptr.append(qo_indptr[-1] + n)
+        if row.sample_index is not None:
+            sample_idx.append(len(input_ids) - 1)
+            sample_slots.append(slot)
+    return {"input_ids": input_ids, "positions": positions, "out_cache_loc": locs,
+            "token_req_slots": token_req, "req_slots": req_slots, "seq_lens": seq_lens,
+            "prefix_lens": prefix_lens[1:], "qo_indptr": qo_indptr, "decode_token_idx": decode_idx,
+            "decode_slots": decode_slots, "sample_token_idx": sample_idx, "sample_slots": sample_slots}
