@@ -200,3 +200,49 @@ def test_backend_matches_torch_backend(prefix_lens, extend_lens):
     expected = ref.TorchAttention().forward(q, k, v, *caches, batch, d ** -0.5)
     assert torch.equal(k_cache, caches[0]) and torch.equal(v_cache, caches[1])
     _close(out, expected, torch.float32)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+def test_decode_cuda_graph_replay_follows_device_inputs():
+    # Captured once with a fixed split count, then replayed after the lengths and the
+    # slot table change in place: the kernel must read them on the device each time.
+    seq_lens = [300, 5, 64]
+    k_cache, v_cache, r2t, req_slots = _paged(seq_lens, 2, 128, torch.bfloat16)
+    q = torch.randn(3, 8, 128, device=DEVICE).bfloat16()
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    out = torch.empty_like(q)
+    run = lambda: decode_attention(q, k_cache, v_cache, r2t, req_slots, lens, 0.1, 300,  # noqa: E731
+                                   out=out, num_splits=4)
+    run()  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    lens.copy_(torch.tensor([7, 299, 1], dtype=torch.int32))
+    r2t[req_slots[0], :7] = r2t[req_slots[1], :7].clone()
+    graph.replay()
+    expected = ref.decode_attention(q.float(), k_cache.float(), v_cache.float(), r2t, req_slots,
+                                    lens, 0.1, 300)
+    _close(out, expected, torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("prefix_lens,extend_lens", [([0, 12], [20, 3]), ([30, 7], [1, 1])],
+                         ids=["extend", "decode"])
+def test_backend_never_syncs(prefix_lens, extend_lens):
+    seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
+    k_cache, v_cache, r2t, req_slots = _paged(seq_lens, 2, 64, torch.float16)
+    batch = _batch(prefix_lens, extend_lens, r2t, req_slots)
+    t = sum(extend_lens)
+    q = torch.randn(t, 6, 64, device=DEVICE).half()
+    k, v = torch.randn(t, 2, 64, device=DEVICE).half(), torch.randn(t, 2, 64, device=DEVICE).half()
+    backend = TritonAttention()
+    backend.forward(q, k, v, k_cache, v_cache, batch, 0.125)  # compile first
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        backend.forward(q, k, v, k_cache, v_cache, batch, 0.125)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")

@@ -8,8 +8,9 @@ partial output and log-sum-exp; stage 2 merges the splits (flash-decoding).
 
 The split count is a host int; each program derives its chunk from the device
 `seq_lens`, so the grid is fixed for a given (batch, num_splits) and nothing is read
-back to the host: the launch is safe to capture in a CUDA graph. Softmax runs in
-base 2 with log2(e) folded into the scale (exp2 is the native instruction).
+back to the host: the launch is safe to capture in a CUDA graph. The count is a
+runtime argument, not a constexpr, so a new value never triggers a compile mid-serving.
+Softmax runs in base 2 with log2(e) folded into the scale (exp2 is the native op).
 """
 import functools
 
@@ -28,9 +29,9 @@ def _decode_split_kernel(
     Q, K, V, ReqToToken, ReqSlots, SeqLens, MidO, MidLse, Out,
     stride_qb, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_r2t,
     stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, stride_ob, stride_oh,
-    qk_scale,
+    qk_scale, num_splits,
     GROUP: tl.constexpr, HEAD_BLOCKS: tl.constexpr, HEAD_DIM: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    SPLIT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     b = tl.program_id(0)
@@ -44,7 +45,7 @@ def _decode_split_kernel(
 
     seq_len = tl.load(SeqLens + b)
     # Chunks are whole key blocks so only a chunk's last block is ragged.
-    split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     start = split * split_len
     end = tl.minimum(start + split_len, seq_len)
     slot_row = ReqToToken + tl.load(ReqSlots + b).to(tl.int64) * stride_r2t
@@ -75,28 +76,27 @@ def _decode_split_kernel(
     has_keys = l_i > 0  # false only for an empty split (short sequence, many splits)
     out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
     mask_hd = mask_h[:, None] & mask_d[None, :]
-    if NUM_SPLITS == 1:
-        tl.store(Out + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
-                 out.to(Out.dtype.element_ty), mask=mask_hd)
-    else:
+    if SPLIT:
         lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
         tl.store(MidO + b * stride_mb + heads[:, None] * stride_mh + split * stride_ms
                  + offs_d[None, :], out, mask=mask_hd)
         tl.store(MidLse + b * stride_lb + heads * stride_lh + split, lse, mask=mask_h)
+    else:
+        tl.store(Out + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+                 out.to(Out.dtype.element_ty), mask=mask_hd)
 
 
 @triton.jit
 def _decode_merge_kernel(
     MidO, MidLse, Out,
-    stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, stride_ob, stride_oh,
-    HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, stride_ob, stride_oh, num_splits,
+    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
-    mask_s = offs_s < NUM_SPLITS
+    mask_s = offs_s < num_splits
     mask_d = offs_d < HEAD_DIM
     lse = tl.load(MidLse + b * stride_lb + h * stride_lh + offs_s, mask=mask_s,
                   other=float("-inf"))
@@ -173,8 +173,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         v_cache.stride(0), v_cache.stride(1), req_to_token.stride(0),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2) if num_splits > 1 else 0,
         mid_lse.stride(0), mid_lse.stride(1), out.stride(0), out.stride(1),
-        scale * LOG2E,
-        GROUP=group, HEAD_BLOCKS=head_blocks, HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
+        scale * LOG2E, num_splits,
+        GROUP=group, HEAD_BLOCKS=head_blocks, HEAD_DIM=head_dim, SPLIT=num_splits > 1,
         BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=block_d, DOT_PRECISION=precision,
         num_warps=4, num_stages=2,
     )
@@ -182,8 +182,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         _decode_merge_kernel[(batch, num_heads)](
             mid_o, mid_lse, out,
             mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0),
-            mid_lse.stride(1), out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
+            mid_lse.stride(1), out.stride(0), out.stride(1), num_splits,
+            HEAD_DIM=head_dim,
             BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d, num_warps=4,
         )
     return out
