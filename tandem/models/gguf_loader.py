@@ -255,7 +255,7 @@ def llama3_scaling_from_factors(
         "rope_type": "llama3",
         "factor": factor,
         "low_freq_factor": low,
-        "high_freq_factor": round(high, 4),
+        "high_freq_factor": round(float(high), 4),
         "original_max_position_embeddings": int(round(original)),
     }
     rebuilt = llama3_rope_factors(rope_theta, head_dim, factor, low, scaling["high_freq_factor"],
