@@ -290,7 +290,6 @@ def builtin_ck(builtin: Path):
     return open_checkpoint(builtin)
 
 
-@pytest.mark.slow
 def test_builtin_config_matches_transformers(builtin: Path, builtin_ck) -> None:
     from transformers import AutoConfig
 
@@ -304,7 +303,6 @@ def test_builtin_config_matches_transformers(builtin: Path, builtin_ck) -> None:
     assert ours["architectures"] == ["LlamaForCausalLM"] and ours["rope_scaling"] is None
 
 
-@pytest.mark.slow
 def test_builtin_tokenizer_and_chat_template(builtin_ck) -> None:
     tok = builtin_ck.load_tokenizer()
     assert tok("Once upon a time")["input_ids"] == [6403, 1980, 253, 655]
