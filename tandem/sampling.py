@@ -14,10 +14,23 @@ overlap and plain loops produce the same tokens.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, fields
 
 import torch
 from torch import Tensor
+
+# As in tandem.kernels: with no GPU, Triton kernels can only run interpreted, and the
+# switch must be set before Triton is first imported. The CPU sampler uses the torch
+# path anyway; this lets the tests check the fused kernel against it on the CPU.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+try:  # CUDA builds of torch ship Triton; without it the torch path runs everywhere.
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover
+    triton = None
 
 MAX_LOGPROBS = 20
 
@@ -165,6 +178,7 @@ class SamplingInputs:
     need_min_p: bool
     need_penalties: bool
     max_top_k: int  # largest enabled top_k in the batch (0 if none); bounds torch.topk
+    top_p_within_top_k: bool  # every top-p row also has top-k: no full-vocabulary sort needed
     max_logprobs: int | None  # largest requested top-n (0 = chosen token only); None = no logprobs
 
     @staticmethod
@@ -200,6 +214,7 @@ class SamplingInputs:
             need_min_p=any(p.uses_min_p for p in params),
             need_penalties=any(p.uses_penalties for p in params),
             max_top_k=max((p.top_k for p in params if p.uses_top_k), default=0),
+            top_p_within_top_k=all(p.uses_top_k for p in params if p.uses_top_p),
             max_logprobs=max(requested) if requested else None,
         )
 
@@ -215,6 +230,7 @@ class SamplingInputs:
             need_min_p=self.need_min_p,
             need_penalties=self.need_penalties,
             max_top_k=self.max_top_k,
+            top_p_within_top_k=self.top_p_within_top_k,
             max_logprobs=self.max_logprobs,
         )
 
@@ -277,6 +293,73 @@ def gumbel_noise(keys: Tensor, token_hash: Tensor) -> Tensor:
     # almost never reach the float32 result.
     u = (h.to(torch.float64) + 0.5) * (1.0 / 4294967296.0)
     return (-torch.log(-torch.log(u))).to(torch.float32)
+
+
+def gumbel_argmax_torch(scores: Tensor, keys: Tensor, token_hash: Tensor) -> Tensor:
+    """Reference: argmax(scores + Gumbel noise) per row; ~20 passes over [B, V]."""
+    return (scores + gumbel_noise(keys, token_hash)).argmax(dim=-1)
+
+
+def _gumbel_argmax_body(
+    scores_ptr, stride, keys_ptr, hash_ptr, best_val_ptr, best_idx_ptr, V, M32,
+    CHUNK: tl.constexpr, BLOCK: tl.constexpr,  # a string under `from __future__ import annotations`
+):
+    """One program per (row, chunk of CHUNK tokens): the same noise as `gumbel_noise`
+    (same hash, same float64 logs), fused with a running argmax, so scores are read once."""
+    row = tl.program_id(0)
+    chunk = tl.program_id(1)
+    key = tl.load(keys_ptr + row)
+    best_val = tl.full([], float("-inf"), tl.float32)
+    best_idx = tl.full([], 0, tl.int64)
+    for off in range(0, CHUNK, BLOCK):
+        start = chunk * CHUNK + off
+        cols = start + tl.arange(0, BLOCK)
+        live = cols < V
+        s = tl.load(scores_ptr + row * stride + cols, mask=live, other=float("-inf"))
+        x = key ^ tl.load(hash_ptr + cols, mask=live, other=0)
+        x = x ^ (x >> 16)
+        x = (x * 0x7FEB352D) & M32
+        x = x ^ (x >> 15)
+        x = (-(x * 0x7B935975)) & M32
+        x = x ^ (x >> 16)
+        u = (x.to(tl.float64) + 0.5) * (1.0 / 4294967296.0)
+        g = (-tl.log(-tl.log(u))).to(tl.float32)
+        v = tl.where(live, s + g, float("-inf"))
+        # Ties go to the lowest index, as torch.argmax: left within a block, strict > across.
+        bv, bi = tl.max(v, axis=0, return_indices=True, return_indices_tie_break_left=True)
+        take = bv > best_val
+        best_idx = tl.where(take, start + bi.to(tl.int64), best_idx)
+        best_val = tl.where(take, bv, best_val)
+    tl.store(best_val_ptr + row * tl.num_programs(1) + chunk, best_val)
+    tl.store(best_idx_ptr + row * tl.num_programs(1) + chunk, best_idx)
+
+
+_gumbel_argmax_kernel = triton.jit(_gumbel_argmax_body) if triton is not None else None
+
+_CHUNK = 4096
+_BLOCK = 1024
+
+
+def gumbel_argmax_triton(scores: Tensor, keys: Tensor, token_hash: Tensor, kernel=None) -> Tensor:
+    """Fused `gumbel_argmax_torch`: per (row, chunk) maxima in one kernel, then a tiny
+    torch argmax over chunks (first chunk wins ties, so the lowest index overall)."""
+    kernel = kernel or _gumbel_argmax_kernel
+    scores = scores.contiguous()
+    B, V = scores.shape
+    n_chunks = triton.cdiv(V, _CHUNK)
+    best_val = torch.empty((B, n_chunks), dtype=torch.float32, device=scores.device)
+    best_idx = torch.empty((B, n_chunks), dtype=torch.int64, device=scores.device)
+    if B > 0:
+        kernel[(B, n_chunks)](
+            scores, scores.stride(0), keys, token_hash, best_val, best_idx, V, _M32, CHUNK=_CHUNK, BLOCK=_BLOCK
+        )
+    return best_idx.gather(1, best_val.argmax(dim=1, keepdim=True)).squeeze(1)
+
+
+def gumbel_argmax(scores: Tensor, keys: Tensor, token_hash: Tensor) -> Tensor:
+    if scores.is_cuda and _gumbel_argmax_kernel is not None:
+        return gumbel_argmax_triton(scores, keys, token_hash)
+    return gumbel_argmax_torch(scores, keys, token_hash)
 
 
 # --------------------------------------------------------------------------- sampler
@@ -390,8 +473,8 @@ class Sampler:
             is_greedy = temperature == 0
             scaled = logits / torch.where(is_greedy, 1.0, temperature)[:, None]
             scaled = self._mask(scaled, inputs)
-            noise = gumbel_noise(row_keys(inputs.seed, inputs.output_index), self._token_hash)
-            sampled_ids = (scaled + noise).argmax(dim=-1)
+            keys = row_keys(inputs.seed, inputs.output_index)
+            sampled_ids = gumbel_argmax(scaled, keys, self._token_hash)
             token_ids = torch.where(is_greedy, greedy_ids, sampled_ids)
 
         out = SampleOutput(token_ids=token_ids)
@@ -411,28 +494,42 @@ class Sampler:
         if inputs.need_top_k or inputs.need_top_p:
             k = inputs.top_k
             k = torch.where((k < 1) | (k > V), V, k)  # -1 (off) keeps all V
-        if inputs.need_top_p:
-            # One sort serves both: top-k is a rank cut, top-p a mass cut, in sorted order.
+        if inputs.need_top_p and not inputs.top_p_within_top_k:
+            # Some top-p row has no top-k: sort the whole vocabulary once; top-k is then a
+            # rank cut and top-p a mass cut in sorted order.
             vals, idx = scaled.sort(dim=-1, descending=True, stable=True)
             if inputs.need_top_k:
                 vals = vals.masked_fill(self._vocab[None, :] >= k[:, None], neg_inf)
-            probs = vals.softmax(dim=-1)
-            mass_before = probs.cumsum(dim=-1) - probs
-            # Keep the smallest prefix whose mass reaches p; the top token has mass_before 0 < p.
-            # Rows with p = 1 are exempt so cumsum rounding cannot trim their tail.
-            top_p = inputs.top_p[:, None]
-            cut = (mass_before >= top_p) & (top_p < 1.0)
-            vals = vals.masked_fill(cut, neg_inf)
+            vals = self._top_p_sorted(vals, inputs.top_p)
             scaled = torch.empty_like(scaled).scatter_(1, idx, vals)
         elif inputs.need_top_k:
             kmax = min(inputs.max_top_k, V)
-            top_vals = torch.topk(scaled, kmax, dim=-1).values
-            kth = top_vals.gather(1, (k.clamp(max=kmax) - 1)[:, None])
-            kth = torch.where((k < V)[:, None], kth, neg_inf)
-            scaled = scaled.masked_fill(scaled < kth, neg_inf)
+            if inputs.need_top_p:
+                # Every top-p row has top-k, so its nucleus lies within its top kmax tokens:
+                # a [B, kmax] topk replaces the [B, V] sort. Rows without top-k keep all.
+                vals, idx = torch.topk(scaled, kmax, dim=-1)
+                vals = vals.masked_fill(self._vocab[None, :kmax] >= k[:, None], neg_inf)
+                vals = self._top_p_sorted(vals, inputs.top_p)
+                cut = torch.full_like(scaled, neg_inf).scatter_(1, idx, vals)
+                scaled = torch.where((k < V)[:, None], cut, scaled)
+            else:
+                top_vals = torch.topk(scaled, kmax, dim=-1).values
+                kth = top_vals.gather(1, (k.clamp(max=kmax) - 1)[:, None])
+                kth = torch.where((k < V)[:, None], kth, neg_inf)
+                scaled = scaled.masked_fill(scaled < kth, neg_inf)
         if inputs.need_min_p:
             # p_i < min_p * p_max  <=>  l_i < l_max + log(min_p); min_p = 0 gives -inf (keeps all).
             # Renormalising after top-k/top-p keeps ratios, so this equals min-p on the cut distribution.
             floor = scaled.amax(dim=-1, keepdim=True) + torch.log(inputs.min_p)[:, None]
             scaled = scaled.masked_fill(scaled < floor, neg_inf)
         return scaled
+
+    @staticmethod
+    def _top_p_sorted(vals: Tensor, top_p: Tensor) -> Tensor:
+        """Top-p on logits sorted descending: keep the smallest prefix whose mass reaches p.
+        The top token has mass_before 0 < p, so it always stays. Rows with p = 1 are exempt
+        so cumsum rounding cannot trim their tail."""
+        probs = vals.softmax(dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs
+        p = top_p[:, None]
+        return vals.masked_fill((mass_before >= p) & (p < 1.0), float("-inf"))

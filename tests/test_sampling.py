@@ -5,12 +5,16 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from tandem import sampling
 from tandem.sampling import (
     SampleOutput,
     Sampler,
     SamplingInputs,
     SamplingParams,
     _mix32,
+    gumbel_argmax_torch,
+    gumbel_argmax_triton,
+    row_keys,
     seed_to_int64,
 )
 
@@ -228,6 +232,37 @@ def test_mix32_is_lowbias32():
     assert got == [_lowbias32_ref(x) for x in xs.tolist()]
 
 
+def _interpreted_or_cuda() -> str | None:
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if isinstance(sampling._gumbel_argmax_kernel, InterpretedFunction):
+        return "cpu"
+    return "cuda" if torch.cuda.is_available() else None
+
+
+@pytest.mark.parametrize("B, vocab", [(3, 50), (4, 4096), (2, 9000)])
+def test_fused_gumbel_kernel_matches_torch_reference(B, vocab):
+    """The Triton kernel (interpreted on the CPU, compiled on CUDA) draws exactly what
+    the torch reference draws: same hash, same float64 logs, same tie-breaking."""
+    device = _interpreted_or_cuda()
+    if device is None:
+        pytest.skip("Triton kernel neither interpreted nor on CUDA")
+    g = torch.Generator().manual_seed(B * vocab)
+    scores = torch.randn(B, vocab, generator=g) * 3
+    scores[0, : vocab // 2] = float("-inf")
+    scores[1] = 0.0  # every token ties before noise
+    keys = row_keys(torch.tensor([5, -9, 2**40, 7] * 2)[:B], torch.arange(B) * 11)
+    token_hash = _mix32(torch.arange(vocab) ^ 0x9E3779B9)
+    want = gumbel_argmax_torch(scores, keys, token_hash)
+    got = gumbel_argmax_triton(scores.to(device), keys.to(device), token_hash.to(device)).cpu()
+    assert torch.equal(got, want)
+    # Pure ties: both must pick the lowest index.
+    tied = torch.full((B, vocab), float("-inf"))
+    tied[:, [3, vocab - 1]] = 1e30  # noise is negligible against this and equal after rounding
+    got = gumbel_argmax_triton(tied.to(device), keys.to(device), token_hash.to(device)).cpu()
+    assert torch.equal(got, gumbel_argmax_torch(tied, keys, token_hash)) and (got == 3).all()
+
+
 # --------------------------------------------------------------------------- greedy and mixing
 
 
@@ -376,14 +411,34 @@ def test_min_p_never_below_threshold():
     assert_matches(frequencies(ids, 16), expect, N)
 
 
-def test_top_k_then_top_p_combined():
+@pytest.mark.parametrize("full_sort", [False, True])
+def test_top_k_then_top_p_combined(full_sort):
+    """Both paths: topk-only (every top-p row has top-k) and full sort (forced by a
+    top-p-only row in the batch). The combined row must sample the same either way."""
     logits = fixed_logits(16, seed=14)
     top = logits.topk(6).indices
     cut = torch.full((16,), float("-inf"))
     cut[top] = logits[top]
     keep = nucleus(cut.softmax(-1), 0.6)
-    ids = draw_many(SamplingParams(top_k=6, top_p=0.6, seed=18), logits, 5000)
+    n = 5000
+    params = [SamplingParams(top_k=6, top_p=0.6, seed=18)] * n
+    if full_sort:
+        params = params + [SamplingParams(top_p=0.5, seed=3)]
+    inputs = make_inputs(params, seeds=[p.seed for p in params], output_index=list(range(len(params))), slots=[1] * len(params))
+    assert inputs.top_p_within_top_k != full_sort
+    ids = Sampler(16, 2, "cpu").sample(logits.expand(len(params), -1).contiguous(), inputs).token_ids[:n]
     assert torch.isin(ids, keep).all() and set(ids.tolist()) == set(keep.tolist())
+    assert torch.equal(ids, draw_many(SamplingParams(top_k=6, top_p=0.6, seed=18), logits, n))
+
+
+def test_top_p_within_top_k_leaves_plain_rows_alone():
+    logits = fixed_logits(16, seed=16)
+    n = N
+    params = [SamplingParams(seed=5)] * n + [SamplingParams(top_k=3, top_p=0.5, seed=1)]
+    inputs = make_inputs(params, seeds=[5] * n + [1], output_index=list(range(n)) + [0], slots=[1] * (n + 1))
+    assert inputs.need_top_p and inputs.top_p_within_top_k
+    ids = Sampler(16, 2, "cpu").sample(logits.expand(n + 1, -1).contiguous(), inputs).token_ids[:n]
+    assert torch.equal(ids, draw_many(SamplingParams(seed=5), logits, n))
 
 
 def test_neutral_rows_unaffected_in_batch_needing_every_mask():
