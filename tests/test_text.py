@@ -1,6 +1,7 @@
 """RequestText: streaming detokenization and stop strings on real tokenizers."""
 from __future__ import annotations
 
+import codecs
 import importlib.util
 import json
 import random
@@ -239,10 +240,13 @@ def test_never_completed_bytes_flushed_at_finish(smollm, sp):
     deltas, tail, rt = stream(smollm, [], gen)
     assert "".join(d.text for d in deltas) == "ab" and tail == REPL
     assert rt.text == smollm.decode(gen)
-    # A long run of broken bytes: text flows out and the window stays bounded.
-    gen = enc(sp, "ok") + [sp.convert_tokens_to_ids("<0xE4>")] * 40 + enc(sp, "fine")
-    _, _, rt = stream(sp, [], gen)
-    assert rt.text == sp.decode(gen)
+    # Long runs of broken bytes: released in the end, with the window bounded.
+    for tok, lead in ((sp, sp.convert_tokens_to_ids("<0xE4>")), (smollm, lead)):
+        gen = enc(tok, "ok") + [lead] * 300 + enc(tok, "fine")
+        counting = _CountingTokenizer(tok)
+        _, _, rt = stream(counting, [], gen)
+        assert rt.text == tok.decode(gen) and rt.text.count(REPL) == 300
+        assert max(counting.sizes) <= 80
 
 
 class _CountingTokenizer:
@@ -263,6 +267,36 @@ def test_cost_per_call_is_bounded(smollm):
     assert rt.text == smollm.decode(gen)
     assert max(counting.sizes) <= 12
     assert len(counting.sizes) <= 2 * len(gen) + 3
+
+
+def _complete_chars(tok, ids: list[int]) -> int:
+    """How many whole characters the bytes of ids hold (▁ read as a space)."""
+    raw = b""
+    for piece in tok.convert_ids_to_tokens(ids):
+        if piece.startswith("<0x") and piece.endswith(">"):
+            raw += bytes([int(piece[3:-1], 16)])
+        else:
+            raw += piece.replace("▁", " ").encode()
+    return len(codecs.getincrementaldecoder("utf-8")().decode(raw))
+
+
+@pytest.mark.parametrize("chunk", [2, 3, 5])
+def test_calls_ending_mid_character(sp, smollm, chunk):
+    """Every call ends inside a character: text still flows and the window stays short."""
+    for tok, text in ((smollm, "界" * 40 + "🎉" * 20), (sp, "👍🏽" * 30 + "日本" * 10)):
+        prompt, gen = enc(tok, "a b"), enc(tok, text)
+        counting = _CountingTokenizer(tok)
+        rt = RequestText(counting, prompt)
+        shown = ""
+        for i in range(0, len(gen), chunk):
+            shown += rt.append(gen[i : i + chunk]).text
+            if tok is sp:
+                assert _complete_chars(tok, gen[: i + chunk]) - len(shown) <= 2
+            else:
+                assert len(shown) == len(tok.decode(gen[: i + chunk]).rstrip(REPL))
+        shown += rt.finish()
+        assert shown == rt.text == expected_text(tok, prompt, gen)
+        assert max(counting.sizes) <= 24
 
 
 def test_after_stop_and_finish(smollm):
@@ -302,7 +336,7 @@ def test_randomized_against_reference(tok, seed):
         include = rng.random() < 0.5
         chunks, left = [], len(gen)
         while left:
-            chunks.append(min(left, rng.choice([1, 1, 1, 2, 3])))
+            chunks.append(min(left, rng.choice([1, 1, 1, 2, 3, 5])))
             left -= chunks[-1]
         want, want_stop = reference_stop(full, stop, include)
 
