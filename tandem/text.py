@@ -38,7 +38,7 @@ _MAX_CHAR_TOKENS = 4
 # Look-back attempts that found nothing wait this many ids before the next one.
 _RETRY_AFTER = 16
 # A tail held this long is invalid bytes that nothing will complete: release it.
-_MAX_HELD_TOKENS = 64
+_MAX_HELD_TOKENS = 32
 _REPLACEMENT = "\ufffd"
 
 
