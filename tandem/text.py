@@ -31,8 +31,8 @@ from typing import Any, Sequence
 # Prompt tokens decoded in front of the first generated ones, for their spacing.
 _PROMPT_CONTEXT = 5
 # A character is at most 4 bytes and every text-bearing token carries at least
-# one, so a valid stream decodes cleanly (no trailing U+FFFD) at least once in
-# any 4 consecutive token boundaries. A longer held tail means either the
+# one, so in valid text a clean token boundary (decoding with no trailing
+# U+FFFD) is rarely more than 4 tokens back. A longer held tail means the clean
 # boundaries fell inside multi-token calls (look back for one) or invalid bytes.
 _MAX_CHAR_TOKENS = 4
 # Look-back attempts that found nothing wait this many ids before the next one.
@@ -215,7 +215,7 @@ class RequestText:
 
     @property
     def text(self) -> str:
-        """All text emitted so far; the final text once finished."""
+        """All text emitted so far; the final text once finished (joined on read: not per step)."""
         if self._joined is None:
             self._joined = "".join(self._chunks)
         return self._joined
