@@ -17,6 +17,7 @@ import math
 import os
 from dataclasses import dataclass, fields
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -151,7 +152,7 @@ class SamplingParams:
 # --------------------------------------------------------------------------- per-batch inputs
 
 _FLOAT_ROWS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
-_INT_ROWS = ("top_k", "seed", "output_index", "slots")
+_INT_ROWS = ("top_k", "noise_key", "slots")
 
 
 def seed_to_int64(seed: int) -> int:
@@ -171,6 +172,8 @@ class SamplingInputs:
 
     floats: Tensor  # [len(_FLOAT_ROWS), B] float32
     ints: Tensor  # [len(_INT_ROWS), B] int64; top_k is -1 where disabled
+    # noise_key is row_keys(seed, output_index), hashed here on the host: a few dozen tiny
+    # ops that would otherwise be a few dozen kernel launches per step.
     # Host flags: which batch-wide operations run. Computed once, never read back from the device.
     all_greedy: bool
     need_top_k: bool
@@ -193,29 +196,35 @@ class SamplingInputs:
         n = len(params)
         if not (len(seeds) == len(output_index) == len(slots) == n):
             raise ValueError("params, seeds, output_index and slots must have the same length")
-        float_rows = [[getattr(p, name) for p in params] for name in _FLOAT_ROWS]
-        int_rows = [
-            [p.top_k for p in params],
-            [seed_to_int64(s) for s in seeds],
-            list(output_index),
-            list(slots),
-        ]
+        # Columns by comprehension, flags by numpy: this runs on the scheduler's hot path
+        # every step, and per-row Python branching costs about a microsecond a row.
+        f = np.array(
+            [[getattr(p, name) for p in params] for name in _FLOAT_ROWS], dtype=np.float32
+        ).reshape(len(_FLOAT_ROWS), n)
+        int_rows = np.empty((len(_INT_ROWS), n), dtype=np.int64)
+        int_rows[0] = [p.top_k for p in params]
+        int_rows[1] = row_keys_host(seeds, output_index)
+        int_rows[2] = slots
+        top_k = int_rows[0]
+        sampled = f[0] != 0.0
+        uses_k = sampled & (top_k != -1)
+        uses_p = sampled & (f[1] < 1.0)
+        logprobs = [p.logprobs for p in params if p.logprobs is not None]
         floats = torch.empty((len(_FLOAT_ROWS), n), dtype=torch.float32, pin_memory=pin_memory)
         ints = torch.empty((len(_INT_ROWS), n), dtype=torch.int64, pin_memory=pin_memory)
-        floats.copy_(torch.tensor(float_rows, dtype=torch.float32).reshape(floats.shape))
-        ints.copy_(torch.tensor(int_rows, dtype=torch.int64).reshape(ints.shape))
-        requested = [p.logprobs for p in params if p.logprobs is not None]
+        floats.copy_(torch.from_numpy(f))
+        ints.copy_(torch.from_numpy(int_rows))
         return SamplingInputs(
             floats=floats,
             ints=ints,
-            all_greedy=all(p.is_greedy for p in params),
-            need_top_k=any(p.uses_top_k for p in params),
-            need_top_p=any(p.uses_top_p for p in params),
-            need_min_p=any(p.uses_min_p for p in params),
-            need_penalties=any(p.uses_penalties for p in params),
-            max_top_k=max((p.top_k for p in params if p.uses_top_k), default=0),
-            top_p_within_top_k=all(p.uses_top_k for p in params if p.uses_top_p),
-            max_logprobs=max(requested) if requested else None,
+            all_greedy=not sampled.any(),
+            need_top_k=bool(uses_k.any()),
+            need_top_p=bool(uses_p.any()),
+            need_min_p=bool((sampled & (f[2] > 0.0)).any()),
+            need_penalties=bool(((f[3] != 1.0) | (f[4] != 0.0) | (f[5] != 0.0)).any()),
+            max_top_k=int(top_k[uses_k].max()) if uses_k.any() else 0,
+            top_p_within_top_k=not (uses_p & ~uses_k).any(),
+            max_logprobs=max(logprobs) if logprobs else None,
         )
 
     def to(self, device: torch.device | str, non_blocking: bool = True) -> "SamplingInputs":
@@ -245,9 +254,8 @@ class SamplingInputs:
     presence_penalty = property(lambda self: self.floats[4])
     frequency_penalty = property(lambda self: self.floats[5])
     top_k = property(lambda self: self.ints[0])
-    seed = property(lambda self: self.ints[1])
-    output_index = property(lambda self: self.ints[2])
-    slots = property(lambda self: self.ints[3])
+    noise_key = property(lambda self: self.ints[1])
+    slots = property(lambda self: self.ints[2])
 
 
 @dataclass
@@ -283,6 +291,25 @@ def row_keys(seed: Tensor, output_index: Tensor) -> Tensor:
     k = _mix32(seed & _M32)
     k = _mix32(k ^ ((seed >> 32) & _M32))
     return _mix32(k ^ (output_index & _M32))
+
+
+def row_keys_host(seeds: list[int], output_index: list[int]) -> np.ndarray:
+    """`row_keys` for host lists, in numpy uint64 (products of two 32-bit values cannot
+    wrap there); the same bits, as int64."""
+    m = np.uint64(_M32)
+
+    def mix(x: np.ndarray) -> np.ndarray:
+        x = x ^ (x >> np.uint64(16))
+        x = (x * np.uint64(0x7FEB352D)) & m
+        x = x ^ (x >> np.uint64(15))
+        x = (x * np.uint64(0x846CA68B)) & m
+        return x ^ (x >> np.uint64(16))
+
+    seed = np.array([s & 0xFFFF_FFFF_FFFF_FFFF for s in seeds], dtype=np.uint64)
+    index = np.array(output_index, dtype=np.int64).astype(np.uint64)
+    k = mix(seed & m)
+    k = mix(k ^ (seed >> np.uint64(32)))
+    return mix(k ^ (index & m)).astype(np.int64)
 
 
 def gumbel_noise(keys: Tensor, token_hash: Tensor) -> Tensor:
@@ -473,8 +500,7 @@ class Sampler:
             is_greedy = temperature == 0
             scaled = logits / torch.where(is_greedy, 1.0, temperature)[:, None]
             scaled = self._mask(scaled, inputs)
-            keys = row_keys(inputs.seed, inputs.output_index)
-            sampled_ids = gumbel_argmax(scaled, keys, self._token_hash)
+            sampled_ids = gumbel_argmax(scaled, inputs.noise_key, self._token_hash)
             token_ids = torch.where(is_greedy, greedy_ids, sampled_ids)
 
         out = SampleOutput(token_ids=token_ids)

@@ -192,7 +192,11 @@ def test_build_flags():
     assert not (inp.need_top_p or inp.need_min_p or inp.need_penalties)
     inp = make_inputs([SamplingParams(top_p=0.5, min_p=0.1, frequency_penalty=0.1, logprobs=0)])
     assert inp.need_top_p and inp.need_min_p and inp.need_penalties and inp.max_logprobs == 0
-    assert inp.top_k.tolist() == [-1] and inp.slots.tolist() == [1]
+    assert inp.top_k.tolist() == [-1] and inp.slots.tolist() == [1] and not inp.top_p_within_top_k
+    inp = make_inputs([SamplingParams(temperature=0, top_p=0.5, min_p=0.2), SamplingParams(top_k=7, top_p=0.9)])
+    assert inp.need_top_p and inp.top_p_within_top_k and not inp.need_min_p and inp.max_top_k == 7
+    inp = make_inputs([])
+    assert inp.batch_size == 0 and inp.all_greedy and inp.max_logprobs is None
     with pytest.raises(ValueError):
         SamplingInputs.build([SamplingParams()], [1, 2], [0], [1])
 
@@ -202,7 +206,16 @@ def test_inputs_to_keeps_values_and_flags():
     moved = inp.to("cpu", non_blocking=False)
     assert torch.equal(moved.floats, inp.floats) and torch.equal(moved.ints, inp.ints)
     assert moved.need_top_p and moved.batch_size == 2
-    assert moved.seed.tolist() == [9, 1234] and moved.output_index.tolist() == [3, 4]
+    want = row_keys(torch.tensor([9, 1234]), torch.tensor([3, 4]))
+    assert torch.equal(moved.noise_key, want)
+
+
+def test_host_row_keys_match_device_row_keys():
+    seeds = [0, 1, -1, -(2**63), 2**63 - 1, 2**64 + 5, 2**70 + 3, 123456789]
+    index = [0, 1, 2**31, 2**32 - 1, 2**32 + 7, 5, 0, 99]
+    want = row_keys(torch.tensor([seed_to_int64(s) for s in seeds]), torch.tensor(index))
+    assert sampling.row_keys_host(seeds, index).tolist() == want.tolist()
+    assert len(set(want.tolist())) == len(seeds)
 
 
 def test_seed_to_int64_keeps_low_bits():
