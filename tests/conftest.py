@@ -2,3 +2,23 @@ import os
 
 # Tests run on the CPU with deterministic kernels; keep thread count modest on 2-core CI.
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def builtin_tokenizer():
+    """The built-in model's tokenizer (from its GGUF; a few seconds, so once per session)."""
+    from tandem.models.checkpoint import builtin_model_path, open_checkpoint
+    return open_checkpoint(builtin_model_path(), config_only=True).load_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def tiny_text_model(tmp_path_factory, builtin_tokenizer):
+    """A tiny random Llama with the built-in model's real tokenizer: fast, and text works."""
+    from tiny_models import make_tiny_model
+    path = make_tiny_model(tmp_path_factory.mktemp("tiny_text"), "llama",
+                           vocab_size=len(builtin_tokenizer), eos_token_id=2, hidden_size=64,
+                           intermediate_size=128)
+    builtin_tokenizer.save_pretrained(path)
+    return path

@@ -1,0 +1,162 @@
+"""Engine behaviour: batch invariance, preemption, page conservation, overlap equivalence."""
+import random
+
+import pytest
+import torch
+
+from tandem import LLM, SamplingParams
+from tandem.engine import Engine
+from tandem.config import EngineConfig
+from workload import random_specs, run_workload
+
+
+def _engine(path, **kw) -> Engine:
+    return Engine(EngineConfig(model=str(path), device="cpu", **kw))
+
+
+def _greedy(n):
+    return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+
+
+def test_batch_invariance(tiny_text_model):
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 1000) for _ in range(rng.randint(1, 60))] for _ in range(32)]
+    llm = LLM(str(tiny_text_model), device="cpu")
+    together = llm.generate(prompts, _greedy(16), use_tqdm=False)
+    for i in (0, 7, 31):
+        alone = llm.generate([prompts[i]], _greedy(16), use_tqdm=False)[0]
+        assert alone.token_ids == together[i].token_ids
+
+
+def test_preemption_gives_same_greedy_outputs(tiny_text_model):
+    rng = random.Random(1)
+    prompts = [[rng.randrange(3, 1000) for _ in range(rng.randint(20, 60))] for _ in range(16)]
+    roomy = LLM(str(tiny_text_model), device="cpu").generate(prompts, _greedy(40), use_tqdm=False)
+    tight_llm = LLM(str(tiny_text_model), device="cpu", max_total_tokens=200)
+    tight = tight_llm.generate(prompts, _greedy(40), use_tqdm=False)
+    assert [o.token_ids for o in tight] == [o.token_ids for o in roomy]
+    assert sum(o.num_preemptions for o in tight) > 0
+    assert tight_llm.engine.kv_slots.num_free == 200
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_pages_come_back_after_mixed_workload_with_aborts(tiny_text_model, overlap):
+    engine = _engine(tiny_text_model, max_total_tokens=600, chunked_prefill_size=16,
+                     disable_overlap=not overlap)
+    free_kv, free_reqs = engine.kv_slots.num_free, engine.req_slots.num_free
+    specs = random_specs(60, 1000, seed=3)
+    results = run_workload(engine, specs)
+    assert engine.kv_slots.num_free == free_kv
+    assert engine.req_slots.num_free == free_reqs
+    assert any(r[1] == "abort" for r in results.values())
+    assert engine.scheduler.num_preemptions > 0
+
+
+def test_overlap_on_and_off_are_token_identical(tiny_text_model, builtin_tokenizer):
+    """The invariant of the overlap loop: >= 200 requests, greedy and seeded sampling, stop
+    strings, stop ids, EOS, aborts, preemption and chunked prefill, same tokens either way."""
+    probe = LLM(str(tiny_text_model), device="cpu").generate(
+        [[5, 6, 7], [900, 11], [42]], _greedy(12), use_tqdm=False)
+    generated = [t for o in probe for t in o.token_ids]
+    stop_pool = [builtin_tokenizer.decode(generated[i:i + 2]) for i in range(0, len(generated) - 1, 3)]
+    stop_pool = [s for s in stop_pool if s]
+    specs = random_specs(220, 1000, seed=7, stop_pool=stop_pool, stop_id_pool=generated[:10])
+    runs = {}
+    for overlap in (True, False):
+        engine = _engine(tiny_text_model, max_total_tokens=900, chunked_prefill_size=32,
+                         max_prefill_tokens=64, disable_overlap=not overlap, debug_future_map=True)
+        engine.eos_token_ids = {generated[3]}  # make EOS actually happen in a random model
+        runs[overlap] = run_workload(engine, specs)
+        assert engine.kv_slots.num_free == 900
+        assert engine.scheduler.num_preemptions > 0
+    assert runs[True] == runs[False]
+    reasons = {r[1] for r in runs[True].values()}
+    assert {"stop", "length", "abort"} <= reasons
+
+
+def test_mixed_batches_match_separate_batches(tiny_text_model):
+    specs = random_specs(40, 1000, seed=11)
+    runs = [run_workload(_engine(tiny_text_model, chunked_prefill_size=8, max_prefill_tokens=24,
+                                 enable_mixed_batch=mixed), specs) for mixed in (False, True)]
+    assert runs[0] == runs[1]
+
+
+def test_consecutive_prefill_switch_keeps_outputs(tiny_text_model):
+    specs = random_specs(30, 1000, seed=5)
+    runs = [run_workload(_engine(tiny_text_model, max_prefill_tokens=32,
+                                 process_before_consecutive_prefill=flag), specs) for flag in (False, True)]
+    assert runs[0] == runs[1]
+
+
+def test_broken_stash_is_caught_by_debug_future_map(tiny_text_model):
+    engine = _engine(tiny_text_model, debug_future_map=True)
+    engine.future_map.stash = lambda slots, ids: None  # test double: forgets to write
+    engine.add_request([5, 6, 7], _greedy(4))
+    with pytest.raises(RuntimeError, match="FutureMap"):
+        while engine.has_unfinished():
+            engine.step()
+
+
+def test_seeded_sampling_is_reproducible_across_batches(tiny_text_model):
+    llm = LLM(str(tiny_text_model), device="cpu")
+    params = SamplingParams(max_tokens=16, temperature=1.0, seed=1234, ignore_eos=True)
+    alone = llm.generate([[5, 6, 7]], params, use_tqdm=False)[0].token_ids
+    rng = random.Random(2)
+    others = [[rng.randrange(3, 1000) for _ in range(rng.randint(1, 30))] for _ in range(9)]
+    batch = llm.generate(others[:4] + [[5, 6, 7]] + others[4:], [SamplingParams(
+        max_tokens=16, temperature=1.0, ignore_eos=True)] * 4 + [params] + [SamplingParams(
+            max_tokens=16, temperature=0.7, ignore_eos=True)] * 5, use_tqdm=False)
+    assert batch[4].token_ids == alone
+    other_seed = llm.generate([[5, 6, 7]], params.clone(seed=99), use_tqdm=False)[0].token_ids
+    assert other_seed != alone
+
+
+def test_finish_reasons_and_stop_handling(tiny_text_model, builtin_tokenizer):
+    llm = LLM(str(tiny_text_model), device="cpu")
+    ref = llm.generate([[5, 6, 7]], _greedy(20), use_tqdm=False)[0]
+    assert ref.finish_reason == "length" and len(ref.token_ids) == 20
+    stop_id = ref.token_ids[5]
+    first = ref.token_ids.index(stop_id)
+    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=20, temperature=0, stop_token_ids=[stop_id]),
+                       use_tqdm=False)[0]
+    assert out.finish_reason == "stop" and out.token_ids == ref.token_ids[:first + 1]
+    assert out.stop_reason == stop_id
+    stop = ref.text[len(ref.text) // 2:len(ref.text) // 2 + 3]
+    if stop.strip():
+        out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=20, temperature=0, stop=[stop]),
+                           use_tqdm=False)[0]
+        assert out.finish_reason == "stop" and out.text == ref.text[:ref.text.index(stop)]
+
+
+def test_logprobs_are_returned(tiny_text_model):
+    llm = LLM(str(tiny_text_model), device="cpu")
+    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0, logprobs=3,
+                                                    ignore_eos=True), use_tqdm=False)[0]
+    assert len(out.logprobs) == 4
+    for tok, lp in zip(out.token_ids, out.logprobs):
+        assert lp.token_id == tok and lp.logprob <= 0
+        assert len(lp.top) == 3 and lp.top[0][0] == tok  # greedy: chosen token is the best
+        assert lp.top[0][1] == pytest.approx(lp.logprob)
+
+
+def test_bad_inputs_give_clear_errors(tiny_text_model, tmp_path):
+    llm = LLM(str(tiny_text_model), device="cpu")
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate([[]], use_tqdm=False)
+    with pytest.raises(ValueError, match=r"token ids must be in \[0, "):
+        llm.generate([[10**9]], use_tqdm=False)
+    with pytest.raises(ValueError, match="context holds"):
+        llm.generate([[5] * 600], use_tqdm=False)
+    with pytest.raises(ValueError, match="2 sampling params for 1 prompts"):
+        llm.generate(["hi"], [SamplingParams(), SamplingParams()], use_tqdm=False)
+    with pytest.raises(TypeError, match="unknown option"):
+        LLM(str(tiny_text_model), device="cpu", not_an_option=1)
+    with pytest.raises(FileNotFoundError, match=str(tmp_path / "nope")):
+        LLM(str(tmp_path / "nope"))
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        LLM(str(tiny_text_model), dtype="float8")
+    with pytest.raises(ValueError, match="device must be one of"):
+        LLM(str(tiny_text_model), device="tpu")
+    # The engine is still usable after the errors.
+    assert llm.generate([[5, 6]], _greedy(2), use_tqdm=False)[0].finish_reason == "length"
+    assert llm.engine.kv_slots.num_free == llm.engine.kv_slots.count

@@ -1,0 +1,56 @@
+"""A mixed, reproducible workload driven through Engine.step(), for equivalence tests."""
+import random
+from dataclasses import dataclass
+
+from tandem.engine import Engine
+from tandem.sampling import SamplingParams
+
+
+@dataclass
+class Spec:
+    rid: str
+    prompt: list[int]
+    params: SamplingParams
+    abort_after: int | None = None  # abort once this many tokens were seen
+
+
+def random_specs(n: int, vocab: int, seed: int, stop_pool: list[str] = (),
+                 stop_id_pool: list[int] = ()) -> list[Spec]:
+    rng = random.Random(seed)
+    specs = []
+    for i in range(n):
+        prompt = [rng.randrange(3, vocab) for _ in range(rng.randint(1, 80))]
+        kind = rng.random()
+        params = dict(max_tokens=rng.randint(1, 40), temperature=0.0 if kind < 0.5 else 0.8,
+                      top_p=rng.choice([1.0, 0.9]), top_k=rng.choice([-1, 20]), seed=rng.randrange(1000))
+        if stop_pool and rng.random() < 0.3:
+            params["stop"] = [rng.choice(stop_pool)]
+        if stop_id_pool and rng.random() < 0.3:
+            params["stop_token_ids"] = [rng.choice(stop_id_pool)]
+        abort = rng.randint(0, 10) if rng.random() < 0.1 else None
+        specs.append(Spec(f"r{i}", prompt, SamplingParams(**params), abort))
+    return specs
+
+
+def run_workload(engine: Engine, specs: list[Spec], arrive_per_step: int = 8) -> dict:
+    """Requests arrive a few per step; aborts fire when a request has seen `abort_after`
+    tokens (token counts, not step numbers, so overlap on and off abort at the same place)."""
+    pending, results, seen = list(specs), {}, {}
+    by_rid = {s.rid: s for s in specs}
+    while pending or engine.has_unfinished():
+        for spec in pending[:arrive_per_step]:
+            engine.add_request(spec.prompt, spec.params, request_id=spec.rid)
+            seen[spec.rid] = 0
+            if spec.abort_after == 0:
+                engine.abort(spec.rid)
+        pending = pending[arrive_per_step:]
+        for out in engine.step():
+            seen[out.request_id] += len(out.new_token_ids)
+            limit = by_rid[out.request_id].abort_after
+            if not out.finished and limit is not None and seen[out.request_id] >= limit:
+                engine.abort(out.request_id)
+    for spec in specs:
+        o = engine.output(spec.rid)
+        results[spec.rid] = (o.token_ids, o.finish_reason, o.text)
+        engine.release(spec.rid)
+    return results
