@@ -122,4 +122,6 @@ class EngineConfig:
     max_model_len: int | None = None
     seed: int = 0
     debug_future_map: bool = False
+    timeline: bool = False  # record per-step host and device times (CUDA events)
+    timeline_path: str | None = None  # also write each step as a JSON line here
     extra: dict = field(default_factory=dict)

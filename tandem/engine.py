@@ -10,10 +10,12 @@ import hashlib
 import itertools
 import logging
 import time
+from time import perf_counter
 
 import torch
 
 from tandem.attention import make_attention_backend
+from tandem.diagnostics.timeline import StepRecord, Timeline
 from tandem.config import EngineConfig, ModelConfig, resolve_device, resolve_dtype
 from tandem.memory.allocator import SlotAllocator
 from tandem.memory.kv_cache import KVCache
@@ -60,6 +62,9 @@ class Engine:
         self._ids = itertools.count()
         self._aborted: list[StepOutput] = []
         self.pending: PendingResult | None = None
+        self.timeline = Timeline(cfg.timeline_path) if cfg.timeline or cfg.timeline_path else None
+        self.runner.timing = self.timeline is not None and self.device.type == "cuda"
+        self._previous_forward_end = None
         self.step_id = 0
         self.completed_step = -1
 
@@ -167,13 +172,19 @@ class Engine:
     # ---- the loop ----
     def step(self) -> list[StepOutput]:
         outputs, self._aborted = self._aborted, []
+        t0 = perf_counter()
         batch = self.scheduler.schedule(self.step_id, drain=lambda: self._drain(outputs))
         if batch is None:  # nothing to launch: the pending result is processed at once
             self._drain(outputs)
             return outputs
         if self.pending is not None and self._process_first(batch):
             self._drain(outputs)
+        t1 = perf_counter()
         launched = self.runner.launch(batch)
+        if self.timeline is not None:
+            launched.record = StepRecord(batch.step, len(batch.rows), batch.num_tokens, batch.is_decode,
+                                         t0, (t1 - t0) * 1e3, (perf_counter() - t1) * 1e3)
+            self.timeline.add(launched.record)
         self.step_id += 1
         self._drain(outputs)  # step N's result, while step N+1 runs
         self.pending = launched
@@ -192,7 +203,19 @@ class Engine:
             outputs.extend(self._process(pending))
 
     def _process(self, pending: PendingResult) -> list[StepOutput]:
+        t0 = perf_counter()
         pending.host.wait()
+        t_wait = perf_counter() - t0
+        outputs = self._read_result(pending)
+        if pending.record is not None:
+            pending.record.process_ms = (perf_counter() - t0) * 1e3
+            pending.record.host_wait_ms = t_wait * 1e3
+            self.timeline.completed(pending.record, pending.forward_start, pending.forward_end,
+                                    self._previous_forward_end)
+            self._previous_forward_end = pending.forward_end
+        return outputs
+
+    def _read_result(self, pending: PendingResult) -> list[StepOutput]:
         host = pending.host
         tokens = host.token_ids.tolist()  # pinned memory, already complete: no device sync
         logprobs = host.logprobs.tolist() if host.logprobs is not None else None

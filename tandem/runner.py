@@ -32,6 +32,7 @@ class PendingResult:
     keepalive: list = field(default_factory=list)
     forward_start: object = None
     forward_end: object = None
+    record: object = None  # the step's timeline record, when a timeline is kept
 
 
 class ModelRunner:

@@ -9,6 +9,10 @@ import pytest
 @pytest.fixture(scope="session")
 def builtin_tokenizer():
     """The built-in model's tokenizer (from its GGUF; a few seconds, so once per session)."""
+    saved = os.environ.get("TANDEM_TEST_TOKENIZER")  # a saved copy, where the GGUF is not at hand
+    if saved:
+        from transformers import AutoTokenizer
+        return AutoTokenizer.from_pretrained(saved)
     from tandem.models.checkpoint import builtin_model_path, open_checkpoint
     return open_checkpoint(builtin_model_path(), config_only=True).load_tokenizer()
 

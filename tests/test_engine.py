@@ -7,11 +7,12 @@ import torch
 from tandem import LLM, SamplingParams
 from tandem.engine import Engine
 from tandem.config import EngineConfig
+from tiny_models import TEST_DEVICE
 from workload import random_specs, run_workload
 
 
 def _engine(path, **kw) -> Engine:
-    return Engine(EngineConfig(model=str(path), device="cpu", **kw))
+    return Engine(EngineConfig(model=str(path), device=TEST_DEVICE, dtype="float32", **kw))
 
 
 def _greedy(n):
@@ -21,7 +22,7 @@ def _greedy(n):
 def test_batch_invariance(tiny_text_model):
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 1000) for _ in range(rng.randint(1, 60))] for _ in range(32)]
-    llm = LLM(str(tiny_text_model), device="cpu")
+    llm = LLM(str(tiny_text_model), device=TEST_DEVICE, dtype="float32")
     together = llm.generate(prompts, _greedy(16), use_tqdm=False)
     for i in (0, 7, 31):
         alone = llm.generate([prompts[i]], _greedy(16), use_tqdm=False)[0]
@@ -31,8 +32,8 @@ def test_batch_invariance(tiny_text_model):
 def test_preemption_gives_same_greedy_outputs(tiny_text_model):
     rng = random.Random(1)
     prompts = [[rng.randrange(3, 1000) for _ in range(rng.randint(20, 60))] for _ in range(16)]
-    roomy = LLM(str(tiny_text_model), device="cpu").generate(prompts, _greedy(40), use_tqdm=False)
-    tight_llm = LLM(str(tiny_text_model), device="cpu", max_total_tokens=200)
+    roomy = LLM(str(tiny_text_model), device=TEST_DEVICE, dtype="float32").generate(prompts, _greedy(40), use_tqdm=False)
+    tight_llm = LLM(str(tiny_text_model), device=TEST_DEVICE, dtype="float32", max_total_tokens=200)
     tight = tight_llm.generate(prompts, _greedy(40), use_tqdm=False)
     assert [o.token_ids for o in tight] == [o.token_ids for o in roomy]
     assert sum(o.num_preemptions for o in tight) > 0
@@ -55,7 +56,7 @@ def test_pages_come_back_after_mixed_workload_with_aborts(tiny_text_model, overl
 def test_overlap_on_and_off_are_token_identical(tiny_text_model, builtin_tokenizer):
     """The invariant of the overlap loop: >= 200 requests, greedy and seeded sampling, stop
     strings, stop ids, EOS, aborts, preemption and chunked prefill, same tokens either way."""
-    probe = LLM(str(tiny_text_model), device="cpu").generate(
+    probe = LLM(str(tiny_text_model), device=TEST_DEVICE, dtype="float32").generate(
         [[5, 6, 7], [900, 11], [42]], _greedy(12), use_tqdm=False)
     generated = [t for o in probe for t in o.token_ids]
     stop_pool = [builtin_tokenizer.decode(generated[i:i + 2]) for i in range(0, len(generated) - 1, 3)]
@@ -98,7 +99,7 @@ def test_broken_stash_is_caught_by_debug_future_map(tiny_text_model):
 
 
 def test_seeded_sampling_is_reproducible_across_batches(tiny_text_model):
-    llm = LLM(str(tiny_text_model), device="cpu")
+    llm = LLM(str(tiny_text_model), device=TEST_DEVICE, dtype="float32")
     params = SamplingParams(max_tokens=16, temperature=1.0, seed=1234, ignore_eos=True)
     alone = llm.generate([[5, 6, 7]], params, use_tqdm=False)[0].token_ids
     rng = random.Random(2)
@@ -112,7 +113,7 @@ def test_seeded_sampling_is_reproducible_across_batches(tiny_text_model):
 
 
 def test_finish_reasons_and_stop_handling(tiny_text_model, builtin_tokenizer):
-    llm = LLM(str(tiny_text_model), device="cpu")
+    llm = LLM(str(tiny_text_model), device=TEST_DEVICE, dtype="float32")
     ref = llm.generate([[5, 6, 7]], _greedy(20), use_tqdm=False)[0]
     assert ref.finish_reason == "length" and len(ref.token_ids) == 20
     stop_id = ref.token_ids[5]
@@ -129,7 +130,7 @@ def test_finish_reasons_and_stop_handling(tiny_text_model, builtin_tokenizer):
 
 
 def test_logprobs_are_returned(tiny_text_model):
-    llm = LLM(str(tiny_text_model), device="cpu")
+    llm = LLM(str(tiny_text_model), device=TEST_DEVICE, dtype="float32")
     out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0, logprobs=3,
                                                     ignore_eos=True), use_tqdm=False)[0]
     assert len(out.logprobs) == 4
@@ -140,7 +141,7 @@ def test_logprobs_are_returned(tiny_text_model):
 
 
 def test_bad_inputs_give_clear_errors(tiny_text_model, tmp_path):
-    llm = LLM(str(tiny_text_model), device="cpu")
+    llm = LLM(str(tiny_text_model), device=TEST_DEVICE, dtype="float32")
     with pytest.raises(ValueError, match="empty"):
         llm.generate([[]], use_tqdm=False)
     with pytest.raises(ValueError, match=r"token ids must be in \[0, "):
@@ -150,7 +151,7 @@ def test_bad_inputs_give_clear_errors(tiny_text_model, tmp_path):
     with pytest.raises(ValueError, match="2 sampling params for 1 prompts"):
         llm.generate(["hi"], [SamplingParams(), SamplingParams()], use_tqdm=False)
     with pytest.raises(TypeError, match="unknown option"):
-        LLM(str(tiny_text_model), device="cpu", not_an_option=1)
+        LLM(str(tiny_text_model), device=TEST_DEVICE, not_an_option=1)
     with pytest.raises(FileNotFoundError, match=str(tmp_path / "nope")):
         LLM(str(tmp_path / "nope"))
     with pytest.raises(ValueError, match="dtype must be one of"):

@@ -1,8 +1,12 @@
 """Tiny random transformers checkpoints of each supported family, saved as HF directories."""
+import os
 from pathlib import Path
 
 import torch
 import transformers
+
+# The engine tests run on the CPU in CI and on CUDA through the device tool.
+TEST_DEVICE = os.environ.get("TANDEM_TEST_DEVICE", "cpu")
 
 BASE = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,

@@ -1,0 +1,1 @@
+"""Benchmarks: `tandem bench latency | offline | serve`."""
