@@ -1,0 +1,107 @@
+"""`tandem serve`: parse options, start the engine process, then serve HTTP until stopped."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import logging
+import types
+from pathlib import Path
+
+from tandem.config import EngineConfig
+
+log = logging.getLogger("tandem.server")
+
+# EngineConfig fields that are not plain command-line options.
+_NOT_OPTIONS = {"model", "extra"}
+
+
+def _engine_options(parser: argparse.ArgumentParser) -> None:
+    """One option per EngineConfig field, so new engine knobs appear here without edits."""
+    group = parser.add_argument_group("engine options")
+    for f in dataclasses.fields(EngineConfig):
+        if f.name in _NOT_OPTIONS:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        kinds = [t for t in (f.type.__args__ if isinstance(f.type, types.UnionType) else (f.type,))
+                 if t is not type(None)]
+        kind, optional = kinds[0], isinstance(f.type, types.UnionType)
+        if kind is bool:
+            group.add_argument(flag, action="store_true" if not f.default else "store_false",
+                               dest=f.name, help=f"(engine) default {f.default}")
+            continue
+        group.add_argument(flag, type=_parser(kind, optional), default=f.default, dest=f.name,
+                           metavar=kind.__name__.upper(),
+                           help=f"(engine) default {f.default}" + ("; 'none' to unset" if optional else ""))
+
+
+def _parser(kind: type, optional: bool):
+    def parse(text: str):
+        if optional and text.lower() == "none":
+            return None
+        return kind(text)
+    parse.__name__ = kind.__name__  # argparse names the type in its error message
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tandem serve", description="OpenAI-compatible HTTP server")
+    p.add_argument("--model", default=None, help="HF directory or .gguf file (default: the built-in model)")
+    p.add_argument("--served-model-name", default=None, help="the name clients pass as 'model'")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (loopback unless told otherwise)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    p.add_argument("--max-waiting-requests", type=int, default=1024,
+                   help="requests queued beyond this get 503 with Retry-After")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    _engine_options(p)
+    return p
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if args.max_waiting_requests < 1:
+        log.error("--max-waiting-requests must be >= 1")
+        return 2
+    cfg = EngineConfig(model=args.model, **{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)
+                                            if f.name not in _NOT_OPTIONS})
+    try:
+        return asyncio.run(_serve(args, cfg))
+    except KeyboardInterrupt:
+        return 0
+
+
+async def _serve(args: argparse.Namespace, cfg: EngineConfig) -> int:
+    import uvicorn
+
+    from tandem.models.checkpoint import builtin_model_path, open_checkpoint
+    from tandem.server.api import ServerState, create_app
+    from tandem.server.client import EngineClient
+    from tandem.server.metrics import Metrics
+
+    path = Path(cfg.model).expanduser() if cfg.model is not None else builtin_model_path()
+    metrics = Metrics()
+    client = EngineClient(cfg, args.max_waiting_requests, metrics)
+    try:
+        # The front end tokenizes: load the tokenizer while the engine loads the model.
+        tokenizer_task = asyncio.create_task(asyncio.to_thread(
+            lambda: open_checkpoint(path, allow_pickle=cfg.allow_pickle, config_only=True).load_tokenizer()))
+        await client.start()
+        tokenizer = await tokenizer_task
+    except Exception as exc:
+        log.error("could not start: %s", exc)
+        await client.close()
+        return 1
+    name = args.served_model_name or (path.stem if path.is_file() else path.name)
+    state = ServerState(client, tokenizer, name, frozenset({str(cfg.model or path), str(path)}), metrics)
+    app = create_app(state, args.api_key)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                           timeout_graceful_shutdown=5))
+    log.info("serving %s on http://%s:%d (context %d tokens)", name, args.host, args.port,
+             state.max_model_len)
+    try:
+        await server.serve()
+    finally:
+        await client.close()
+    return 0 if server.started else 1

@@ -1,0 +1,204 @@
+"""The front end's handle on the engine process: start it, feed it, route what it sends back.
+
+Front end -> engine goes through a plain (non-async) PUSH socket: a send never
+blocks (no high-water mark) and works from cleanup code of a cancelled task,
+which is where client-disconnect aborts come from. Engine -> front end is read
+by one asyncio task that routes each delta to the queue of the HTTP request
+that owns it and feeds the metrics.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from tandem.config import EngineConfig
+from tandem.server import protocol as P
+from tandem.server.engine_process import run_engine
+from tandem.server.errors import APIError, EngineDead
+from tandem.server.metrics import Metrics
+
+log = logging.getLogger("tandem.server")
+
+
+@dataclass
+class _Tracked:
+    """A submitted engine request the front end still expects output for."""
+
+    queue: asyncio.Queue
+    index: int  # the choice index inside its HTTP request
+    num_prompt_tokens: int
+    accepted: asyncio.Future
+    arrival: float = field(default_factory=time.monotonic)
+    last_token: float | None = None
+
+
+class EngineClient:
+    def __init__(self, config: EngineConfig, max_waiting: int, metrics: Metrics):
+        self.config, self.max_waiting, self.metrics = config, max_waiting, metrics
+        self.ready: P.Ready | None = None
+        self.dead: str | None = None  # why the engine is gone, once it is
+        self._tracked: dict[str, _Tracked] = {}
+        self._closing = False
+
+    # ---- lifecycle ----
+    async def start(self) -> P.Ready:
+        """Start the engine process and wait until its model is loaded."""
+        self._dir = tempfile.mkdtemp(prefix="tandem-")
+        inbound, outbound = f"ipc://{self._dir}/in", f"ipc://{self._dir}/out"
+        self._ctx, self._actx = zmq.Context(), zmq.asyncio.Context()
+        self._push = self._ctx.socket(zmq.PUSH)
+        self._push.setsockopt(zmq.SNDHWM, 0)
+        self._push.setsockopt(zmq.LINGER, 0)
+        self._push.bind(inbound)
+        self._pull = self._actx.socket(zmq.PULL)
+        self._pull.setsockopt(zmq.RCVHWM, 0)
+        self._pull.bind(outbound)
+        self._enc, self._dec = P.encoder(), P.from_engine_decoder()
+        self.proc = multiprocessing.get_context("spawn").Process(
+            target=run_engine, name="tandem-engine", daemon=True,
+            args=(msgspec.msgpack.encode(self.config), inbound, outbound, self.max_waiting))
+        self.proc.start()
+        log.info("engine process started (pid %d)", self.proc.pid)
+        while not await self._pull.poll(200):
+            if not self.proc.is_alive():
+                raise RuntimeError(f"engine process exited with code {self.proc.exitcode} while starting")
+        msg = self._dec.decode(await self._pull.recv())
+        if isinstance(msg, P.Failed):
+            raise RuntimeError(f"engine failed to start: {msg.message}")
+        assert isinstance(msg, P.Ready), msg
+        self.ready = msg
+        self.metrics.set_stats(msg.stats)
+        loop = asyncio.get_running_loop()
+        loop.add_reader(self.proc.sentinel, self._on_engine_exit)
+        self._reader = asyncio.create_task(self._read_loop())
+        return msg
+
+    async def close(self) -> None:
+        self._closing = True
+        if self.ready is not None:
+            asyncio.get_running_loop().remove_reader(self.proc.sentinel)
+            self._reader.cancel()
+        if self.proc.is_alive():
+            self._send(P.Shutdown())
+            await asyncio.to_thread(self.proc.join, 10)
+            if self.proc.is_alive():
+                self.proc.kill()
+                await asyncio.to_thread(self.proc.join, 5)
+        self._push.close(0)
+        self._pull.close(0)
+        self._ctx.term()
+        self._actx.term()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    def _on_engine_exit(self) -> None:
+        asyncio.get_running_loop().remove_reader(self.proc.sentinel)
+        self.proc.join(0)
+        self.dead = f"the engine process exited (code {self.proc.exitcode})"
+        if not self._closing:
+            log.error("%s; failing %d in-flight requests", self.dead, len(self._tracked))
+        for t in self._tracked.values():
+            if not t.accepted.done():
+                t.accepted.set_exception(EngineDead(self.dead))
+            t.queue.put_nowait(EngineDead(self.dead))
+        self._tracked.clear()
+
+    # ---- requests ----
+    async def submit(self, queue: asyncio.Queue, request_ids: list[str],
+                     prompts: list[list[int]], params: list[P.Params]) -> None:
+        """Send requests; return once the engine accepted all of them, else abort them all and raise.
+
+        Deltas of request i arrive on `queue` as (i, Delta); EngineDead if the engine dies.
+        """
+        if self.dead:
+            raise EngineDead(self.dead)
+        loop = asyncio.get_running_loop()
+        futures = []
+        try:
+            for i, (rid, ids, p) in enumerate(zip(request_ids, prompts, params)):
+                t = _Tracked(queue, i, len(ids), loop.create_future())
+                self._tracked[rid] = t
+                futures.append(t.accepted)
+                self._send(P.Add(rid, ids, p))
+            await asyncio.wait(futures)
+            for f in futures:
+                if f.exception() is not None:
+                    raise f.exception()
+        except BaseException:  # a rejection, a dead engine, or the client went away meanwhile
+            self.abort(request_ids)
+            for f in futures:
+                if f.done() and not f.cancelled():
+                    f.exception()  # retrieved: no "never retrieved" warnings
+            raise
+
+    def abort(self, request_ids: list[str]) -> None:
+        live = [rid for rid in request_ids if self._tracked.pop(rid, None) is not None]
+        if live and not self.dead:
+            try:
+                self._send(P.Abort(live))
+            except EngineDead:
+                pass  # nothing left to abort in
+
+    def _send(self, msg: P.ToEngine) -> None:
+        try:
+            self._push.send(self._enc.encode(msg), zmq.NOBLOCK)
+        except zmq.Again:  # nobody connected: the engine is gone
+            raise EngineDead("the engine process is not reachable") from None
+
+    # ---- engine -> front end ----
+    async def _read_loop(self) -> None:
+        while True:
+            frame = await self._pull.recv(copy=False)
+            msg = self._dec.decode(frame.buffer)
+            if isinstance(msg, P.Outputs):
+                self._route(msg)
+
+    def _route(self, msg: P.Outputs) -> None:
+        self.metrics.set_stats(msg.stats)
+        for rid in msg.accepted:
+            t = self._tracked.get(rid)
+            if t is not None and not t.accepted.done():
+                t.accepted.set_result(None)
+                self.metrics.prompt_tokens.inc(t.num_prompt_tokens)
+        for rej in msg.rejected:
+            t = self._tracked.pop(rej.request_id, None)
+            if t is not None and not t.accepted.done():
+                headers = {"Retry-After": "1"} if rej.status == 503 else {}
+                code = "queue_full" if rej.status == 503 else None
+                t.accepted.set_exception(APIError(rej.status, rej.message, code=code, headers=headers))
+        now = time.monotonic()
+        for d in msg.deltas:
+            self._observe(d, now)
+            t = self._tracked.get(d.request_id)
+            if t is None:
+                continue  # aborted by the front end: nobody is listening
+            if d.finished:
+                del self._tracked[d.request_id]
+            t.queue.put_nowait((t.index, d))
+
+    def _observe(self, d: P.Delta, now: float) -> None:
+        m, t = self.metrics, self._tracked.get(d.request_id)
+        if d.token_ids:
+            m.generation_tokens.inc(len(d.token_ids))
+            if t is not None:
+                if t.last_token is None:
+                    m.ttft.observe(now - t.arrival)
+                else:
+                    m.itl.observe(now - t.last_token)
+                t.last_token = now
+        if d.finished:
+            m.finished.labels(d.finish_reason or "unknown").inc()
+            if t is not None:
+                m.e2e.observe(now - t.arrival)
+
+    @property
+    def num_tracked(self) -> int:
+        return len(self._tracked)

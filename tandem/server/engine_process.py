@@ -1,0 +1,132 @@
+"""The engine loop in its own process, fed and drained over ZMQ IPC.
+
+Detokenization happens here, not in the front end: the engine already turns
+each step's tokens into text incrementally (`tandem.text.RequestText`) because
+stop strings must end a request in the step that completes them; doing it a
+second time in the front end, or moving stop strings there, would cost an abort
+round trip and extra generated tokens. The front end tokenizes prompts and
+applies chat templates, so the engine receives token ids only.
+
+Per iteration: take every queued message without blocking while there is
+work (block when idle), run one `engine.step()`, send its deltas with fresh
+load figures. An abort is therefore applied before the next step is planned.
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+import msgspec
+import zmq
+
+from tandem.config import EngineConfig
+from tandem.outputs import StepOutput
+from tandem.sampling import SamplingParams
+from tandem.server import protocol as P
+
+log = logging.getLogger("tandem.server")
+
+# While idle, wake this often to notice that the front end died (orphaned engine).
+_IDLE_POLL_MS = 500
+
+
+def run_engine(config: bytes, inbound: str, outbound: str, max_waiting: int) -> None:
+    """Process entry point: `config` is a msgpack-encoded EngineConfig."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s engine %(levelname)s %(message)s")
+    parent = os.getppid()
+    ctx = zmq.Context()
+    pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    pull.connect(inbound)
+    push.connect(outbound)
+    push.setsockopt(zmq.LINGER, 2000)
+    enc = P.encoder()
+    try:
+        from tandem.engine import Engine  # heavy import: after the sockets, inside the try
+        engine = Engine(msgspec.msgpack.decode(config, type=EngineConfig))
+    except Exception as exc:  # any start-up failure is reported, not just logged
+        log.exception("engine failed to start")
+        push.send(enc.encode(P.Failed(f"{type(exc).__name__}: {exc}")))
+        push.close()
+        ctx.term()
+        raise SystemExit(1)
+    push.send(enc.encode(P.Ready(engine.max_model_len, engine.model_config.vocab_size, _stats(engine))))
+    try:
+        _EngineLoop(engine, pull, push, max_waiting, parent).run()
+    finally:
+        pull.close(0)
+        push.close()
+        ctx.term()
+
+
+class _EngineLoop:
+    def __init__(self, engine, pull: zmq.Socket, push: zmq.Socket, max_waiting: int, parent: int):
+        self.engine, self.pull, self.push = engine, pull, push
+        self.max_waiting, self.parent = max_waiting, parent
+        self.enc, self.dec = P.encoder(), P.to_engine_decoder()
+
+    def run(self) -> None:
+        while True:
+            busy = self.engine.has_unfinished()
+            if not self.pull.poll(0 if busy else _IDLE_POLL_MS) and not busy:
+                if os.getppid() != self.parent:
+                    log.warning("front end is gone; engine exiting")
+                    return
+                continue
+            accepted: list[str] = []
+            rejected: list[P.Rejection] = []
+            if not self._receive(accepted, rejected):
+                return
+            deltas = self._step() if self.engine.has_unfinished() else []
+            if accepted or rejected or deltas:
+                msg = P.Outputs(accepted, rejected, deltas, _stats(self.engine))
+                self.push.send(self.enc.encode(msg), copy=False)
+
+    def _receive(self, accepted: list[str], rejected: list[P.Rejection]) -> bool:
+        """Apply every queued message; False on Shutdown."""
+        waiting = None  # the queue length, read once per batch of messages and only if one adds
+        while True:
+            try:
+                raw = self.pull.recv(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return True
+            msg = self.dec.decode(raw.buffer)
+            if isinstance(msg, P.Shutdown):
+                return False
+            if isinstance(msg, P.Abort):
+                for rid in msg.request_ids:
+                    self.engine.abort(rid)
+                continue
+            if waiting is None:
+                waiting = self.engine.stats()["waiting"]
+            if waiting >= self.max_waiting:
+                rejected.append(P.Rejection(msg.request_id, 503, f"the waiting queue is full "
+                                                                  f"({self.max_waiting} requests)"))
+                continue
+            try:
+                params = SamplingParams(**msgspec.structs.asdict(msg.params))
+                self.engine.add_request(msg.prompt_token_ids, params, msg.request_id)
+            except ValueError as exc:  # the front end checks first; this is the backstop
+                rejected.append(P.Rejection(msg.request_id, 400, str(exc)))
+                continue
+            accepted.append(msg.request_id)
+            waiting += 1
+
+    def _step(self) -> list[P.Delta]:
+        deltas = []
+        for out in self.engine.step():
+            deltas.append(_delta(out))
+            if out.finished:
+                self.engine.release(out.request_id)
+        return deltas
+
+
+def _delta(out: StepOutput) -> P.Delta:
+    lps = None
+    if out.new_logprobs is not None:
+        lps = [P.Logprob(lp.token_id, lp.logprob, lp.top) for lp in out.new_logprobs]
+    return P.Delta(out.request_id, out.new_token_ids, out.new_text, out.finished, out.finish_reason, lps)
+
+
+def _stats(engine) -> P.Stats:
+    s = engine.stats()
+    return P.Stats(s["running"], s["waiting"], float(s["kv_cache_usage"]))

@@ -1,0 +1,81 @@
+"""Every failure leaves as OpenAI's error JSON with the right status; API-key checking."""
+from __future__ import annotations
+
+import hmac
+import logging
+
+import msgspec
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import Response
+from starlette.exceptions import HTTPException
+
+from tandem.server.errors import APIError, EngineDead, error_body
+
+log = logging.getLogger("tandem.server")
+
+
+def _json(body: dict, status: int, headers: dict[str, str] | None = None) -> Response:
+    return Response(msgspec.json.encode(body), status, headers=headers, media_type="application/json")
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    """The first problem, said plainly, and the top-level field it concerns."""
+    errors = exc.errors()
+    if not errors:
+        return "invalid request", None
+    err = errors[0]
+    loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+    kind = err.get("type", "")
+    if kind == "json_invalid":
+        detail = (err.get("ctx") or {}).get("error", "")
+        return f"the request body is not valid JSON: {detail}".rstrip(": "), None
+    if not loc:
+        return "the request body must be a JSON object", None
+    if kind == "extra_forbidden":
+        return f"unrecognized request argument: {loc[0]}", loc[0]
+    if kind == "missing":
+        return f"missing required field: {'.'.join(loc)}", loc[0]
+    return f"invalid value for {'.'.join(loc)}: {err.get('msg', 'invalid')}", loc[0]
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, exc: APIError) -> Response:
+        return _json(exc.body(), exc.status, exc.headers)
+
+    @app.exception_handler(EngineDead)
+    async def engine_dead(_: Request, exc: EngineDead) -> Response:
+        return _json(error_body(503, str(exc)), 503)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_: Request, exc: RequestValidationError) -> Response:
+        message, param = _validation_message(exc)
+        return _json(error_body(400, message, param), 400)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_: Request, exc: HTTPException) -> Response:
+        return _json(error_body(exc.status_code, str(exc.detail)), exc.status_code, exc.headers)
+
+    @app.exception_handler(Exception)
+    async def unexpected(_: Request, exc: Exception) -> Response:
+        log.exception("unhandled error")
+        return _json(error_body(500, f"internal error: {type(exc).__name__}"), 500)
+
+
+class ApiKeyMiddleware:
+    """Requires `Authorization: Bearer <key>` on /v1/*; health and metrics stay open for probes."""
+
+    def __init__(self, app, api_key: str):
+        self.app, self._key = app, api_key.encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            auth = dict(scope["headers"]).get(b"authorization", b"")
+            scheme, _, token = auth.partition(b" ")
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self._key):
+                message = "missing API key" if not auth else "incorrect API key"
+                body = error_body(401, f"{message}: send 'Authorization: Bearer <key>'", code="invalid_api_key")
+                await _json(body, 401, {"WWW-Authenticate": "Bearer"})(scope, receive, send)
+                return
+        await self.app(scope, receive, send)

@@ -1,0 +1,137 @@
+"""From a validated request body to engine inputs: token ids and sampling params per choice.
+
+Every refusal here is a 400 naming the offending field, raised before anything
+reaches the engine, so a bad request costs the engine loop nothing.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from tandem.sampling import SamplingParams
+from tandem.server import protocol as P
+from tandem.server.errors import APIError
+from tandem.server.openai_schemas import ChatCompletionRequest, CompletionRequest
+
+MAX_CHOICES = 128  # prompts x n per HTTP request
+_INT64 = 2**63
+_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
+                    "ignore_eos", "presence_penalty", "frequency_penalty", "repetition_penalty")
+
+
+def completion_inputs(body: CompletionRequest, tokenizer: Any, max_model_len: int,
+                      vocab_size: int) -> tuple[list[list[int]], list[P.Params]]:
+    _refuse(body.echo, "echo", "echo is not supported")
+    _refuse(body.suffix is not None, "suffix", "suffix is not supported")
+    _refuse(body.best_of not in (None, body.n), "best_of", "best_of must be null or equal to n")
+    prompts = [_prompt_ids(p, tokenizer, vocab_size) for p in _prompt_list(body.prompt)]
+    explicit = "max_tokens" in body.model_fields_set and body.max_tokens is not None
+    return _choices(body, prompts, body.max_tokens, explicit, "max_tokens", "prompt",
+                    body.logprobs, max_model_len)
+
+
+def chat_inputs(body: ChatCompletionRequest, tokenizer: Any,
+                max_model_len: int) -> tuple[list[list[int]], list[P.Params]]:
+    _refuse(bool(body.tools), "tools", "tools are not supported")
+    if body.top_logprobs is not None and not body.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs set to true", "top_logprobs")
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        raise APIError(400, "this model has no chat template; use /v1/completions", "messages")
+    messages = [{"role": "system" if m.role == "developer" else m.role, "content": _content(m.content)}
+                for m in body.messages]
+    try:
+        ids = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                 return_dict=False))
+    except Exception as exc:  # jinja raises whatever the template author chose
+        raise APIError(400, f"the chat template refused these messages: {exc}", "messages") from None
+    name = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    return _choices(body, [ids], max_tokens, max_tokens is not None, name, "messages", logprobs,
+                    max_model_len)
+
+
+def _choices(body, prompts: list[list[int]], max_tokens: int | None, explicit: bool, max_name: str,
+             prompt_name: str, logprobs: int | None, max_model_len: int):
+    _refuse(bool(body.logit_bias), "logit_bias", "logit_bias is not supported")
+    if len(prompts) * body.n > MAX_CHOICES:
+        raise APIError(400, f"{len(prompts)} prompts x n={body.n} exceeds {MAX_CHOICES} choices", "n")
+    fields = {k: getattr(body, k) for k in _SAMPLING_FIELDS if getattr(body, k) is not None}
+    _check_int64(fields)
+    _validate(fields, max_tokens, logprobs, max_name)
+    out_prompts, out_params = [], []
+    for ids in prompts:
+        room = max_model_len - len(ids)
+        if room < 1:
+            raise APIError(400, f"the prompt has {len(ids)} tokens but this model's context holds "
+                                f"{max_model_len}, and at least one must be left to generate", prompt_name)
+        if explicit and len(ids) + max_tokens > max_model_len:
+            raise APIError(400, f"this model's maximum context length is {max_model_len} tokens, but "
+                                f"the prompt has {len(ids)} tokens and {max_name} is {max_tokens} "
+                                f"({len(ids) + max_tokens} in total); reduce the prompt or {max_name}",
+                           max_name)
+        limit = room if max_tokens is None else min(max_tokens, room)
+        for i in range(body.n):
+            seed = fields.get("seed")
+            extra = {"seed": (seed + i) % _INT64} if seed is not None and i else {}
+            stop = fields.get("stop")
+            out_params.append(P.Params(**{**fields, **extra, "max_tokens": limit, "logprobs": logprobs,
+                                          "stop": [stop] if isinstance(stop, str) else stop}))
+            out_prompts.append(ids)
+    return out_prompts, out_params
+
+
+def _validate(fields: dict, max_tokens: int | None, logprobs: int | None, max_name: str) -> None:
+    """SamplingParams is the one place that knows valid ranges; its message names the field."""
+    try:
+        SamplingParams(max_tokens=1 if max_tokens is None else max_tokens, logprobs=logprobs, **fields)
+    except ValueError as exc:
+        msg = str(exc)
+        param = msg.split(" ", 1)[0]
+        if param == "max_tokens":
+            param, msg = max_name, msg.replace("max_tokens", max_name, 1)
+        raise APIError(400, msg, param) from None
+
+
+def _check_int64(fields: dict) -> None:
+    # Wider ints cannot cross the wire; no real request needs them.
+    for name in ("seed", "top_k"):
+        if name in fields and not -_INT64 <= fields[name] < _INT64:
+            raise APIError(400, f"{name} must fit in 64 bits, got {fields[name]}", name)
+    if any(not 0 <= t < _INT64 for t in fields.get("stop_token_ids", [])):
+        raise APIError(400, "stop_token_ids must be ints in [0, 2**63)", "stop_token_ids")
+
+
+def _prompt_list(prompt: str | list) -> list[str | list[int]]:
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise APIError(400, "prompt is empty", "prompt")
+    if isinstance(prompt[0], int):
+        return [prompt]
+    return list(prompt)
+
+
+def _prompt_ids(prompt: str | list[int], tokenizer: Any, vocab_size: int) -> list[int]:
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise APIError(400, "this model has no tokenizer: send prompts as token ids", "prompt")
+        ids = list(tokenizer.encode(prompt))
+    else:
+        ids = prompt
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            raise APIError(400, f"prompt token ids must be in [0, {vocab_size}); got {bad[:5]}", "prompt")
+    if not ids:
+        raise APIError(400, "prompt is empty", "prompt")
+    return ids
+
+
+def _content(content: str | list | None) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    return "".join(part.text for part in content)
+
+
+def _refuse(condition: bool, param: str, message: str) -> None:
+    if condition:
+        raise APIError(400, message, param)

@@ -1,0 +1,39 @@
+"""Prometheus metrics of one server, in a registry of its own (no process-global collectors)."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from tandem.server.protocol import Stats
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
+                    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075,
+                0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.running = Gauge("tandem_requests_running", "Requests in the running batch", registry=r)
+        self.waiting = Gauge("tandem_requests_waiting", "Requests in the waiting queue", registry=r)
+        self.kv_cache_usage = Gauge("tandem_kv_cache_usage", "Fraction of KV cache slots in use (0..1)",
+                                    registry=r)
+        self.prompt_tokens = Counter("tandem_prompt_tokens", "Prompt tokens of accepted requests",
+                                     registry=r)
+        self.generation_tokens = Counter("tandem_generation_tokens", "Generated tokens", registry=r)
+        self.finished = Counter("tandem_requests_finished", "Finished requests by finish reason",
+                                ["finish_reason"], registry=r)
+        self.ttft = Histogram("tandem_time_to_first_token_seconds", "Time to first token",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("tandem_inter_token_latency_seconds", "Time between streamed tokens",
+                             buckets=_ITL_BUCKETS, registry=r)
+        self.e2e = Histogram("tandem_e2e_request_latency_seconds", "Arrival to last token",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+
+    def set_stats(self, stats: Stats) -> None:
+        self.running.set(stats.running)
+        self.waiting.set(stats.waiting)
+        self.kv_cache_usage.set(stats.kv_cache_usage)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,111 @@
+"""Messages between the front end and the engine process, msgpack-encoded with msgspec.
+
+Every message is a tagged Struct, so a decoder only ever builds these types:
+nothing arbitrary is deserialized (never pickle over a socket). Hot-path
+records (`Delta`, `Logprob`) are array-like to keep the bytes per token small.
+"""
+from __future__ import annotations
+
+import msgspec
+
+
+class Params(msgspec.Struct, frozen=True):
+    """The wire form of `tandem.sampling.SamplingParams` (validated again in the engine)."""
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: int | None = None
+
+
+# ---- front end -> engine ----
+class Add(msgspec.Struct, tag=True):
+    request_id: str
+    prompt_token_ids: list[int]
+    params: Params
+
+
+class Abort(msgspec.Struct, tag=True):
+    request_ids: list[str]
+
+
+class Shutdown(msgspec.Struct, tag=True):
+    pass
+
+
+ToEngine = Add | Abort | Shutdown
+
+
+# ---- engine -> front end ----
+class Logprob(msgspec.Struct, array_like=True):
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+class Delta(msgspec.Struct, array_like=True):
+    """What one request gained in one engine step; text is already detokenized."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finished: bool
+    finish_reason: str | None
+    logprobs: list[Logprob] | None
+
+
+class Rejection(msgspec.Struct):
+    request_id: str
+    status: int  # the HTTP status the front end answers with: 400 bad input, 503 queue full
+    message: str
+
+
+class Stats(msgspec.Struct):
+    running: int
+    waiting: int
+    kv_cache_usage: float
+
+
+class Outputs(msgspec.Struct, tag=True):
+    """One engine iteration's news: acceptances, rejections, token deltas, and load."""
+
+    accepted: list[str]
+    rejected: list[Rejection]
+    deltas: list[Delta]
+    stats: Stats
+
+
+class Ready(msgspec.Struct, tag=True):
+    max_model_len: int
+    vocab_size: int
+    stats: Stats
+
+
+class Failed(msgspec.Struct, tag=True):
+    """The engine could not start (bad model path, out of memory, ...)."""
+
+    message: str
+
+
+FromEngine = Outputs | Ready | Failed
+
+
+def encoder() -> msgspec.msgpack.Encoder:
+    return msgspec.msgpack.Encoder()
+
+
+def to_engine_decoder() -> msgspec.msgpack.Decoder:
+    return msgspec.msgpack.Decoder(ToEngine)
+
+
+def from_engine_decoder() -> msgspec.msgpack.Decoder:
+    return msgspec.msgpack.Decoder(FromEngine)

@@ -1,0 +1,114 @@
+"""Response bodies and stream chunks in OpenAI's shapes, built from engine deltas."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from tandem.server import protocol as P
+
+_MIN_LOGPROB = -9999.0  # JSON has no -inf
+
+
+class TokenNames:
+    """Token id -> the text it shows, for logprobs (cached: the same ids recur)."""
+
+    def __init__(self, tokenizer: Any):
+        self._tokenizer = tokenizer
+        self._cache: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        name = self._cache.get(token_id)
+        if name is None:
+            name = self._tokenizer.decode([token_id]) if self._tokenizer is not None else f"<{token_id}>"
+            self._cache[token_id] = name
+        return name
+
+
+@dataclass
+class Choice:
+    """A choice's accumulated result (non-streaming)."""
+
+    text: list[str] = field(default_factory=list)
+    num_tokens: int = 0
+    logprobs: list[P.Logprob] = field(default_factory=list)
+    finish_reason: str | None = None
+
+    def add(self, d: P.Delta) -> None:
+        self.text.append(d.text)
+        self.num_tokens += len(d.token_ids)
+        if d.logprobs:
+            self.logprobs.extend(d.logprobs)
+        if d.finished:
+            self.finish_reason = d.finish_reason
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def _lp(x: float) -> float:
+    return max(x, _MIN_LOGPROB)
+
+
+def completion_logprobs(lps: list[P.Logprob], names: TokenNames, offset: int = 0) -> dict:
+    tokens = [names(lp.token_id) for lp in lps]
+    offsets, at = [], offset
+    for t in tokens:
+        offsets.append(at)
+        at += len(t)
+    return {"tokens": tokens, "token_logprobs": [_lp(lp.logprob) for lp in lps],
+            "top_logprobs": [{names(t): _lp(v) for t, v in lp.top} for lp in lps],
+            "text_offset": offsets}
+
+
+def chat_logprobs(lps: list[P.Logprob], names: TokenNames) -> dict:
+    def entry(token_id: int, logprob: float) -> dict:
+        name = names(token_id)
+        return {"token": name, "logprob": _lp(logprob), "bytes": list(name.encode())}
+    return {"content": [{**entry(lp.token_id, lp.logprob),
+                         "top_logprobs": [entry(t, v) for t, v in lp.top]} for lp in lps]}
+
+
+@dataclass
+class Envelope:
+    """The fields every response and chunk of one request share."""
+
+    id: str
+    model: str
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def completion(self, choices: list[Choice], names: TokenNames, with_logprobs: bool,
+                   prompt_tokens: int) -> dict:
+        return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
+                "choices": [{"index": i, "text": "".join(c.text), "finish_reason": c.finish_reason,
+                             "logprobs": completion_logprobs(c.logprobs, names) if with_logprobs else None}
+                            for i, c in enumerate(choices)],
+                "usage": usage(prompt_tokens, sum(c.num_tokens for c in choices))}
+
+    def chat(self, choices: list[Choice], names: TokenNames, with_logprobs: bool,
+             prompt_tokens: int) -> dict:
+        return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
+                "choices": [{"index": i, "message": {"role": "assistant", "content": "".join(c.text)},
+                             "finish_reason": c.finish_reason,
+                             "logprobs": chat_logprobs(c.logprobs, names) if with_logprobs else None}
+                            for i, c in enumerate(choices)],
+                "usage": usage(prompt_tokens, sum(c.num_tokens for c in choices))}
+
+    def completion_chunk(self, index: int, d: P.Delta, names: TokenNames, offset: int) -> dict:
+        lps = completion_logprobs(d.logprobs, names, offset) if d.logprobs is not None else None
+        return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
+                "choices": [{"index": index, "text": d.text, "logprobs": lps,
+                             "finish_reason": d.finish_reason if d.finished else None}]}
+
+    def chat_chunk(self, index: int, delta: dict, finish_reason: str | None = None,
+                   logprobs: dict | None = None) -> dict:
+        return {"id": self.id, "object": "chat.completion.chunk", "created": self.created,
+                "model": self.model,
+                "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
+                             "finish_reason": finish_reason}]}
+
+    def usage_chunk(self, kind: str, prompt_tokens: int, completion_tokens: int) -> dict:
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model,
+                "choices": [], "usage": usage(prompt_tokens, completion_tokens)}
