@@ -119,6 +119,8 @@ class EngineConfig:
     process_before_consecutive_prefill: bool = False  # better first-batch TTFT, lower throughput
     coarse_war_barrier: bool = False  # wait_stream(forward) instead of the fine-grained event
     attention_backend: str = "auto"
+    cuda_graph: str = "auto"  # auto (on with CUDA + Triton), on, off: decode steps replay graphs
+    cuda_graph_max_batch: int = 256
     max_model_len: int | None = None
     seed: int = 0
     debug_future_map: bool = False

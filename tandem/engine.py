@@ -16,6 +16,7 @@ import torch
 
 from tandem.attention import make_attention_backend
 from tandem.diagnostics.timeline import StepRecord, Timeline
+from tandem.cuda_graph import DecodeGraphs, default_buckets
 from tandem.config import EngineConfig, ModelConfig, resolve_device, resolve_dtype
 from tandem.memory.allocator import SlotAllocator
 from tandem.memory.kv_cache import KVCache
@@ -98,14 +99,31 @@ class Engine:
         self.copier = ResultCopier(self.streams, max_rows=rows)
         self.sampler = Sampler(self.model_config.vocab_size, rows + 1, self.device)
         self.future_map = FutureMap(rows, self.device, debug=cfg.debug_future_map)
-        self.runner = ModelRunner(self.model, self.kv, self.table,
-                                  make_attention_backend(cfg.attention_backend, self.device),
-                                  self.sampler, self.future_map, self.streams, self.stager, self.copier)
+        backend = make_attention_backend(cfg.attention_backend, self.device)
+        graphs = self._capture_graphs(backend)
+        self.runner = ModelRunner(self.model, self.kv, self.table, backend, self.sampler,
+                                  self.future_map, self.streams, self.stager, self.copier, graphs)
         self.scheduler = Scheduler(
             SchedulerConfig(rows, cfg.max_prefill_tokens, cfg.chunked_prefill_size, cfg.enable_mixed_batch),
             self.kv_slots, self.req_slots, self.table,
             on_admit=lambda r: self.runner.start_request(r.slot, r.prompt_token_ids, r.params,
                                                          r.output_token_ids))
+
+    def _capture_graphs(self, backend) -> DecodeGraphs | None:
+        cfg = self.cfg
+        if cfg.cuda_graph not in ("auto", "on", "off"):
+            raise ValueError(f"cuda_graph must be auto, on or off; got {cfg.cuda_graph!r}")
+        usable = self.device.type == "cuda" and backend.name == "triton"
+        if cfg.cuda_graph == "on" and not usable:
+            raise ValueError("cuda_graph='on' needs a CUDA device and the Triton attention backend")
+        if cfg.cuda_graph == "off" or not usable:
+            return None
+        graphs = DecodeGraphs(self.model, self.kv, self.table, backend, self.future_map, self.streams,
+                              self.stager, default_buckets(min(cfg.cuda_graph_max_batch,
+                                                               cfg.max_running_requests)),
+                              self.max_model_len)
+        graphs.capture()
+        return graphs
 
     # ---- requests ----
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tandem.cuda_graph import DECODE_FIELDS, DecodeGraphs
 from tandem.forward_batch import ForwardBatch
 from tandem.memory.kv_cache import KVCache
 from tandem.memory.req_to_token import ReqToTokenTable
@@ -38,14 +39,16 @@ class PendingResult:
 class ModelRunner:
     def __init__(self, model: DecoderModel, kv: KVCache, table: ReqToTokenTable, backend,
                  sampler: Sampler, future_map: FutureMap, streams: StreamSet,
-                 stager: InputStager, copier: ResultCopier, timing: bool = False):
+                 stager: InputStager, copier: ResultCopier, graphs: DecodeGraphs | None = None,
+                 timing: bool = False):
         self.model, self.kv, self.table, self.backend = model, kv, table, backend
         self.sampler, self.future_map, self.streams = sampler, future_map, streams
-        self.stager, self.copier, self.timing = stager, copier, timing
+        self.stager, self.copier, self.graphs, self.timing = stager, copier, graphs, timing
 
     def launch(self, batch: ScheduledBatch) -> PendingResult:
         rows, sample_rows = batch.rows, batch.sample_rows
-        fields = _metadata(batch)
+        bucket = self._graph_bucket(batch)
+        fields = _metadata(batch) if bucket is None else _decode_metadata(batch, bucket)
         dev = self.stager.stage(batch.step, fields)
         sampling = None
         if sample_rows:
@@ -63,21 +66,16 @@ class ModelRunner:
             if self.timing:
                 pending.forward_start = self.streams.event(timing=True)
                 pending.forward_start.record(forward)
-            input_ids = self._input_ids(batch, dev)
-            self.table.write_on_device(dev["token_req_slots"], dev["positions"], dev["out_cache_loc"])
-            fb = ForwardBatch(
-                input_ids=input_ids, positions=dev["positions"], out_cache_loc=dev["out_cache_loc"],
-                req_slots=dev["req_slots"], seq_lens=dev["seq_lens"], prefix_lens=dev["prefix_lens"],
-                qo_indptr=dev["qo_indptr"], req_to_token=self.table.table,
-                host_req_slots=fields["req_slots"], host_seq_lens=fields["seq_lens"],
-                host_extend_lens=[r.num_new for r in rows], is_decode=batch.is_decode,
-                max_seq_len=max(fields["seq_lens"]))
-            hidden = self.model(fb, self.kv, self.backend)
+            if bucket is None:
+                logits = self._eager_logits(batch, fields, dev)
+                sample_slots = dev["sample_slots"]
+            else:
+                logits = self.graphs.replay(bucket, batch.step % self.stager.depth)[:len(rows)]
+                sample_slots = dev["req_slots"][:len(rows)]
             if sample_rows:
-                logits = self.model.compute_logits(hidden[dev["sample_token_idx"]])
                 out = self.sampler.sample(logits, sampling)
-                self.future_map.stash(dev["sample_slots"], out.token_ids)
-                self.sampler.record(dev["sample_slots"], out.token_ids)
+                self.future_map.stash(sample_slots, out.token_ids)
+                self.sampler.record(sample_slots, out.token_ids)
                 result = (out.token_ids, out.logprobs, out.top_ids, out.top_logprobs)
             else:  # only partial prefill chunks: nothing sampled
                 result = (torch.empty(0, dtype=torch.int64, device=self.streams.device), None, None, None)
@@ -89,6 +87,27 @@ class ModelRunner:
             sampled.record(forward)
         pending.host = self.copier.copy(batch.step, *result, sampled)
         return pending
+
+    def _graph_bucket(self, batch: ScheduledBatch) -> int | None:
+        if self.graphs is None or not batch.is_decode or len(batch.rows) > self.graphs.max_batch:
+            return None
+        return self.graphs.bucket(len(batch.rows))
+
+    def _eager_logits(self, batch: ScheduledBatch, fields: dict[str, list[int]],
+                      dev: dict[str, torch.Tensor]) -> torch.Tensor | None:
+        input_ids = self._input_ids(batch, dev)
+        self.table.write_on_device(dev["token_req_slots"], dev["positions"], dev["out_cache_loc"])
+        fb = ForwardBatch(
+            input_ids=input_ids, positions=dev["positions"], out_cache_loc=dev["out_cache_loc"],
+            req_slots=dev["req_slots"], seq_lens=dev["seq_lens"], prefix_lens=dev["prefix_lens"],
+            qo_indptr=dev["qo_indptr"], req_to_token=self.table.table,
+            host_req_slots=fields["req_slots"], host_seq_lens=fields["seq_lens"],
+            host_extend_lens=[r.num_new for r in batch.rows], is_decode=batch.is_decode,
+            max_seq_len=max(fields["seq_lens"]))
+        hidden = self.model(fb, self.kv, self.backend)
+        if not batch.sample_rows:
+            return None
+        return self.model.compute_logits(hidden[dev["sample_token_idx"]])
 
     def _input_ids(self, batch: ScheduledBatch, dev: dict[str, torch.Tensor]) -> torch.Tensor:
         """Prefill ids come staged from the host; decode ids from the FutureMap."""
@@ -137,3 +156,17 @@ def _metadata(batch: ScheduledBatch) -> dict[str, list[int]]:
             "token_req_slots": token_req, "req_slots": req_slots, "seq_lens": seq_lens,
             "prefix_lens": prefix_lens[1:], "qo_indptr": qo_indptr, "decode_token_idx": decode_idx,
             "decode_slots": decode_slots, "sample_token_idx": sample_idx, "sample_slots": sample_slots}
+
+
+def _decode_metadata(batch: ScheduledBatch, bucket: int) -> dict[str, list[int]]:
+    """A decode step's inputs in the CUDA-graph layout, padded to `bucket` rows with zeros
+    (request slot 0, position 0, KV slot 0, length 0: harmless padding)."""
+    pad = [0] * (bucket - len(batch.rows))
+    fields = {
+        "req_slots": [r.req.slot for r in batch.rows] + pad,
+        "positions": [r.start for r in batch.rows] + pad,
+        "out_cache_loc": [r.kv_slots[0] for r in batch.rows] + pad,
+        "seq_lens": [r.start + 1 for r in batch.rows] + pad,
+    }
+    assert tuple(fields) == DECODE_FIELDS
+    return fields

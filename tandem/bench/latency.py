@@ -8,6 +8,8 @@ import argparse
 import json
 import random
 import time
+
+import torch
 from dataclasses import asdict, dataclass
 
 from tandem.bench.presets import preset_dir
@@ -25,6 +27,11 @@ class DecodeRow:
     gpu_forward_ms: float | None
     gpu_busy: float | None
     host_ms: float  # host work per step outside the sanctioned wait
+    graph_replay_ms: float | None = None  # device time of the same forward from its CUDA graph
+
+    @property
+    def overhead_ratio(self) -> float | None:
+        return None if not self.graph_replay_ms else self.step_ms / self.graph_replay_ms
 
 
 def steady_decode(engine: Engine, batch: int, overlap: bool, steps: int, warmup: int,
@@ -45,6 +52,7 @@ def steady_decode(engine: Engine, batch: int, overlap: bool, steps: int, warmup:
         engine.step()
     wall = time.perf_counter() - start
     summary = engine.timeline.summary(skip=first)
+    graph_ms = replay_ms(engine, batch)
     for rid in rids:
         engine.abort(rid)
     while engine.has_unfinished():
@@ -53,7 +61,43 @@ def steady_decode(engine: Engine, batch: int, overlap: bool, steps: int, warmup:
         engine.release(rid)
     return DecodeRow(batch, overlap, wall / steps * 1e3, batch * steps / wall,
                      summary.get("mean_gpu_forward_ms"), summary.get("gpu_busy_fraction"),
-                     summary["mean_host_ms"])
+                     summary["mean_host_ms"], graph_ms)
+
+
+def replay_ms(engine: Engine, batch: int, repeats: int = 20) -> float | None:
+    """Device time of one decode forward replayed from its CUDA graph (events), or None."""
+    graphs = engine.runner.graphs
+    if graphs is None or batch > graphs.max_batch:
+        return None
+    stream = engine.streams.forward
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    with torch.cuda.stream(stream):
+        start.record(stream)
+        for _ in range(repeats):
+            graphs.replay(graphs.bucket(batch), 0)
+        end.record(stream)
+    end.synchronize()
+    return start.elapsed_time(end) / repeats
+
+
+def time_to_first_token(engine: Engine, prompts: list[list[int]], switch: bool) -> dict:
+    """All prompts arrive at once; returns TTFT of the first-admitted and the mean, in ms."""
+    engine.cfg.process_before_consecutive_prefill = switch
+    engine.cfg.disable_overlap = False
+    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    start = time.perf_counter()
+    rids = [engine.add_request(p, params, request_id=f"ttft-{switch}-{i}") for i, p in enumerate(prompts)]
+    first: dict[str, float] = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            first.setdefault(out.request_id, time.perf_counter() - start)
+    for rid in rids:
+        engine.release(rid)
+    engine.cfg.process_before_consecutive_prefill = False
+    times = sorted(first.values())
+    return {"first_ms": times[0] * 1e3, "mean_ms": sum(times) / len(times) * 1e3,
+            "last_ms": times[-1] * 1e3}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -69,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-total-tokens", type=int)
     ap.add_argument("--attention-backend", default="auto")
     ap.add_argument("--cuda-graph", default="auto", choices=["auto", "on", "off"])
+    ap.add_argument("--ttft-burst", type=int, default=32, help="prompts in the TTFT burst")
     ap.add_argument("--json", help="write results here")
     args = ap.parse_args(argv)
     sizes = [int(x) for x in args.batch_sizes.split(",")]
@@ -76,29 +121,42 @@ def main(argv: list[str] | None = None) -> int:
                        device=args.device, dtype=args.dtype, timeline=True,
                        max_total_tokens=args.max_total_tokens, attention_backend=args.attention_backend,
                        max_running_requests=max(256, max(sizes)))
-    if hasattr(cfg, "cuda_graph"):
-        cfg.cuda_graph = args.cuda_graph
+    cfg.cuda_graph = args.cuda_graph
     engine = Engine(cfg)
     rows = []
     for b in sizes:
         for overlap in (True, False):
             rows.append(steady_decode(engine, b, overlap, args.steps, args.warmup, args.prompt_len))
     print(format_table(rows))
+    rng = random.Random(1)
+    vocab = engine.model_config.vocab_size
+    single = time_to_first_token(engine, [[rng.randrange(vocab) for _ in range(1024)]], False)
+    burst = [[rng.randrange(vocab) for _ in range(1024)] for _ in range(args.ttft_burst)]
+    switch = {flag: time_to_first_token(engine, burst, flag) for flag in (False, True)}
+    print(f"\nTTFT, one 1024-token prompt: {single['first_ms']:.1f} ms")
+    print(f"TTFT, {args.ttft_burst} x 1024-token prompts at once (consecutive-prefill switch off / on): "
+          f"first {switch[False]['first_ms']:.1f} / {switch[True]['first_ms']:.1f} ms, "
+          f"mean {switch[False]['mean_ms']:.1f} / {switch[True]['mean_ms']:.1f} ms, "
+          f"last {switch[False]['last_ms']:.1f} / {switch[True]['last_ms']:.1f} ms")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "rows": [asdict(r) for r in rows]}, f, indent=1)
+            json.dump({"args": vars(args), "rows": [{**asdict(r), "overhead_ratio": r.overhead_ratio}
+                                                    for r in rows],
+                       "ttft_single_1024": single, "ttft_burst": {"off": switch[False], "on": switch[True]}},
+                      f, indent=1)
     return 0
 
 
 def format_table(rows: list[DecodeRow]) -> str:
     by = {(r.batch, r.overlap): r for r in rows}
-    lines = ["| batch | tok/s overlap on | tok/s off | on/off | step ms on | GPU fwd ms | GPU busy on | GPU busy off | host ms/step |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| batch | tok/s overlap on | tok/s off | on/off | step ms on | GPU fwd ms | graph replay ms | overhead ratio | GPU busy on | GPU busy off | host ms/step |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for b in sorted({r.batch for r in rows}):
         on, off = by[(b, True)], by[(b, False)]
         fmt = lambda x, p="{:.3f}": "n/a" if x is None else p.format(x)  # noqa: E731
         lines.append(f"| {b} | {on.tokens_per_s:,.0f} | {off.tokens_per_s:,.0f} | "
                      f"{on.tokens_per_s / off.tokens_per_s:.2f} | {on.step_ms:.3f} | {fmt(on.gpu_forward_ms)} | "
+                     f"{fmt(on.graph_replay_ms)} | {fmt(on.overhead_ratio, '{:.2f}')} | "
                      f"{fmt(on.gpu_busy, '{:.1%}')} | {fmt(off.gpu_busy, '{:.1%}')} | {on.host_ms:.3f} |")
     return "\n".join(lines)
 

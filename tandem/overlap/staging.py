@@ -39,10 +39,15 @@ class InputStager:
             else:
                 schedule.wait_event(self.consumed[i])  # write-after-read on dev[i]
             dev[:total].copy_(host[:total], non_blocking=True)
-        views, start = {}, 0
-        for name, values in fields.items():
-            views[name] = dev[start:start + len(values)]
-            start += len(values)
+        return self.views(i, {name: len(v) for name, v in fields.items()})
+
+    def views(self, ring_slot: int, sizes: dict[str, int]) -> dict[str, torch.Tensor]:
+        """Device views of ring slot `ring_slot`, fields laid back to back in dict order.
+        The same sizes give the same addresses: CUDA graphs read their inputs here."""
+        views, start, dev = {}, 0, self.device[ring_slot]
+        for name, size in sizes.items():
+            views[name] = dev[start:start + size]
+            start += size
         return views
 
     def mark_consumed(self, step: int) -> None:

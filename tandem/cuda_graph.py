@@ -1,0 +1,94 @@
+"""CUDA graphs for decode steps: one graph per (batch-size bucket, staging ring slot).
+
+A decode step's whole forward (FutureMap gather, table write, model, logits) is one graph
+replay instead of ~1,700 kernel launches from Python. Inputs are read from the staging
+ring's device buffers at fixed offsets, so each ring slot has its own graphs. Rows past the
+real batch are padding: request slot 0 (the padding row and FutureMap padding slot), KV
+slot 0 (the dummy slot), sequence length 0 (attention outputs zeros); they are never sampled.
+"""
+import logging
+
+import torch
+
+from tandem.forward_batch import ForwardBatch
+from tandem.memory.kv_cache import KVCache
+from tandem.memory.req_to_token import ReqToTokenTable
+from tandem.models.decoder import DecoderModel
+from tandem.overlap.future_map import FutureMap
+from tandem.overlap.staging import InputStager
+from tandem.overlap.streams import StreamSet
+
+log = logging.getLogger("tandem")
+
+DECODE_FIELDS = ("req_slots", "positions", "out_cache_loc", "seq_lens")
+
+
+def default_buckets(max_batch: int) -> list[int]:
+    sizes = [1, 2, 4, 8] + list(range(16, 257, 16))
+    return sorted({min(s, max_batch) for s in sizes})
+
+
+def decode_sizes(bucket: int) -> dict[str, int]:
+    return {name: bucket for name in DECODE_FIELDS}
+
+
+class DecodeGraphs:
+    def __init__(self, model: DecoderModel, kv: KVCache, table: ReqToTokenTable, backend,
+                 future_map: FutureMap, streams: StreamSet, stager: InputStager,
+                 buckets: list[int], max_seq_len: int):
+        self.model, self.kv, self.table, self.backend = model, kv, table, backend
+        self.future_map, self.streams, self.stager = future_map, streams, stager
+        self.buckets = buckets
+        # Decode kernels take their split count from this host int; fixed for every replay.
+        self.max_seq_len = max_seq_len
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+
+    @property
+    def max_batch(self) -> int:
+        return self.buckets[-1]
+
+    def bucket(self, batch_size: int) -> int:
+        return next(b for b in self.buckets if b >= batch_size)
+
+    def forward(self, views: dict[str, torch.Tensor], bucket: int) -> torch.Tensor:
+        """The captured work; also what a replay recomputes. Returns logits [bucket, V]."""
+        req_slots = views["req_slots"]
+        input_ids = self.future_map.resolve(req_slots)
+        self.table.write_on_device(req_slots, views["positions"], views["out_cache_loc"])
+        fb = ForwardBatch(
+            input_ids=input_ids, positions=views["positions"], out_cache_loc=views["out_cache_loc"],
+            req_slots=req_slots, seq_lens=views["seq_lens"], prefix_lens=views["seq_lens"],
+            qo_indptr=views["seq_lens"], req_to_token=self.table.table,
+            host_req_slots=[0] * bucket, host_seq_lens=[1] * bucket, host_extend_lens=[1] * bucket,
+            is_decode=True, max_seq_len=self.max_seq_len)
+        return self.model.compute_logits(self.model(fb, self.kv, self.backend))
+
+    @torch.no_grad()
+    def capture(self) -> None:
+        free_before = torch.cuda.mem_get_info(self.streams.device)[0]
+        pool = torch.cuda.graph_pool_handle()
+        forward = self.streams.forward
+        forward.wait_stream(torch.cuda.current_stream(self.streams.device))
+        for bucket in reversed(self.buckets):  # largest first: smaller ones reuse its pool
+            for ring in range(self.stager.depth):
+                views = self.stager.views(ring, decode_sizes(bucket))
+                for v in views.values():
+                    v.zero_()  # all-padding inputs
+                with torch.cuda.stream(forward):
+                    self.forward(views, bucket)  # warm-up: compiles kernels, fills caches
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, stream=forward):
+                    logits = self.forward(views, bucket)
+                self.graphs[(bucket, ring)] = (graph, logits)
+        torch.cuda.current_stream(self.streams.device).wait_stream(forward)
+        torch.cuda.synchronize(self.streams.device)
+        used = free_before - torch.cuda.mem_get_info(self.streams.device)[0]
+        log.info("captured %d decode graphs (buckets up to %d) using %.0f MiB",
+                 len(self.graphs), self.max_batch, used / 2**20)
+        self.memory_bytes = used
+
+    def replay(self, bucket: int, ring: int) -> torch.Tensor:
+        """Queue the graph on the current (forward) stream; returns its logits buffer."""
+        graph, logits = self.graphs[(bucket, ring)]
+        graph.replay()
+        return logits
