@@ -12,7 +12,7 @@ for p in $parts; do
   case $p in
     kernels) timeout 300 python3 -m pytest -q -x tests/test_kernels.py 2>&1 | tee "$OUT/kernels.log" | tail -5 ;;
     engine) TANDEM_TEST_DEVICE=cuda timeout 400 python3 -m pytest -q -x tests/test_engine.py -m "not slow" 2>&1 | tee "$OUT/engine.log" | tail -8 ;;
-    gpu) TANDEM_TEST_DEVICE=cuda timeout 300 python3 -m pytest -q -x -m gpu tests 2>&1 | tee "$OUT/gpu.log" | tail -8 ;;
+    gpu) TANDEM_TEST_DEVICE=cuda timeout 300 python3 -m pytest -q -x tests/test_gpu.py 2>&1 | tee "$OUT/gpu.log" | tail -8 ;;
     kbench) timeout 240 python3 bench/gpu_kernels.py --out "$OUT" 2>&1 | tail -30 ;;
     latency) timeout 400 python3 -m tandem.bench.latency --preset qwen3-0.6b --batch-sizes 1,16,64,256 --steps 50 --json "$OUT/latency.json" 2>&1 | tail -12 ;;
   esac

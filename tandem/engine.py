@@ -201,6 +201,9 @@ class Engine:
         launched = self.runner.launch(batch)
         if self.timeline is not None:
             launched.record = StepRecord(batch.step, len(batch.rows), batch.num_tokens, batch.is_decode,
+                                         sum(r.start + r.num_new for r in batch.rows),
+                                         sum(r.num_new * r.start + r.num_new * (r.num_new + 1) // 2
+                                             for r in batch.rows),
                                          t0, (t1 - t0) * 1e3, (perf_counter() - t1) * 1e3)
             self.timeline.add(launched.record)
         self.step_id += 1

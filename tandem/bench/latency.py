@@ -28,6 +28,7 @@ class DecodeRow:
     gpu_busy: float | None
     host_ms: float  # host work per step outside the sanctioned wait
     graph_replay_ms: float | None = None  # device time of the same forward from its CUDA graph
+    phases_ms: dict | None = None  # mean host ms per step: schedule, launch, process, wait
 
     @property
     def overhead_ratio(self) -> float | None:
@@ -61,7 +62,13 @@ def steady_decode(engine: Engine, batch: int, overlap: bool, steps: int, warmup:
         engine.release(rid)
     return DecodeRow(batch, overlap, wall / steps * 1e3, batch * steps / wall,
                      summary.get("mean_gpu_forward_ms"), summary.get("gpu_busy_fraction"),
-                     summary["mean_host_ms"], graph_ms)
+                     summary["mean_host_ms"], graph_ms, _phases(engine.timeline.records[first:]))
+
+
+def _phases(records) -> dict:
+    n = max(len(records), 1)
+    return {k: round(sum(getattr(r, f"{k}_ms") for r in records) / n, 4)
+            for k in ("schedule", "launch", "process", "host_wait")}
 
 
 def replay_ms(engine: Engine, batch: int, repeats: int = 20) -> float | None:
@@ -128,6 +135,8 @@ def main(argv: list[str] | None = None) -> int:
         for overlap in (True, False):
             rows.append(steady_decode(engine, b, overlap, args.steps, args.warmup, args.prompt_len))
     print(format_table(rows))
+    for r in rows:
+        print(f"host phases, batch {r.batch}, overlap {'on' if r.overlap else 'off'}: {r.phases_ms}")
     rng = random.Random(1)
     vocab = engine.model_config.vocab_size
     single = time_to_first_token(engine, [[rng.randrange(vocab) for _ in range(1024)]], False)

@@ -12,6 +12,8 @@ class StepRecord:
     batch_size: int
     num_tokens: int
     is_decode: bool
+    context_tokens: int  # sum over rows of tokens in cache after the step (KV read by attention)
+    attn_pairs: int  # query-key pairs attention computes (causal), for FLOP counts
     host_start: float  # perf_counter when planning began (seconds)
     schedule_ms: float
     launch_ms: float

@@ -24,5 +24,5 @@ class FutureMap:
             torch._assert_async(((ids >= 0) | (slots == 0)).all(),
                                 "FutureMap: read of a slot with no stashed token")
             self.buf[slots] = -1  # a second read without a new stash fails too
-            self.buf[0] = 0
+            self.buf[:1].zero_()  # padding slot stays valid (a device op: capturable in a graph)
         return ids

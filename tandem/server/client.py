@@ -101,7 +101,7 @@ class EngineClient:
 
     def _on_engine_exit(self) -> None:
         asyncio.get_running_loop().remove_reader(self.proc.sentinel)
-        self.proc.join(0)
+        self.proc.join(1)  # the sentinel fires as it exits; reaping (for the code) follows at once
         self.dead = f"the engine process exited (code {self.proc.exitcode})"
         if not self._closing:
             log.error("%s; failing %d in-flight requests", self.dead, len(self._tracked))

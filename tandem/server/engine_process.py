@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 
 import msgspec
 import zmq
@@ -33,6 +34,8 @@ _IDLE_POLL_MS = 500
 def run_engine(config: bytes, inbound: str, outbound: str, max_waiting: int) -> None:
     """Process entry point: `config` is a msgpack-encoded EngineConfig."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s engine %(levelname)s %(message)s")
+    # Ctrl-C reaches the whole process group; the front end stops the engine with Shutdown.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     parent = os.getppid()
     ctx = zmq.Context()
     pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
