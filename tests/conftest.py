@@ -2,6 +2,12 @@ import os
 
 # Tests run on the CPU with deterministic kernels; keep thread count modest on 2-core CI.
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Tiny models: one intra-op thread is fastest, and on a shared 2-core machine several
+# OpenMP threads spin against each other (seen: 100x slower matmuls under load).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+import torch  # noqa: E402
+
+torch.set_num_threads(1)
 
 import pytest
 
