@@ -1,0 +1,311 @@
+"""The OpenAI-compatible server as a real process on 127.0.0.1, driven by the `openai` package.
+
+Two server processes: a shared one for behaviour and load, and one with an API
+key and a one-request queue that the last test kills the engine of.
+"""
+import asyncio
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+CONTEXT = 128
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def running_server(model: Path, log: Path, *extra: str):
+    port = _free_port()
+    cmd = [sys.executable, "-m", "tandem.server", "--model", str(model), "--port", str(port),
+           "--device", "cpu", "--max-model-len", str(CONTEXT), "--log-level", "warning", *extra]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, f"server exited early:\n{log.read_text()}"
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, f"server did not come up:\n{log.read_text()}"
+            time.sleep(0.3)
+        yield url, proc
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture(scope="module")
+def server(tiny_text_model, tmp_path_factory):
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    with running_server(tiny_text_model, log, "--max-running-requests", "64") as (url, proc):
+        yield url
+    assert proc.returncode == 0, log.read_text()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server + "/v1", api_key="none", max_retries=0)
+
+
+def _metrics(url: str) -> dict[str, float]:
+    text = httpx.get(url + "/metrics").text
+    return {m[1]: float(m[2]) for m in re.finditer(r"^([a-z_]+(?:\{[^}]*\})?) ([-+.eE0-9a-z]+)$", text, re.M)}
+
+
+def _settled(url: str, idle_kv: float) -> dict[str, float]:
+    """Metrics once nothing runs, waits or holds KV (the engine reports after its last step)."""
+    deadline = time.monotonic() + 15
+    while True:
+        m = _metrics(url)
+        if (m["tandem_requests_running"], m["tandem_requests_waiting"], m["tandem_kv_cache_usage"]) == (0, 0, idle_kv):
+            return m
+        assert time.monotonic() < deadline, m
+        time.sleep(0.1)
+
+
+PROMPT = "Once upon a time"
+GREEDY = dict(temperature=0, extra_body={"ignore_eos": True})
+
+
+def test_models_and_completion_usage(client, builtin_tokenizer):
+    (model,) = client.models.list().data
+    assert model.id == "llama"
+    r = client.completions.create(model="llama", prompt=PROMPT, max_tokens=12, **GREEDY)
+    assert r.choices[0].finish_reason == "length" and r.choices[0].text
+    assert r.usage.prompt_tokens == len(builtin_tokenizer.encode(PROMPT))
+    assert r.usage.completion_tokens == 12
+    assert r.usage.total_tokens == r.usage.prompt_tokens + 12
+
+
+@pytest.mark.parametrize("kind", ["completions", "chat"])
+def test_stream_deltas_equal_non_streamed_text(client, builtin_tokenizer, kind):
+    messages = [{"role": "user", "content": "Tell me a story."}]
+    if kind == "chat":
+        make = lambda **kw: client.chat.completions.create(model="llama", messages=messages, **kw)  # noqa: E731
+        prompt_tokens = len(builtin_tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                                  tokenize=True, return_dict=False))
+    else:
+        make = lambda **kw: client.completions.create(model="llama", prompt=PROMPT, **kw)  # noqa: E731
+        prompt_tokens = len(builtin_tokenizer.encode(PROMPT))
+    whole = make(max_tokens=20, **GREEDY)
+    chunks = list(make(max_tokens=20, stream=True, stream_options={"include_usage": True}, **GREEDY))
+    usage = chunks[-1].usage
+    assert chunks[-1].choices == [] and (usage.prompt_tokens, usage.completion_tokens) == (prompt_tokens, 20)
+    assert (whole.usage.prompt_tokens, whole.usage.completion_tokens) == (prompt_tokens, 20)
+    if kind == "chat":
+        assert chunks[0].choices[0].delta.role == "assistant"
+        streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        expected = whole.choices[0].message.content
+    else:
+        streamed = "".join(c.choices[0].text for c in chunks if c.choices)
+        expected = whole.choices[0].text
+    assert streamed == expected and expected
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+
+
+def test_seeded_choices_logprobs_and_stop(client):
+    kw = dict(model="llama", prompt=PROMPT, max_tokens=8, n=3, seed=7, temperature=1.0, logprobs=2)
+    a, b = client.completions.create(**kw), client.completions.create(**kw)
+    assert [c.index for c in a.choices] == [0, 1, 2]
+    assert [c.text for c in a.choices] == [c.text for c in b.choices]  # seeded: reproducible
+    assert len({c.text for c in a.choices}) > 1  # each choice draws its own tokens
+    lp = a.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == 8 and "".join(lp.tokens) == a.choices[0].text
+    assert all(len(top) <= 2 and v <= 0 for top, v in zip(lp.top_logprobs, lp.token_logprobs))
+    chat = client.chat.completions.create(model="llama", messages=[{"role": "user", "content": "hi"}],
+                                          max_completion_tokens=4, logprobs=True, top_logprobs=3, **GREEDY)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 4 and all(len(t.top_logprobs) == 3 for t in content)
+    assert content[0].top_logprobs[0].logprob == content[0].logprob  # greedy picks the best
+    text = client.completions.create(model="llama", prompt=PROMPT, max_tokens=24, **GREEDY).choices[0].text
+    stop = text[len(text) // 2:len(text) // 2 + 3]
+    cut = client.completions.create(model="llama", prompt=PROMPT, max_tokens=24, stop=[stop], **GREEDY)
+    assert cut.choices[0].text == text[:text.index(stop)] and cut.choices[0].finish_reason == "stop"
+
+
+BAD_INPUTS = [
+    # (path, body or raw text, status, param, words the message must contain)
+    ("completions", {"prompt": "hi", "max_tokens": 1000}, 400, "max_tokens", [str(CONTEXT), "1000"]),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 500},
+     400, "max_completion_tokens", [str(CONTEXT), "500"]),
+    ("completions", {"prompt": list(range(1, 201))}, 400, "prompt", ["200", str(CONTEXT)]),
+    ("completions", {"prompt": [[5, 10**9]]}, 400, "prompt", ["token ids"]),
+    ("completions", {"prompt": "hi", "temperature": -1}, 400, "temperature", ["temperature"]),
+    ("completions", {"prompt": "hi", "top_p": 0}, 400, "top_p", ["top_p"]),
+    ("completions", {"prompt": "hi", "top_k": 0}, 400, "top_k", ["top_k"]),
+    ("completions", {"prompt": "hi", "min_p": 2}, 400, "min_p", ["min_p"]),
+    ("completions", {"prompt": "hi", "presence_penalty": 3}, 400, "presence_penalty", ["presence_penalty"]),
+    ("completions", {"prompt": "hi", "frequency_penalty": -9}, 400, "frequency_penalty", ["frequency_penalty"]),
+    ("completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens", ["max_tokens"]),
+    ("completions", {"prompt": "hi", "n": 0}, 400, "n", ["n"]),
+    ("completions", {"prompt": "hi", "logprobs": 50}, 400, "logprobs", ["logprobs"]),
+    ("completions", {"prompt": "hi", "stop": [""]}, 400, "stop", ["stop"]),
+    ("completions", {"prompt": "hi", "seed": 2**70}, 400, "seed", ["seed"]),
+    ("completions", {"prompt": "hi", "echo": True}, 400, "echo", ["echo"]),
+    ("completions", {"prompt": ""}, 400, "prompt", ["empty"]),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, 400,
+     "top_logprobs", ["logprobs"]),
+    ("completions", {"prompt": "hi", "temprature": 0.5}, 400, "temprature", ["temprature"]),
+    ("completions", {"prompt": "hi", "temperature": "hot"}, 400, "temperature", ["temperature"]),
+    ("completions", {"prompt": 5}, 400, "prompt", ["prompt"]),
+    ("completions", {"max_tokens": 5}, 400, "prompt", ["prompt"]),
+    ("chat/completions", {"messages": "hi"}, 400, "messages", ["messages"]),
+    ("chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages", ["role"]),
+    ("completions", '{"prompt": "hi",', 400, None, ["JSON"]),
+    ("completions", "[1, 2]", 400, None, ["object"]),
+    ("completions", {"prompt": "hi", "model": "gpt-9"}, 404, "model", ["gpt-9"]),
+]
+
+
+@pytest.mark.parametrize("path,body,status,param,words", BAD_INPUTS,
+                         ids=[f"{i}-{b[3]}" for i, b in enumerate(BAD_INPUTS)])
+def test_bad_input_gets_openai_error(server, path, body, status, param, words):
+    content = body if isinstance(body, str) else json.dumps(body)
+    r = httpx.post(f"{server}/v1/{path}", content=content, headers={"content-type": "application/json"})
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["param"] == param
+    assert all(w in err["message"] for w in words), err["message"]
+
+
+def test_errors_through_openai_client_and_still_serving(client):
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        client.completions.create(model="llama", prompt="hi", temperature=-2)
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="nope", prompt="hi")
+    r = httpx.get(str(client.base_url).replace("/v1/", "/v1/nowhere"))
+    assert r.status_code == 404 and "error" in r.json()
+    assert client.completions.create(model="llama", prompt="hi", max_tokens=2).usage.completion_tokens >= 1
+
+
+async def _disconnecting_clients(url: str, expected: dict[str, str]) -> tuple[int, list[str]]:
+    """64 clients: a third leave early (streams after two chunks; non-streamed by timeout)."""
+    fast = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+    impatient = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=0.5)
+    prompts = list(expected)
+
+    async def one(i: int) -> str | None:
+        prompt = prompts[i % len(prompts)]
+        if i % 3 == 0 and i % 2 == 0:  # leaves mid-stream
+            stream = await fast.completions.create(model="llama", prompt=prompt, max_tokens=100, stream=True,
+                                                   **GREEDY)
+            async for n, _ in aiter_enumerate(stream):
+                if n == 1:
+                    break
+            await stream.close()
+            return None
+        if i % 3 == 0:  # non-streamed, gives up waiting
+            with pytest.raises(openai.APITimeoutError):
+                await impatient.completions.create(model="llama", prompt=prompt, max_tokens=100, **GREEDY)
+            return None
+        stream = await fast.completions.create(model="llama", prompt=prompt, max_tokens=24, stream=True,
+                                               **GREEDY)
+        text = "".join([c.choices[0].text async for c in stream])
+        return None if text == expected[prompt] else f"client {i}: {text!r} != {expected[prompt]!r}"
+
+    results = await asyncio.gather(*(one(i) for i in range(64)))
+    await fast.close()
+    await impatient.close()
+    return sum(i % 3 == 0 for i in range(64)), [r for r in results if r]
+
+
+async def aiter_enumerate(it):
+    n = 0
+    async for x in it:
+        yield n, x
+        n += 1
+
+
+def test_64_streams_a_third_disconnecting(server, client):
+    idle = _settled(server, 0.0)
+    prompts = ["Once upon a time", "The capital of France", "def fibonacci(n):", "Roses are red"]
+    expected = {p: client.completions.create(model="llama", prompt=p, max_tokens=24, **GREEDY).choices[0].text
+                for p in prompts}
+    before = _metrics(server)
+    leavers, mismatches = asyncio.run(_disconnecting_clients(server, expected))
+    assert mismatches == []
+    after = _settled(server, idle["tandem_kv_cache_usage"])
+    aborts = 'tandem_requests_finished_total{finish_reason="abort"}'
+    assert after.get(aborts, 0) - before.get(aborts, 0) == leavers  # every leaver was aborted
+    # Leavers asked for 100 tokens each; aborted promptly, they got far fewer.
+    generated = after["tandem_generation_tokens_total"] - before["tandem_generation_tokens_total"]
+    assert generated < (64 - leavers) * 24 + leavers * 60
+
+
+def test_schemathesis_finds_no_server_error(server, tmp_path):
+    st = Path(sys.executable).with_name("st")
+    cmd = [str(st), "run", f"{server}/openapi.json", "--checks", "not_a_server_error", "--max-examples", "30",
+           "--seed", "1", "--no-color", "--generation-database", "none", "--workers", "2",
+           "--request-timeout", "60"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert r.returncode == 0, r.stdout[-5000:] + r.stderr[-2000:]
+    assert re.search(r"[1-9]\d* generated, \d+ passed", r.stdout), r.stdout[-2000:]
+    assert httpx.get(server + "/health").status_code == 200
+
+
+def test_api_key_queue_full_and_engine_death(tiny_text_model, tmp_path):
+    log = tmp_path / "server.log"
+    with running_server(tiny_text_model, log, "--api-key", "sekret", "--max-running-requests", "1",
+                        "--max-waiting-requests", "1") as (url, proc):
+        for headers in ({}, {"Authorization": "Bearer wrong"}):
+            r = httpx.post(url + "/v1/completions", json={"prompt": "hi"}, headers=headers)
+            assert r.status_code == 401 and "API key" in r.json()["error"]["message"]
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0).models.list()
+        assert httpx.get(url + "/health").status_code == 200  # probes need no key
+        engine_pid = httpx.get(url + "/health").json()["engine_pid"]
+        asyncio.run(_queue_full_then_engine_killed(url, engine_pid))
+        r = httpx.get(url + "/health", timeout=5)
+        assert r.status_code == 503 and "engine" in r.json()["error"]["message"]
+        r = httpx.post(url + "/v1/completions", json={"prompt": "hi"}, headers={"Authorization": "Bearer sekret"},
+                       timeout=5)
+        assert r.status_code == 503 and "engine" in r.json()["error"]["message"]
+        assert proc.poll() is None  # the front end keeps answering
+    assert "engine process exited" in log.read_text()
+
+
+async def _queue_full_then_engine_killed(url: str, engine_pid: int) -> None:
+    c = openai.AsyncOpenAI(base_url=url + "/v1", api_key="sekret", max_retries=0)
+    long = dict(model="llama", prompt="hi", max_tokens=120, stream=True, **GREEDY)
+    running = await c.completions.create(**long)
+    await running.__anext__()  # it holds the only running slot
+    waiting = await c.completions.create(**long)  # accepted: it waits
+    with pytest.raises(openai.APIStatusError) as full:
+        await c.completions.create(**long)
+    assert full.value.status_code == 503 and full.value.response.headers["retry-after"] == "1"
+    assert "waiting queue is full" in full.value.message
+    os.kill(engine_pid, signal.SIGKILL)
+    for stream in (running, waiting):
+        with pytest.raises(openai.APIError, match="engine process exited"):
+            await asyncio.wait_for(_drain(stream), 10)
+    await c.close()
+
+
+async def _drain(stream) -> None:
+    async for _ in stream:
+        pass
