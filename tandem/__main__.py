@@ -1,0 +1,3 @@
+from tandem.entrypoints.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,152 @@
+"""The `tandem` command: generate, chat, serve, bench, profile, sync-audit."""
+import argparse
+import importlib
+import logging
+import sys
+
+from tandem.config import EngineConfig
+
+
+def add_engine_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--model", help="HF directory or .gguf file (default: the built-in SmolLM2-135M-Instruct)")
+    ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    ap.add_argument("--dummy-weights", action="store_true", help="random weights (a config.json is enough)")
+    ap.add_argument("--disable-overlap", action="store_true", help="process each step before the next")
+    ap.add_argument("--max-total-tokens", type=int, help="KV pool size in tokens")
+    ap.add_argument("--max-model-len", type=int)
+    ap.add_argument("--cuda-graph", default="auto", choices=["auto", "on", "off"])
+    ap.add_argument("--timeline", metavar="PATH", help="write every engine step as a JSON line")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("-v", "--verbose", action="store_true", help="log engine progress")
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(model=args.model, dtype=args.dtype, device=args.device,
+                        dummy_weights=args.dummy_weights, disable_overlap=args.disable_overlap,
+                        max_total_tokens=args.max_total_tokens, max_model_len=args.max_model_len,
+                        cuda_graph=args.cuda_graph, timeline_path=args.timeline, seed=args.seed)
+
+
+def add_sampling_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--temperature", type=float, default=0.7)
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--top-k", type=int, default=-1)
+    ap.add_argument("--min-p", type=float, default=0.0)
+    ap.add_argument("--sample-seed", type=int, help="per-request sampling seed")
+    ap.add_argument("--stop", action="append", help="stop string (repeatable)")
+
+
+def sampling_params(args: argparse.Namespace):
+    from tandem.sampling import SamplingParams
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                          top_k=args.top_k, min_p=args.min_p, seed=args.sample_seed, stop=args.stop)
+
+
+def stream(engine, prompt, params, out=sys.stdout) -> str:
+    """Run one request to the end, writing its text as it is generated."""
+    rid = engine.add_request(prompt, params)
+    text = []
+    while engine.has_unfinished():
+        for delta in engine.step():
+            if delta.request_id == rid and delta.new_text:
+                out.write(delta.new_text)
+                out.flush()
+                text.append(delta.new_text)
+    engine.release(rid)
+    return "".join(text)
+
+
+def generate_main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="tandem generate", description="Generate text from a prompt, streamed.")
+    ap.add_argument("prompt")
+    add_engine_args(ap)
+    add_sampling_args(ap)
+    args = ap.parse_args(argv)
+    _logging(args.verbose)
+    from tandem.engine import Engine
+    engine = Engine(engine_config(args))
+    sys.stdout.write(args.prompt)
+    stream(engine, args.prompt, sampling_params(args))
+    sys.stdout.write("\n")
+    return 0
+
+
+def chat_main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="tandem chat", description="Interactive chat (empty line or Ctrl-D quits).")
+    add_engine_args(ap)
+    add_sampling_args(ap)
+    ap.add_argument("--system", help="system prompt")
+    args = ap.parse_args(argv)
+    _logging(args.verbose)
+    from tandem.engine import Engine
+    engine = Engine(engine_config(args))
+    if engine.tokenizer is None or not getattr(engine.tokenizer, "chat_template", None):
+        print("this model has no chat template", file=sys.stderr)
+        return 2
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    params = sampling_params(args)
+    while True:
+        try:
+            user = input("you> ")
+        except EOFError:
+            break
+        if not user.strip():
+            break
+        messages.append({"role": "user", "content": user})
+        ids = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                   return_dict=False)
+        sys.stdout.write("assistant> ")
+        reply = stream(engine, list(ids), params)
+        sys.stdout.write("\n")
+        messages.append({"role": "assistant", "content": reply})
+    return 0
+
+
+def bench_main(argv: list[str]) -> int:
+    kinds = {"latency": "tandem.bench.latency:main", "offline": "tandem.bench.offline:main",
+             "serve": "tandem.bench.serve:bench_serve_main"}
+    if not argv or argv[0] not in kinds:
+        print(f"usage: tandem bench {{{','.join(kinds)}}} [options]", file=sys.stderr)
+        return 2
+    return _call(kinds[argv[0]], argv[1:])
+
+
+COMMANDS = {
+    "generate": "tandem.entrypoints.cli:generate_main",
+    "chat": "tandem.entrypoints.cli:chat_main",
+    "serve": "tandem.server:serve_main",
+    "bench": "tandem.entrypoints.cli:bench_main",
+    "profile": "tandem.diagnostics.profile:profile_main",
+    "sync-audit": "tandem.diagnostics.sync_audit:sync_audit_main",
+}
+
+
+def _call(target: str, argv: list[str]) -> int:
+    module, func = target.split(":")
+    return int(getattr(importlib.import_module(module), func)(argv) or 0)
+
+
+def _logging(verbose: bool) -> None:
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+        print("usage: tandem {" + ",".join(COMMANDS) + "} [options]\n\n"
+              "  generate    generate text from a prompt, streamed to the terminal\n"
+              "  chat        interactive chat on the same engine\n"
+              "  serve       OpenAI-compatible HTTP server\n"
+              "  bench       benchmarks: latency | offline | serve\n"
+              "  profile     traces and a timeline plot, overlap on vs off\n"
+              "  sync-audit  find host syncs in the engine loop (CUDA)",
+              file=sys.stderr if argv and argv[0] not in ("-h", "--help") else sys.stdout)
+        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    return _call(COMMANDS[argv[0]], argv[1:])
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
