@@ -309,3 +309,20 @@ async def _queue_full_then_engine_killed(url: str, engine_pid: int) -> None:
 async def _drain(stream) -> None:
     async for _ in stream:
         pass
+
+
+def test_bench_serve_against_the_server(server, tmp_path):
+    from tandem.bench.serve import bench_serve_main, make_workload
+    reqs = make_workload(8, (4, 12), (6, 10), seed=0, text=False, id_range=(100, 5000))
+    out = tmp_path / "bench.json"
+    rc = bench_serve_main(["--base-url", server, "--rates", "40,inf", "--num-prompts", "8", "--input-len", "4:12",
+                           "--output-len", "6:10", "--token-id-range", "100:5000", "--json", str(out)])
+    assert rc == 0
+    report = json.loads(out.read_text())
+    assert report["config"]["model"] == "llama"
+    for s in report["results"]:
+        assert (s["completed"], s["failed"]) == (8, 0)
+        assert s["total_output_tokens"] == sum(r.output_len for r in reqs)  # ignore_eos: exact lengths
+        assert s["total_input_tokens"] == sum(r.input_len for r in reqs)
+        assert 0 < s["ttft_ms"]["p50"] <= s["ttft_ms"]["p99"] <= s["e2e_ms"]["p99"]
+        assert s["itl_ms"]["p50"] > 0 and s["tpot_ms"]["p50"] > 0

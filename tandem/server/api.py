@@ -188,7 +188,7 @@ async def _chat_stream(gen: Generation, env: Envelope, names: TokenNames, includ
     try:
         async for index, d in gen.deltas():
             tokens += len(d.token_ids)
-            delta = {"content": d.text} if d.text or not d.finished else {}
+            delta = {"content": d.text} if d.text or d.token_ids else {}
             lps = chat_logprobs(d.logprobs, names) if d.logprobs is not None else None
             yield _sse(env.chat_chunk(index, delta, d.finish_reason if d.finished else None, lps))
     except EngineDead as exc:
