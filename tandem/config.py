@@ -1,4 +1,5 @@
 """Model and engine configuration."""
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -123,7 +124,8 @@ class EngineConfig:
     cuda_graph_max_batch: int = 256
     max_model_len: int | None = None
     seed: int = 0
-    debug_future_map: bool = False
+    # FutureMap read-before-write check on the device; the test suite turns it on via the env.
+    debug_future_map: bool = field(default_factory=lambda: os.environ.get("TANDEM_DEBUG_FUTURE_MAP") == "1")
     timeline: bool = False  # record per-step host and device times (CUDA events)
     timeline_path: str | None = None  # also write each step as a JSON line here
     extra: dict = field(default_factory=dict)

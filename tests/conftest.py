@@ -5,6 +5,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Tiny models: one intra-op thread is fastest, and on a shared 2-core machine several
 # OpenMP threads spin against each other (seen: 100x slower matmuls under load).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Every engine in the tests checks FutureMap reads on the device (a read before a write fails).
+os.environ.setdefault("TANDEM_DEBUG_FUTURE_MAP", "1")
 import torch  # noqa: E402
 
 torch.set_num_threads(1)
