@@ -11,7 +11,7 @@ from torch import nn
 from tandem.config import ModelConfig
 from tandem.forward_batch import ForwardBatch
 from tandem.memory.kv_cache import KVCache
-from tandem.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
+from tandem.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, qkv_norm_rope_torch
 
 
 class Attention(nn.Module):
@@ -31,13 +31,17 @@ class Attention(nn.Module):
         self.rotary = rotary
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, kv: KVCache, backend) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(batch.positions, q, k)
+        qkv = self.qkv_proj(x)
+        norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else ()
+        if qkv.is_cuda:
+            # One Triton launch: (q/k norm and) RoPE in place inside qkv; q, k, v are
+            # strided views of it (the attention kernels and write_kv take strides).
+            from tandem.kernels.rope import qkv_norm_rope
+            prepare = qkv_norm_rope
+        else:
+            prepare = qkv_norm_rope_torch
+        q, k, v = prepare(qkv, batch.positions, self.rotary.cos, self.rotary.sin,
+                          self.num_heads, self.num_kv_heads, self.head_dim, *norm)
         out = backend.forward(q, k, v, kv.k[self.layer_id], kv.v[self.layer_id], batch, self.scale)
         return self.o_proj(out.reshape(-1, self.q_size))
 

@@ -1,9 +1,60 @@
-"""Building blocks of the decoder: RMSNorm, rotary embedding, gated MLP."""
+"""Building blocks of the decoder: RMSNorm, rotary embedding, gated MLP.
+
+On CUDA tensors each block runs one fused Triton kernel (`tandem.kernels.norm`,
+`.rope`, `.activation`: the torch versions launch 8-16 elementwise kernels each); on
+the CPU the torch functions below run (they are the reference, match transformers, and
+are what the kernels are tested and benchmarked against). The choice is made per call
+from the input's device. The kernel modules are imported on first CUDA use, so
+CPU-only installs never import Triton.
+"""
 import math
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+
+# ---- torch references (the CPU path) ----
+def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Normalise in float32, scale in the input dtype: what transformers does.
+    dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)
+
+
+def rope_torch(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_table: torch.Tensor,
+               sin_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    cos = cos_table[positions].unsqueeze(1).to(q.dtype)
+    sin = sin_table[positions].unsqueeze(1).to(q.dtype)
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def qkv_norm_rope_torch(qkv: torch.Tensor, positions: torch.Tensor, cos_table: torch.Tensor,
+                        sin_table: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
+                        q_weight: torch.Tensor | None = None, k_weight: torch.Tensor | None = None,
+                        eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Packed qkv [T, (H + 2*KVH) * D] -> q, k (per-head RMSNorm if weights given, then
+    RoPE), v: the attention's input preparation."""
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+    q = q.view(-1, num_heads, head_dim)
+    k = k.view(-1, num_kv_heads, head_dim)
+    v = v.view(-1, num_kv_heads, head_dim)
+    if q_weight is not None:
+        q, k = rms_norm_torch(q, q_weight, eps), rms_norm_torch(k, k_weight, eps)
+    q, k = rope_torch(positions, q, k, cos_table, sin_table)
+    return q, k, v
+
+
+def silu_mul_torch(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 class RMSNorm(nn.Module):
@@ -13,14 +64,16 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in float32, scale in the input dtype: what transformers does.
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        if x.is_cuda:
+            from tandem.kernels.norm import rms_norm
+            return rms_norm(x, self.weight, self.eps)
+        return rms_norm_torch(x, self.weight, self.eps)
 
     def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Residual add then norm; returns (normed, new residual)."""
+        if x.is_cuda:
+            from tandem.kernels.norm import fused_add_rms_norm
+            return fused_add_rms_norm(x, residual, self.weight, self.eps)
         residual = x + residual
         return self.forward(residual), residual
 
@@ -55,14 +108,10 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """q [T, H, D], k [T, KVH, D] rotated by their token's position."""
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        if q.is_cuda:
+            from tandem.kernels.rope import rope
+            return rope(q, k, positions, self.cos, self.sin)
+        return rope_torch(positions, q, k, self.cos, self.sin)
 
 
 class GatedMLP(nn.Module):
@@ -74,5 +123,7 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        if x.is_cuda:
+            from tandem.kernels.activation import silu_mul
+            return self.down_proj(silu_mul(self.gate_up_proj(x)))
+        return self.down_proj(silu_mul_torch(self.gate_up_proj(x)))

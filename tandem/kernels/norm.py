@@ -1,0 +1,70 @@
+"""RMSNorm, and residual add + RMSNorm, in one launch each.
+
+Numerics follow `tandem.models.layers.RMSNorm` (which mirrors transformers): the
+residual sum is rounded to the input dtype (it is the new residual), the row is
+normalised in float32, rounded to the input dtype, then multiplied by the weight and
+rounded again. One program per row; the whole row sits in registers (hidden sizes up
+to a few thousand), so each element is read once and written once.
+"""
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rms_norm_kernel(
+    X, Res, Out, ResOut, W,
+    stride_x, stride_r, stride_o, stride_ro,
+    N, eps,
+    HAS_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_N)
+    mask = offs < N
+    x = tl.load(X + row * stride_x + offs, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(Res + row * stride_r + offs, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(X.dtype.element_ty)
+        tl.store(ResOut + row * stride_ro + offs, x, mask=mask)
+    xf = x.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / N + eps)
+    w = tl.load(W + offs, mask=mask, other=0.0).to(tl.float32)
+    y = (xf * rstd).to(X.dtype.element_ty).to(tl.float32) * w
+    tl.store(Out + row * stride_o + offs, y.to(Out.dtype.element_ty), mask=mask)
+
+
+def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
+    n = x.shape[-1]
+    assert weight.shape == (n,) and weight.is_contiguous()
+    x2 = x.reshape(-1, n)
+    assert x2.stride(-1) == 1
+    out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    if residual is not None:
+        assert residual.shape == x.shape and residual.dtype == x.dtype
+        r2 = residual.reshape(-1, n)
+        assert r2.stride(-1) == 1
+        res_out = torch.empty_like(out)
+    else:
+        r2 = res_out = out  # unused
+    rows = x2.shape[0]
+    if rows:
+        block = triton.next_power_of_2(n)
+        _rms_norm_kernel[(rows,)](
+            x2, r2, out, res_out, weight,
+            x2.stride(0), r2.stride(0), out.stride(0), res_out.stride(0),
+            n, eps,
+            HAS_RESIDUAL=residual is not None, BLOCK_N=block,
+            num_warps=max(1, min(8, block // 256)),
+        )
+    return out.view(x.shape), res_out.view(x.shape)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [..., N] normalised over its last dim and scaled by weight [N]; output in x's dtype."""
+    return _launch(x, None, weight, eps)[0]
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual) in one launch; both new tensors."""
+    return _launch(x, residual, weight, eps)

@@ -1,0 +1,170 @@
+"""Fused Triton elementwise kernels (RMSNorm, add+RMSNorm, q/k-norm+RoPE, SiLU*mul) vs
+the torch references in `tandem.models.layers` (the CPU path of the modules).
+
+Without CUDA the kernels run in Triton's interpreter on the CPU (float32/float16);
+with CUDA they run compiled, bfloat16 included. The reference always runs on the CPU
+(on CUDA the modules would call the kernels themselves). The kernels reproduce the
+reference's roundings to the activation dtype, so tolerances are a few ulps.
+"""
+import os
+
+import pytest
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:  # must precede the first kernel definition (tandem.kernels does it too)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+triton = pytest.importorskip("triton")
+
+from tandem.kernels.activation import silu_mul  # noqa: E402
+from tandem.kernels.norm import fused_add_rms_norm, rms_norm  # noqa: E402
+from tandem.kernels.rope import qkv_norm_rope, rope  # noqa: E402
+from tandem.models.layers import (RotaryEmbedding, qkv_norm_rope_torch, rms_norm_torch,  # noqa: E402
+                                  rope_torch, silu_mul_torch)
+
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+_gpu = [pytest.mark.gpu] if HAS_CUDA else [pytest.mark.skip(reason="bfloat16 needs CUDA")]
+DTYPES = [
+    pytest.param(torch.float32, id="fp32", marks=[pytest.mark.gpu] if HAS_CUDA else []),
+    pytest.param(torch.float16, id="fp16", marks=[pytest.mark.gpu] if HAS_CUDA else []),
+    pytest.param(torch.bfloat16, id="bf16", marks=_gpu),
+]
+# (atol, rtol): float32 differs only in summation order / rsqrt; half types by an ulp
+# where a float32 intermediate lands next to a rounding boundary.
+TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 2e-3), torch.bfloat16: (2e-2, 1.6e-2)}
+EPS = 1e-6
+
+
+def _rand(*shape, dtype, seed, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g) * scale).to(dtype)
+
+
+def _check(out: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
+    atol, rtol = TOL[dtype]
+    assert out.dtype == expected.dtype and out.shape == expected.shape
+    torch.testing.assert_close(out.cpu().float(), expected.float(), atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens,hidden", [(1, 576), (37, 576), (37, 1024), (5, 130)])
+def test_rms_norm(dtype, tokens, hidden):
+    x = _rand(tokens, hidden, dtype=dtype, seed=1, scale=3.0)
+    w = _rand(hidden, dtype=dtype, seed=2)
+    out = rms_norm(x.to(DEVICE), w.to(DEVICE), EPS)
+    _check(out, rms_norm_torch(x, w, EPS), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens,hidden", [(1, 576), (37, 576), (37, 1024)])
+def test_fused_add_rms_norm(dtype, tokens, hidden):
+    x = _rand(tokens, hidden, dtype=dtype, seed=3)
+    res = _rand(tokens, hidden, dtype=dtype, seed=4, scale=5.0)
+    w = _rand(hidden, dtype=dtype, seed=5)
+    x_d, res_d = x.to(DEVICE), res.to(DEVICE)
+    out, new_res = fused_add_rms_norm(x_d, res_d, w.to(DEVICE), EPS)
+    expected_res = x + res
+    _check(new_res, expected_res, dtype)
+    _check(out, rms_norm_torch(expected_res, w, EPS), dtype)
+    # Inputs untouched (new tensors out).
+    assert torch.equal(x_d.cpu(), x) and torch.equal(res_d.cpu(), res)
+
+
+def test_rms_norm_leading_dims_and_strided_rows():
+    x = _rand(7, 4, 64, dtype=torch.float32, seed=6)
+    w = _rand(64, dtype=torch.float32, seed=7)
+    _check(rms_norm(x.to(DEVICE), w.to(DEVICE), EPS), rms_norm_torch(x, w, EPS), torch.float32)
+    wide = _rand(7, 200, dtype=torch.float32, seed=8)  # rows of 64 with row stride 200
+    view = wide[:, 10:74]
+    _check(rms_norm(wide.to(DEVICE)[:, 10:74], w.to(DEVICE), EPS), rms_norm_torch(view, w, EPS),
+           torch.float32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens,inter", [(1, 1536), (37, 300), (4, 3072)])
+def test_silu_mul(dtype, tokens, inter):
+    gate_up = _rand(tokens, 2 * inter, dtype=dtype, seed=9, scale=4.0)
+    _check(silu_mul(gate_up.to(DEVICE)), silu_mul_torch(gate_up), dtype)
+
+
+# (tokens, q heads, kv heads, head_dim, heads per program or None for the default).
+# Head blocks that are partly masked (9 q / 3 kv heads in blocks of 4), a single KV
+# head, head_dim 96 (half not a power of two), T=1 and T=37.
+ROPE_CASES = [
+    (1, 16, 8, 128, None),
+    (1, 9, 3, 64, None),
+    (37, 16, 8, 128, 4),
+    (37, 9, 3, 64, 4),
+    (37, 6, 1, 64, 2),
+    (5, 4, 2, 96, 1),
+]
+MAX_POS = 300
+_ROTARY = {}
+
+
+def _tables(head_dim: int):
+    if head_dim not in _ROTARY:
+        rot = RotaryEmbedding(head_dim, MAX_POS, 10000.0, None)
+        _ROTARY[head_dim] = rot.cos, rot.sin
+    return _ROTARY[head_dim]
+
+
+def _rope_inputs(case, dtype, seed):
+    tokens, hq, hk, d, _ = case
+    qkv = _rand(tokens, (hq + 2 * hk) * d, dtype=dtype, seed=seed, scale=2.0)
+    positions = torch.randint(0, MAX_POS, (tokens,), generator=torch.Generator().manual_seed(seed))
+    positions[0] = MAX_POS - 1
+    qw = _rand(d, dtype=dtype, seed=seed + 1)
+    kw = _rand(d, dtype=dtype, seed=seed + 2)
+    return qkv, positions, qw, kw
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("qk_norm", [True, False], ids=["qknorm", "plain"])
+@pytest.mark.parametrize("case", ROPE_CASES, ids=lambda c: "T{}-{}x{}x{}-b{}".format(*c))
+def test_qkv_norm_rope(dtype, qk_norm, case):
+    """Packed qkv in, q/k normed + rotated in place, q/k/v views of qkv out."""
+    tokens, hq, hk, d, per_program = case
+    qkv, positions, qw, kw = _rope_inputs(case, dtype, seed=10 + tokens)
+    cos, sin = _tables(d)
+    norm = (qw, kw, EPS) if qk_norm else ()
+    eq, ek, ev = qkv_norm_rope_torch(qkv, positions, cos, sin, hq, hk, d, *norm)
+    dev = lambda t: t.to(DEVICE)  # noqa: E731
+    qkv_d = dev(qkv)
+    q, k, v = qkv_norm_rope(qkv_d, dev(positions), dev(cos), dev(sin), hq, hk, d,
+                            *((dev(qw), dev(kw), EPS) if qk_norm else ()),
+                            heads_per_program=per_program)
+    for t in (q, k, v):
+        assert t.untyped_storage().data_ptr() == qkv_d.untyped_storage().data_ptr()
+    _check(q, eq, dtype)
+    _check(k, ek, dtype)
+    assert torch.equal(v.cpu(), ev)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_separate_tensors(dtype):
+    """Unpacked q/k (contiguous, int32 positions) into new tensors; inputs untouched."""
+    tokens, hq, hk, d = 37, 6, 2, 128
+    q = _rand(tokens, hq, d, dtype=dtype, seed=20)
+    k = _rand(tokens, hk, d, dtype=dtype, seed=21)
+    positions = torch.randint(0, MAX_POS, (tokens,), generator=torch.Generator().manual_seed(22))
+    cos, sin = _tables(d)
+    eq, ek = rope_torch(positions, q, k, cos, sin)
+    dev = lambda t: t.to(DEVICE)  # noqa: E731
+    q_d, k_d = dev(q), dev(k)
+    oq, ok = rope(q_d, k_d, dev(positions).int(), dev(cos), dev(sin), heads_per_program=2)
+    _check(oq, eq, dtype)
+    _check(ok, ek, dtype)
+    assert oq.is_contiguous() and torch.equal(q_d.cpu(), q) and torch.equal(k_d.cpu(), k)
+
+
+def test_empty_batch():
+    x = torch.empty(0, 64, device=DEVICE)
+    w = torch.ones(64, device=DEVICE)
+    assert rms_norm(x, w, EPS).shape == (0, 64)
+    assert fused_add_rms_norm(x, x, w, EPS)[1].shape == (0, 64)
+    assert silu_mul(torch.empty(0, 128, device=DEVICE)).shape == (0, 64)
+    cos, sin = _tables(64)
+    q, k, v = qkv_norm_rope(torch.empty(0, 4 * 64, device=DEVICE), torch.empty(0, dtype=torch.long,
+                            device=DEVICE), cos.to(DEVICE), sin.to(DEVICE), 2, 1, 64)
+    assert q.shape == (0, 2, 64) and k.shape == v.shape == (0, 1, 64)
