@@ -1,9 +1,25 @@
 """Per-step timeline: host time spent planning, launching and processing, and device time
 of each forward from CUDA events. Events are read only after the step's result was
-processed (its copy_done completed), with `query()` as a guard: never a blocking read."""
+processed (its copy_done completed), with `query()` as a guard: never a blocking read.
+
+Derived per step (CUDA only; None on the CPU, where the "device" work runs inside launch):
+- `gpu_idle_before_ms`: device gap between the previous forward's end and this one's start.
+- `cpu_lead_ms`: how far ahead of the GPU the host was with this step. Positive: the step was
+  already queued when the previous forward finished (the host then waited about this long
+  for the previous result). Negative: the GPU sat idle this long waiting for the step.
+  Measured as host time from "this step queued" (end of its launch) to "previous result seen"
+  (end of the previous step's wait); where the device shows a real gap before the forward,
+  that gap (negated) is used instead, because a wait that did not block only bounds the
+  moment the previous step finished.
+"""
 import json
+import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from time import perf_counter
+
+# Device gaps at or below this are kernel-to-kernel noise, not a starved GPU (ms).
+IDLE_EPS_MS = 0.02
 
 
 @dataclass
@@ -21,42 +37,97 @@ class StepRecord:
     host_wait_ms: float = 0.0  # part of process_ms spent in the one sanctioned wait
     gpu_forward_ms: float | None = None  # None on the CPU or when events were not ready
     gpu_idle_before_ms: float | None = None  # device gap since the previous forward ended
+    host_done: float | None = None  # perf_counter when the host had this step's result (wait end)
+    cpu_lead_ms: float | None = None  # see the module docstring; CUDA only
+
+    @property
+    def launch_end(self) -> float:
+        """perf_counter when this step was fully queued (submitted)."""
+        return self.host_start + (self.schedule_ms + self.launch_ms) / 1e3
 
 
 class Timeline:
-    def __init__(self, path: str | Path | None = None):
+    """Records every launched step (`add`) and fills it in when its result was processed
+    (`completed`). `max_records` bounds memory in long-running servers (oldest dropped);
+    `steps_recorded` keeps counting."""
+
+    def __init__(self, path: str | Path | None = None, max_records: int | None = None,
+                 flush_every: int = 64):
         self.records: list[StepRecord] = []
+        self.max_records, self.flush_every = max_records, flush_every
+        self.steps_recorded = 0
         self._file = open(path, "w") if path else None
+        self._unflushed = 0
+        self._previous_done: float | None = None  # host_done of the last completed step
 
     def add(self, record: StepRecord) -> None:
         self.records.append(record)
+        self.steps_recorded += 1
+        if self.max_records is not None and len(self.records) > 2 * self.max_records:
+            del self.records[:len(self.records) - self.max_records]
 
     def completed(self, record: StepRecord, start, end, previous_end) -> None:
-        """Fill device times once the step's forward is known complete."""
+        """Fill device times once the step's forward is known complete (its result was read:
+        `process_ms` and `host_wait_ms` are already set)."""
+        now = perf_counter()
+        record.host_done = now - max(0.0, record.process_ms - record.host_wait_ms) / 1e3
         if start is not None and end is not None and end.query():
             record.gpu_forward_ms = start.elapsed_time(end)
             if previous_end is not None and previous_end.query():
                 record.gpu_idle_before_ms = max(0.0, previous_end.elapsed_time(start))
+            record.cpu_lead_ms = cpu_lead_ms(record, self._previous_done)
+        self._previous_done = record.host_done
         if self._file:
             self._file.write(json.dumps(asdict(record)) + "\n")
+            self._unflushed += 1
+            if self._unflushed >= self.flush_every:
+                self._file.flush()
+                self._unflushed = 0
 
-    def summary(self, skip: int = 0) -> dict:
-        recs = [r for r in self.records[skip:] if r.gpu_forward_ms is not None]
-        out = {"steps": len(self.records[skip:]),
+    def summary(self, skip: int = 0, last: int | None = None) -> dict:
+        """Means over records[skip:] (or the last `last` records). GPU busy fraction =
+        forward time / (forward time + device gaps between forwards); CUDA only."""
+        window = self.records[skip:]
+        if last is not None:
+            window = window[-last:] if last > 0 else []
+        recs = [r for r in window if r.gpu_forward_ms is not None]
+        out = {"steps": len(window),
                "mean_host_ms": _mean([r.schedule_ms + r.launch_ms + r.process_ms - r.host_wait_ms
-                                      for r in self.records[skip:]]),
-               "mean_host_wait_ms": _mean([r.host_wait_ms for r in self.records[skip:]])}
+                                      for r in window]),
+               "mean_host_wait_ms": _mean([r.host_wait_ms for r in window])}
         if recs:
             busy = sum(r.gpu_forward_ms for r in recs)
             idle = sum(r.gpu_idle_before_ms or 0.0 for r in recs[1:])
             out["gpu_busy_fraction"] = busy / (busy + idle) if busy + idle > 0 else None
             out["mean_gpu_forward_ms"] = busy / len(recs)
+            out["mean_gpu_idle_ms"] = idle / max(len(recs) - 1, 1)
+            leads = [r.cpu_lead_ms for r in recs[1:] if r.cpu_lead_ms is not None]
+            if leads:
+                out["mean_cpu_lead_ms"] = _mean(leads)
+                out["gpu_starved_steps"] = sum(x < 0 for x in leads)
+        if os.environ.get("CUDA_LAUNCH_BLOCKING") == "1":
+            out["launch_blocking"] = True  # every launch waited: these timings say nothing
         return out
 
     def close(self) -> None:
         if self._file:
             self._file.close()
             self._file = None
+
+
+def cpu_lead_ms(record: StepRecord, previous_done: float | None) -> float | None:
+    """How far ahead of the GPU the host was with `record`'s step (see the module docstring)."""
+    if record.gpu_idle_before_ms is not None and record.gpu_idle_before_ms > IDLE_EPS_MS:
+        return -record.gpu_idle_before_ms
+    if previous_done is None:
+        return None
+    return (previous_done - record.launch_end) * 1e3
+
+
+def read_timeline(path: str | Path) -> list[dict]:
+    """The JSON lines written by a Timeline (one dict per step)."""
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
 
 
 def _mean(xs: list[float]) -> float:
