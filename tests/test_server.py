@@ -326,3 +326,12 @@ def test_bench_serve_against_the_server(server, tmp_path):
         assert s["total_input_tokens"] == sum(r.input_len for r in reqs)
         assert 0 < s["ttft_ms"]["p50"] <= s["ttft_ms"]["p99"] <= s["e2e_ms"]["p99"]
         assert s["itl_ms"]["p50"] > 0 and s["tpot_ms"]["p50"] > 0
+
+
+def test_unloadable_model_fails_fast_with_the_reason(tmp_path):
+    cmd = [sys.executable, "-m", "tandem.server", "--model", str(tmp_path / "missing"), "--port",
+           str(_free_port()), "--device", "cpu"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=REPO,
+                       env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 1
+    assert "could not start" in r.stderr and "does not exist" in r.stderr, r.stderr[-3000:]

@@ -91,6 +91,8 @@ async def _serve(args: argparse.Namespace, cfg: EngineConfig) -> int:
         tokenizer = await tokenizer_task
     except Exception as exc:
         log.error("could not start: %s", exc)
+        tokenizer_task.cancel()
+        await asyncio.gather(tokenizer_task, return_exceptions=True)
         await client.close()
         return 1
     name = args.served_model_name or (path.stem if path.is_file() else path.name)

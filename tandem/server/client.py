@@ -48,6 +48,7 @@ class EngineClient:
         self.dead: str | None = None  # why the engine is gone, once it is
         self._tracked: dict[str, _Tracked] = {}
         self._closing = False
+        self.proc: multiprocessing.process.BaseProcess | None = None
 
     # ---- lifecycle ----
     async def start(self) -> P.Ready:
@@ -83,11 +84,14 @@ class EngineClient:
         return msg
 
     async def close(self) -> None:
+        """Stop the engine (politely, then by force) and release sockets; safe after a failed start."""
         self._closing = True
         if self.ready is not None:
             asyncio.get_running_loop().remove_reader(self.proc.sentinel)
             self._reader.cancel()
-        if self.proc.is_alive():
+        if not hasattr(self, "_push"):
+            return
+        if getattr(self, "proc", None) is not None and self.proc.is_alive():
             self._send(P.Shutdown())
             await asyncio.to_thread(self.proc.join, 10)
             if self.proc.is_alive():

@@ -49,8 +49,9 @@ def run_engine(config: bytes, inbound: str, outbound: str, max_waiting: int) -> 
     except Exception as exc:  # any start-up failure is reported, not just logged
         log.exception("engine failed to start")
         push.send(enc.encode(P.Failed(f"{type(exc).__name__}: {exc}")))
+        pull.close(0)
         push.close()
-        ctx.term()
+        ctx.term()  # waits (LINGER) until Failed is delivered
         raise SystemExit(1)
     push.send(enc.encode(P.Ready(engine.max_model_len, engine.model_config.vocab_size, _stats(engine))))
     try:
@@ -70,14 +71,15 @@ class _EngineLoop:
     def run(self) -> None:
         while True:
             busy = self.engine.has_unfinished()
-            if not self.pull.poll(0 if busy else _IDLE_POLL_MS) and not busy:
+            has_mail = bool(self.pull.poll(0 if busy else _IDLE_POLL_MS))
+            if not has_mail and not busy:
                 if os.getppid() != self.parent:
                     log.warning("front end is gone; engine exiting")
                     return
                 continue
             accepted: list[str] = []
             rejected: list[P.Rejection] = []
-            if not self._receive(accepted, rejected):
+            if has_mail and not self._receive(accepted, rejected):
                 return
             deltas = self._step() if self.engine.has_unfinished() else []
             if accepted or rejected or deltas:
