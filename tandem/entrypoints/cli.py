@@ -145,7 +145,11 @@ def main(argv: list[str] | None = None) -> int:
               "  sync-audit  find host syncs in the engine loop (CUDA)",
               file=sys.stderr if argv and argv[0] not in ("-h", "--help") else sys.stdout)
         return 0 if argv and argv[0] in ("-h", "--help") else 2
-    return _call(COMMANDS[argv[0]], argv[1:])
+    try:
+        return _call(COMMANDS[argv[0]], argv[1:])
+    except (ValueError, FileNotFoundError) as exc:  # bad input: a message, not a traceback
+        print(f"tandem {argv[0]}: error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":
