@@ -172,10 +172,11 @@ def test_empty_batch():
 
 @pytest.mark.parametrize("variant,backend", [("qwen3", "triton"), ("qwen2", "torch")])
 def test_model_forward_with_kernels(tmp_path, monkeypatch, variant, backend):
-    """A tiny model's prefill + decode logits are unchanged when the modules' torch code
-    is swapped for the kernels (what the CUDA branch does): checks the wiring (eps, head
-    counts, q/k/v as in-place views of qkv fed to the attention backend). The reference
-    run uses the torch attention backend."""
+    """A tiny model's prefill + decode logits are unchanged when its modules use the
+    kernels: checks the wiring (eps, head counts, q/k/v as in-place views of qkv fed to
+    the attention backend). Reference: the CPU torch path with the torch attention. With
+    CUDA the model runs on the GPU; without, CPU tensors are made to report `is_cuda`
+    so the modules take the same (kernel) branch under the interpreter."""
     from tiny_models import make_tiny_model
 
     from tandem.attention import TorchAttention
@@ -190,30 +191,41 @@ def test_model_forward_with_kernels(tmp_path, monkeypatch, variant, backend):
     ckpt = open_checkpoint(make_tiny_model(tmp_path, variant))
     cfg = ModelConfig.from_hf(ckpt.config)
     model = load_model(ckpt, cfg, torch.float32, torch.device("cpu"), 64, dummy_weights=False)
-    def run(attn) -> torch.Tensor:
+
+    def run(attn, dev: str) -> torch.Tensor:
         kv = KVCache(cfg.num_layers, 32, cfg.num_kv_heads, cfg.head_dim, torch.float32,
-                     torch.device("cpu"))
+                     torch.device(dev))
         table = torch.zeros(2, 32, dtype=torch.int32)
         logits = []
         for start, ids in ((0, [5, 17, 99, 3, 42, 250, 7]), (7, [64])):
             n = len(ids)
             locs = torch.arange(1 + start, 1 + start + n)
             table[1, start:start + n] = locs.to(torch.int32)
+            on = lambda t: t.to(dev)  # noqa: E731
             fb = ForwardBatch(
-                input_ids=torch.tensor(ids), positions=torch.arange(start, start + n),
-                out_cache_loc=locs, req_slots=torch.tensor([1]), seq_lens=torch.tensor([start + n]),
-                prefix_lens=torch.tensor([start]), qo_indptr=torch.tensor([0, n]),
-                req_to_token=table, host_req_slots=[1], host_seq_lens=[start + n],
-                host_extend_lens=[n], is_decode=n == 1, max_seq_len=start + n)
+                input_ids=on(torch.tensor(ids)), positions=on(torch.arange(start, start + n)),
+                out_cache_loc=on(locs), req_slots=on(torch.tensor([1])),
+                seq_lens=on(torch.tensor([start + n])), prefix_lens=on(torch.tensor([start])),
+                qo_indptr=on(torch.tensor([0, n])), req_to_token=on(table), host_req_slots=[1],
+                host_seq_lens=[start + n], host_extend_lens=[n], is_decode=n == 1,
+                max_seq_len=start + n)
             with torch.no_grad():
-                logits.append(model.compute_logits(model(fb, kv, attn)))
+                logits.append(model.compute_logits(model(fb, kv, attn)).cpu())
         return torch.cat(logits)
 
-    expected = run(TorchAttention())
-    monkeypatch.setattr(layers, "rms_norm_torch", rms_norm)
-    monkeypatch.setattr(layers, "silu_mul_torch", silu_mul)
-    monkeypatch.setattr(layers.RMSNorm, "add_forward",
-                        lambda self, x, r: fused_add_rms_norm(x, r, self.weight, self.eps))
-    monkeypatch.setattr(decoder, "qkv_norm_rope_torch", qkv_norm_rope)
+    expected = run(TorchAttention(), "cpu")
     attn = TritonAttention() if backend == "triton" else TorchAttention()
-    torch.testing.assert_close(run(attn), expected, atol=1e-4, rtol=1e-4)
+    if HAS_CUDA:
+        model.to(DEVICE)
+    else:  # CPU tensors claim to be CUDA ones: the modules take their kernel branch
+        monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+        for name in ("rms_norm_torch", "silu_mul_torch", "rope_torch"):
+            monkeypatch.setattr(layers, name, _unreachable)
+        monkeypatch.setattr(decoder, "qkv_norm_rope_torch", _unreachable)
+    got = run(attn, DEVICE)
+    monkeypatch.undo()
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
+def _unreachable(*args, **kwargs):
+    raise AssertionError("torch path taken where the kernel branch was expected")
