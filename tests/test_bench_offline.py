@@ -9,8 +9,7 @@ import torch
 from tandem.bench import offline
 from tandem.bench.offline import make_workload, run_tandem
 from tandem.bench.presets import PRESETS, preset_dir
-from tandem.bench.roofline import (Hardware, ModelCost, measure_hardware, model_cost, roofline,
-                                   step_bytes, step_flops)
+from tandem.bench.roofline import Hardware, ModelCost, measure_hardware, model_cost, roofline, step_bytes, step_flops
 from tandem.config import EngineConfig
 from tandem.diagnostics.timeline import StepRecord
 from tandem.engine import Engine

@@ -219,9 +219,9 @@ def run_hf(model, wl: Workload, device: torch.device, timeout_s: float | None = 
 
 # ---- report ----
 def format_table(rows: list[RunRow], hw: Hardware | None) -> str:
-    fmt = lambda x, p="{:.3f}": "n/a" if x is None else p.format(x)  # noqa: E731
-    lines = ["| engine | overlap | requests | input tok | output tok | wall s | output tok/s | total tok/s | "
-             "roofline s | achieved / roofline | roofline / GPU fwd | GPU busy | steps |",
+    fmt = lambda x, p="{:.3f}": "n/a" if x is None else p.format(x)
+    lines = [("| engine | overlap | requests | input tok | output tok | wall s | output tok/s | total tok/s | "
+              "roofline s | achieved / roofline | roofline / GPU fwd | GPU busy | steps |"),
              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         ov = "n/a" if r.overlap is None else ("on" if r.overlap else "off")

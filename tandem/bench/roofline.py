@@ -147,11 +147,7 @@ def measure_bandwidth(device: torch.device, nbytes: int | None = None, reps: int
     reps = reps or (20 if device.type == "cuda" else 5)
     src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).fill_(1.0)
     dst = torch.empty_like(src)
-    try:
-        sec = _timed(lambda: dst.copy_(src), device, reps)
-    finally:
-        del src, dst
-    return 2 * nbytes / sec
+    return 2 * nbytes / _timed(lambda: dst.copy_(src), device, reps)
 
 
 def measure_matmul(device: torch.device, dtype: torch.dtype, n: int | None = None,
@@ -163,11 +159,7 @@ def measure_matmul(device: torch.device, dtype: torch.dtype, n: int | None = Non
     a = torch.randn(n, n, device=device, dtype=dtype, generator=gen)
     b = torch.randn(n, n, device=device, dtype=dtype, generator=gen)
     out = torch.empty(n, n, device=device, dtype=dtype)
-    try:
-        sec = _timed(lambda: torch.matmul(a, b, out=out), device, reps)
-    finally:
-        del a, b, out
-    return 2 * n ** 3 / sec
+    return 2 * n ** 3 / _timed(lambda: torch.matmul(a, b, out=out), device, reps)
 
 
 def measure_hardware(device: torch.device, dtype: torch.dtype, copy_bytes: int | None = None,
