@@ -4,7 +4,6 @@ import json
 import logging
 import os
 import random
-import sys
 import textwrap
 import warnings
 
@@ -326,3 +325,22 @@ def test_launch_blocking_sets_env_and_warns(monkeypatch):
     with pytest.warns(RuntimeWarning) as got:
         assert not errors.enable_launch_blocking()
     assert any("no effect" in str(w.message) for w in got)
+
+
+def test_timeline_recent_gauges_match_summary_window():
+    tl = Timeline(recent_window=4)
+    prev = None
+    for i in range(10):
+        r = _record(i, 10.0 + i * 0.01)
+        r.process_ms, r.host_wait_ms = 0.5, 0.2
+        tl.add(r)
+        start, end = FakeEvent(i * 3.0 + (i % 3) * 0.5), FakeEvent(i * 3.0 + 2.0)
+        tl.completed(r, start, end, prev)
+        prev = end
+    g, s = tl.recent(), tl.summary(skip=6)
+    assert g["steps"] == 4 and g["mean_host_ms"] == pytest.approx(s["mean_host_ms"])
+    fwd = sum(r.gpu_forward_ms for r in tl.records[6:])
+    idle = sum(r.gpu_idle_before_ms for r in tl.records[6:])
+    assert g["gpu_busy_fraction"] == pytest.approx(fwd / (fwd + idle))
+    assert g["mean_cpu_lead_ms"] == pytest.approx(sum(r.cpu_lead_ms for r in tl.records[6:]) / 4)
+    assert Timeline().recent() == {"steps": 0, "mean_host_ms": 0.0}

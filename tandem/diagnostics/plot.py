@@ -69,10 +69,9 @@ def load_lanes(trace_path: str | Path, label: str, window: int = 8) -> RunLanes:
     else:  # the window runs to the end: include the last step's processing and GPU work
         t1 = _end(events, t0)
     lanes = RunLanes(label, t0, t1, count, has_gpu=bool(kernels))
-    clip = lambda spans: _clip(spans, t0, t1)  # noqa: E731
-    lanes.cpu = {p: clip(s) for p, s in marks.items()}
-    lanes.gpu_kernels = clip(_union(kernels))
-    lanes.gpu_copies = {k: clip(v) for k, v in copies.items()}
+    lanes.cpu = {p: _clip(s, t0, t1) for p, s in marks.items()}
+    lanes.gpu_kernels = _clip(_union(kernels), t0, t1)
+    lanes.gpu_copies = {k: _clip(v, t0, t1) for k, v in copies.items()}
     return lanes
 
 

@@ -14,6 +14,7 @@ Derived per step (CUDA only; None on the CPU, where the "device" work runs insid
 """
 import json
 import os
+from collections import deque
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from time import perf_counter
@@ -52,13 +53,18 @@ class Timeline:
     `steps_recorded` keeps counting."""
 
     def __init__(self, path: str | Path | None = None, max_records: int | None = None,
-                 flush_every: int = 64):
+                 flush_every: int = 64, recent_window: int = 256):
         self.records: list[StepRecord] = []
         self.max_records, self.flush_every = max_records, flush_every
         self.steps_recorded = 0
         self._file = open(path, "w") if path else None
         self._unflushed = 0
         self._previous_done: float | None = None  # host_done of the last completed step
+        # Running sums over the last `recent_window` completed steps, for cheap live gauges:
+        # (host ms, forward ms or None, idle ms or None, lead ms or None)
+        self._recent: deque = deque(maxlen=recent_window)
+        self._sums = [0.0, 0.0, 0.0, 0.0]
+        self._counts = [0, 0, 0, 0]
 
     def add(self, record: StepRecord) -> None:
         self.records.append(record)
@@ -77,12 +83,37 @@ class Timeline:
                 record.gpu_idle_before_ms = max(0.0, previous_end.elapsed_time(start))
             record.cpu_lead_ms = cpu_lead_ms(record, self._previous_done)
         self._previous_done = record.host_done
+        self._push_recent((record.schedule_ms + record.launch_ms + record.process_ms - record.host_wait_ms,
+                           record.gpu_forward_ms, record.gpu_idle_before_ms, record.cpu_lead_ms))
         if self._file:
             self._file.write(json.dumps(asdict(record)) + "\n")
             self._unflushed += 1
             if self._unflushed >= self.flush_every:
                 self._file.flush()
                 self._unflushed = 0
+
+    def _push_recent(self, values: tuple) -> None:
+        if len(self._recent) == self._recent.maxlen:
+            for i, v in enumerate(self._recent[0]):
+                if v is not None:
+                    self._sums[i] -= v
+                    self._counts[i] -= 1
+        self._recent.append(values)
+        for i, v in enumerate(values):
+            if v is not None:
+                self._sums[i] += v
+                self._counts[i] += 1
+
+    def recent(self) -> dict:
+        """O(1) gauges over the last `recent_window` completed steps (for a server's /metrics):
+        steps, mean_host_ms, and on CUDA gpu_busy_fraction and mean_cpu_lead_ms."""
+        (host, fwd, idle, lead), (n_host, n_fwd, _, n_lead) = self._sums, self._counts
+        out = {"steps": len(self._recent), "mean_host_ms": host / n_host if n_host else 0.0}
+        if n_fwd and fwd + idle > 0:
+            out["gpu_busy_fraction"] = fwd / (fwd + idle)
+        if n_lead:
+            out["mean_cpu_lead_ms"] = lead / n_lead
+        return out
 
     def summary(self, skip: int = 0, last: int | None = None) -> dict:
         """Means over records[skip:] (or the last `last` records). GPU busy fraction =
