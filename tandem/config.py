@@ -128,4 +128,5 @@ class EngineConfig:
     debug_future_map: bool = field(default_factory=lambda: os.environ.get("TANDEM_DEBUG_FUTURE_MAP") == "1")
     timeline: bool = False  # record per-step host and device times (CUDA events)
     timeline_path: str | None = None  # also write each step as a JSON line here
+    timeline_max_records: int | None = None  # keep at most this many steps in memory (servers)
     extra: dict = field(default_factory=dict)

@@ -15,6 +15,7 @@ from time import perf_counter
 import torch
 
 from tandem.attention import make_attention_backend
+from tandem.diagnostics.errors import FatalErrorGuard
 from tandem.diagnostics.timeline import StepRecord, Timeline
 from tandem.cuda_graph import DecodeGraphs, default_buckets
 from tandem.config import EngineConfig, ModelConfig, resolve_device, resolve_dtype
@@ -63,11 +64,13 @@ class Engine:
         self._ids = itertools.count()
         self._aborted: list[StepOutput] = []
         self.pending: PendingResult | None = None
-        self.timeline = Timeline(cfg.timeline_path) if cfg.timeline or cfg.timeline_path else None
+        self.timeline = (Timeline(cfg.timeline_path, max_records=cfg.timeline_max_records)
+                         if cfg.timeline or cfg.timeline_path else None)
         self.runner.timing = self.timeline is not None and self.device.type == "cuda"
         self._previous_forward_end = None
         self.step_id = 0
         self.completed_step = -1
+        self.fatal = FatalErrorGuard(log)
 
     # ---- construction ----
     def _build_memory(self) -> None:
@@ -141,7 +144,9 @@ class Engine:
             raise ValueError(f"request id {rid!r} is already in use")
         seed = params.seed if params.seed is not None else _derived_seed(self.cfg.seed, rid)
         room = self.max_model_len - len(ids)
-        req = Request(rid, ids, params, seed, max_samples=min(params.max_tokens, room))
+        stop_ids = frozenset(params.stop_token_ids or ()) | (
+            frozenset() if params.ignore_eos else frozenset(self.eos_token_ids))
+        req = Request(rid, ids, params, seed, max_samples=min(params.max_tokens, room), stop_ids=stop_ids)
         if self.tokenizer is not None:
             self.texts[rid] = RequestText(self.tokenizer, ids, params.stop)
         self.requests[rid], self._prompts[rid] = req, text
@@ -189,6 +194,16 @@ class Engine:
 
     # ---- the loop ----
     def step(self) -> list[StepOutput]:
+        """One turn of the loop. A sticky CUDA error stops the engine: it is logged once and
+        every later call raises EngineDeadError at once, touching no CUDA state."""
+        self.fatal.check()
+        try:
+            return self._step()
+        except Exception as exc:
+            self.fatal.observe(exc)
+            raise
+
+    def _step(self) -> list[StepOutput]:
         outputs, self._aborted = self._aborted, []
         t0 = perf_counter()
         batch = self.scheduler.schedule(self.step_id, drain=lambda: self._drain(outputs))
@@ -204,7 +219,8 @@ class Engine:
                                          sum(r.start + r.num_new for r in batch.rows),
                                          sum(r.num_new * r.start + r.num_new * (r.num_new + 1) // 2
                                              for r in batch.rows),
-                                         t0, (t1 - t0) * 1e3, (perf_counter() - t1) * 1e3)
+                                         t0, (t1 - t0) * 1e3, (perf_counter() - t1) * 1e3,
+                                         num_sampled=len(batch.sample_rows))
             self.timeline.add(launched.record)
         self.step_id += 1
         self._drain(outputs)  # step N's result, while step N+1 runs
@@ -265,8 +281,9 @@ class Engine:
         if req.first_token_time is None:
             req.first_token_time = time.monotonic()
         text, new_text, reason = self.texts.get(req.rid), "", None
-        if token in req.params.stop_tokens or (token in self.eos_token_ids and not req.params.ignore_eos):
-            reason, req.stop_reason = "stop", (token if token in req.params.stop_tokens else None)
+        if token in req.stop_ids:
+            reason = "stop"
+            req.stop_reason = token if token in (req.params.stop_token_ids or ()) else None
         elif text is not None:
             delta = text.append([token])
             new_text = delta.text

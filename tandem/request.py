@@ -19,6 +19,7 @@ class Request:
     params: SamplingParams
     seed: int
     max_samples: int  # min(max_tokens, room left in the context)
+    stop_ids: frozenset[int] = frozenset()  # token ids that finish it (EOS unless ignored, stop ids)
     arrival_time: float = field(default_factory=time.monotonic)
     status: Status = Status.WAITING
     output_token_ids: list[int] = field(default_factory=list)  # processed (known to the host)

@@ -132,29 +132,31 @@ class ModelRunner:
 def _metadata(batch: ScheduledBatch) -> dict[str, list[int]]:
     """Every integer the step's device work needs, as host lists (staged in one copy)."""
     input_ids, positions, locs, token_req = [], [], [], []
-    req_slots, seq_lens, prefix_lens, qo_indptr = [], [], [0], [0]
+    req_slots, seq_lens, prefix_lens, qo_indptr = [], [], [], [0]
     decode_idx, decode_slots, sample_idx, sample_slots = [], [], [], []
     for row in batch.rows:
-        n, slot = row.num_new, row.req.slot
+        slot, start, n = row.req.slot, row.start, len(row.kv_slots)
         if row.prefill_ids is None:
             decode_idx.append(len(input_ids))
             decode_slots.append(slot)
             input_ids.append(0)
+            positions.append(start)
+            token_req.append(slot)
         else:
-            input_ids.extend(row.prefill_ids)
-        positions.extend(range(row.start, row.start + n))
-        locs.extend(row.kv_slots)
-        token_req.extend([slot] * n)
+            input_ids += row.prefill_ids
+            positions += range(start, start + n)
+            token_req += [slot] * n
+        locs += row.kv_slots
         req_slots.append(slot)
-        seq_lens.append(row.start + n)
-        prefix_lens.append(row.start)
+        seq_lens.append(start + n)
+        prefix_lens.append(start)
         qo_indptr.append(qo_indptr[-1] + n)
         if row.sample_index is not None:
             sample_idx.append(len(input_ids) - 1)
             sample_slots.append(slot)
     return {"input_ids": input_ids, "positions": positions, "out_cache_loc": locs,
             "token_req_slots": token_req, "req_slots": req_slots, "seq_lens": seq_lens,
-            "prefix_lens": prefix_lens[1:], "qo_indptr": qo_indptr, "decode_token_idx": decode_idx,
+            "prefix_lens": prefix_lens, "qo_indptr": qo_indptr, "decode_token_idx": decode_idx,
             "decode_slots": decode_slots, "sample_token_idx": sample_idx, "sample_slots": sample_slots}
 
 

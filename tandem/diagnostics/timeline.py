@@ -40,6 +40,7 @@ class StepRecord:
     gpu_idle_before_ms: float | None = None  # device gap since the previous forward ended
     host_done: float | None = None  # perf_counter when the host had this step's result (wait end)
     cpu_lead_ms: float | None = None  # see the module docstring; CUDA only
+    num_sampled: int | None = None  # rows that sampled a token (the lm_head ran for them)
 
     @property
     def launch_end(self) -> float:

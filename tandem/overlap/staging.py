@@ -8,6 +8,8 @@ Two rings, both `depth` deep:
   last read it signalled `consumed` (write-after-read), or after the whole forward stream
   (`coarse=True`).
 """
+import itertools
+
 import numpy as np
 import torch
 
@@ -30,7 +32,7 @@ class InputStager:
             raise RuntimeError(f"step metadata needs {total} ints, staging holds {self.capacity}")
         i = step % self.depth
         host, dev = self.host[i], self.device[i]
-        flat = np.fromiter((x for v in fields.values() for x in v), dtype=np.int64, count=total)
+        flat = np.fromiter(itertools.chain.from_iterable(fields.values()), dtype=np.int64, count=total)
         host.numpy()[:total] = flat
         schedule = self.streams.schedule
         with self.streams.use(schedule):

@@ -46,6 +46,7 @@ class EngineClient:
         self.config, self.max_waiting, self.metrics = config, max_waiting, metrics
         self.ready: P.Ready | None = None
         self.dead: str | None = None  # why the engine is gone, once it is
+        self._failure: str | None = None  # the engine's own last word (its first fatal error)
         self._tracked: dict[str, _Tracked] = {}
         self._closing = False
         self.proc: multiprocessing.process.BaseProcess | None = None
@@ -106,7 +107,7 @@ class EngineClient:
     def _on_engine_exit(self) -> None:
         asyncio.get_running_loop().remove_reader(self.proc.sentinel)
         self.proc.join(1)  # the sentinel fires as it exits; reaping (for the code) follows at once
-        self.dead = f"the engine process exited (code {self.proc.exitcode})"
+        self.dead = self._failure or f"the engine process exited (code {self.proc.exitcode})"
         if not self._closing:
             log.error("%s; failing %d in-flight requests", self.dead, len(self._tracked))
         for t in self._tracked.values():
@@ -164,6 +165,9 @@ class EngineClient:
             msg = self._dec.decode(frame.buffer)
             if isinstance(msg, P.Outputs):
                 self._route(msg)
+            elif isinstance(msg, P.Failed):  # the engine's first fatal error, just before it exits
+                self._failure = msg.message
+                log.error("engine failed: %s", msg.message)
 
     def _route(self, msg: P.Outputs) -> None:
         self.metrics.set_stats(msg.stats)

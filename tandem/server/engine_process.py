@@ -21,6 +21,7 @@ import msgspec
 import zmq
 
 from tandem.config import EngineConfig
+from tandem.diagnostics.errors import EngineDeadError
 from tandem.outputs import StepOutput
 from tandem.sampling import SamplingParams
 from tandem.server import protocol as P
@@ -81,7 +82,12 @@ class _EngineLoop:
             rejected: list[P.Rejection] = []
             if has_mail and not self._receive(accepted, rejected):
                 return
-            deltas = self._step() if self.engine.has_unfinished() else []
+            try:
+                deltas = self._step() if self.engine.has_unfinished() else []
+            except EngineDeadError as exc:  # logged once by the engine; report it, then go
+                self.push.send(self.enc.encode(P.Failed(str(exc))))
+                self.push.close()  # LINGER delivers Failed before the hard exit
+                os._exit(3)  # no destructors on a dead CUDA context
             if accepted or rejected or deltas:
                 msg = P.Outputs(accepted, rejected, deltas, _stats(self.engine))
                 self.push.send(self.enc.encode(msg), copy=False)
@@ -134,4 +140,7 @@ def _delta(out: StepOutput) -> P.Delta:
 
 def _stats(engine) -> P.Stats:
     s = engine.stats()
-    return P.Stats(s["running"], s["waiting"], float(s["kv_cache_usage"]))
+    recent = engine.timeline.recent() if engine.timeline is not None else {}
+    return P.Stats(s["running"], s["waiting"], float(s["kv_cache_usage"]),
+                   recent.get("gpu_busy_fraction"), recent.get("mean_cpu_lead_ms"),
+                   recent.get("mean_host_ms", 0.0))

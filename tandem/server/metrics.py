@@ -16,6 +16,12 @@ class Metrics:
         r = self.registry = CollectorRegistry()
         self.running = Gauge("tandem_requests_running", "Requests in the running batch", registry=r)
         self.waiting = Gauge("tandem_requests_waiting", "Requests in the waiting queue", registry=r)
+        self.host_ms = Gauge("tandem_host_ms_per_step", "Mean host time per engine step outside the "
+                             "one completion wait, recent steps", registry=r)
+        self.gpu_busy = Gauge("tandem_gpu_busy_fraction", "Forward time / (forward time + device gaps "
+                              "between forwards), recent steps (CUDA)", registry=r)
+        self.cpu_lead = Gauge("tandem_cpu_lead_ms", "How far ahead of the GPU the host queued each "
+                              "step, recent steps (CUDA)", registry=r)
         self.kv_cache_usage = Gauge("tandem_kv_cache_usage", "Fraction of KV cache slots in use (0..1)",
                                     registry=r)
         self.prompt_tokens = Counter("tandem_prompt_tokens", "Prompt tokens of accepted requests",
@@ -34,6 +40,11 @@ class Metrics:
         self.running.set(stats.running)
         self.waiting.set(stats.waiting)
         self.kv_cache_usage.set(stats.kv_cache_usage)
+        self.host_ms.set(stats.mean_host_ms)
+        if stats.gpu_busy_fraction is not None:
+            self.gpu_busy.set(stats.gpu_busy_fraction)
+        if stats.mean_cpu_lead_ms is not None:
+            self.cpu_lead.set(stats.mean_cpu_lead_ms)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

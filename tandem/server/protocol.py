@@ -73,6 +73,10 @@ class Stats(msgspec.Struct):
     running: int
     waiting: int
     kv_cache_usage: float
+    # Over the engine's recent steps (step timeline); None where not measured (CPU).
+    gpu_busy_fraction: float | None = None
+    mean_cpu_lead_ms: float | None = None
+    mean_host_ms: float = 0.0
 
 
 class Outputs(msgspec.Struct, tag=True):
