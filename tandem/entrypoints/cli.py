@@ -18,10 +18,17 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--cuda-graph", default="auto", choices=["auto", "on", "off"])
     ap.add_argument("--timeline", metavar="PATH", help="write every engine step as a JSON line")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--launch-blocking", action="store_true",
+                    help="CUDA_LAUNCH_BLOCKING=1: errors at the failing launch (timings meaningless)")
+    ap.add_argument("--sync-audit", action="store_true",
+                    help="report every host sync inside the engine loop (CUDA)")
     ap.add_argument("-v", "--verbose", action="store_true", help="log engine progress")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
+    if args.launch_blocking:  # before CUDA starts: it is read at context creation
+        from tandem.diagnostics.errors import enable_launch_blocking
+        enable_launch_blocking()
     return EngineConfig(model=args.model, dtype=args.dtype, device=args.device,
                         dummy_weights=args.dummy_weights, disable_overlap=args.disable_overlap,
                         max_total_tokens=args.max_total_tokens, max_model_len=args.max_model_len,
@@ -67,10 +74,19 @@ def generate_main(argv: list[str]) -> int:
     _logging(args.verbose)
     from tandem.engine import Engine
     engine = Engine(engine_config(args))
+    params = sampling_params(args)
     sys.stdout.write(args.prompt)
-    stream(engine, args.prompt, sampling_params(args))
+    if not args.sync_audit:
+        stream(engine, args.prompt, params)
+        sys.stdout.write("\n")
+        return 0
+    from tandem.diagnostics.sync_audit import SyncAudit
+    with SyncAudit() as audit:
+        stream(engine, args.prompt, params)
     sys.stdout.write("\n")
-    return 0
+    report = audit.report()
+    print(report.format(), file=sys.stderr)
+    return 1 if report.total else 0
 
 
 def chat_main(argv: list[str]) -> int:
