@@ -22,6 +22,13 @@ A)
   cp /tmp/profile/timeline.png "$OUT/" 2>/dev/null; cp /tmp/profile/summary.json "$OUT/profile-summary.json" 2>/dev/null
   ;;
 B)
+  echo "=== GPU tests"
+  TANDEM_TEST_DEVICE=cuda timeout 200 python3 -m pytest -q tests/test_gpu.py tests/test_gpu_diagnostics.py \
+     "tests/test_engine.py::test_overlap_on_and_off_are_token_identical" \
+     "tests/test_engine.py::test_broken_stash_is_caught_by_debug_future_map" -p no:cacheprovider > "$OUT/gpu_tests.log" 2>&1
+  echo "rc=$?"; tail -4 "$OUT/gpu_tests.log"
+  echo "=== latency"; timeout 110 python3 -m tandem.bench.latency --preset qwen3-0.6b --batch-sizes 1,16,64,256 \
+     --steps 40 --json "$OUT/latency.json" 2>&1 | tail -16
   echo "=== offline qwen3-0.6b vs transformers"; timeout 330 python3 -m tandem.bench.offline --preset qwen3-0.6b \
      --compare-hf --hf-timeout 240 --json "$OUT/offline-qwen3.json" 2>&1 | tail -16
   echo "=== serve"

@@ -42,6 +42,10 @@ class DecodeGraphs:
         # Decode kernels take their split count from this host int; fixed for every replay.
         self.max_seq_len = max_seq_len
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # The debug FutureMap's device assert cannot be captured (its message is copied from
+        # pageable host memory), so in debug mode the gather runs eagerly into a static buffer.
+        self.resolve_in_graph = not future_map.debug
+        self.input_ids = {b: torch.zeros(b, dtype=torch.int64, device=streams.device) for b in buckets}
 
     @property
     def max_batch(self) -> int:
@@ -53,7 +57,7 @@ class DecodeGraphs:
     def forward(self, views: dict[str, torch.Tensor], bucket: int) -> torch.Tensor:
         """The captured work; also what a replay recomputes. Returns logits [bucket, V]."""
         req_slots = views["req_slots"]
-        input_ids = self.future_map.resolve(req_slots)
+        input_ids = self.future_map.resolve(req_slots) if self.resolve_in_graph else self.input_ids[bucket]
         self.table.write_on_device(req_slots, views["positions"], views["out_cache_loc"])
         fb = ForwardBatch(
             input_ids=input_ids, positions=views["positions"], out_cache_loc=views["out_cache_loc"],
@@ -87,8 +91,11 @@ class DecodeGraphs:
                  len(self.graphs), self.max_batch, used / 2**20)
         self.memory_bytes = used
 
-    def replay(self, bucket: int, ring: int) -> torch.Tensor:
-        """Queue the graph on the current (forward) stream; returns its logits buffer."""
+    def replay(self, bucket: int, ring: int, req_slots: torch.Tensor) -> torch.Tensor:
+        """Queue the graph on the current (forward) stream; returns its logits buffer.
+        `req_slots` are the staged slots the graph reads (used here only in debug mode)."""
         graph, logits = self.graphs[(bucket, ring)]
+        if not self.resolve_in_graph:
+            self.input_ids[bucket].copy_(self.future_map.resolve(req_slots))
         graph.replay()
         return logits

@@ -56,8 +56,9 @@ class ModelRunner:
                 [r.req.params for r in sample_rows], [r.req.seed for r in sample_rows],
                 [r.sample_index for r in sample_rows], [r.req.slot for r in sample_rows],
                 pin_memory=self.streams.pin())
-            with self.streams.use(self.streams.schedule):
-                sampling = sampling.to(self.streams.device, non_blocking=True)
+            if not _greedy_only(sampling):  # greedy argmax reads no per-row tensors: skip the copy
+                with self.streams.use(self.streams.schedule):
+                    sampling = sampling.to(self.streams.device, non_blocking=True)
 
         forward = self.streams.forward
         pending = PendingResult(batch, None, keepalive=[sampling])
@@ -70,7 +71,8 @@ class ModelRunner:
                 logits = self._eager_logits(batch, fields, dev)
                 sample_slots = dev["sample_slots"]
             else:
-                logits = self.graphs.replay(bucket, batch.step % self.stager.depth)[:len(rows)]
+                logits = self.graphs.replay(bucket, batch.step % self.stager.depth,
+                                            dev["req_slots"])[:len(rows)]
                 sample_slots = dev["req_slots"][:len(rows)]
             if sample_rows:
                 out = self.sampler.sample(logits, sampling)
@@ -172,3 +174,7 @@ def _decode_metadata(batch: ScheduledBatch, bucket: int) -> dict[str, list[int]]
     }
     assert tuple(fields) == DECODE_FIELDS
     return fields
+
+
+def _greedy_only(sampling: SamplingInputs) -> bool:
+    return sampling.all_greedy and not sampling.need_penalties and sampling.max_logprobs is None
