@@ -82,7 +82,7 @@ def replay_ms(engine: Engine, batch: int, repeats: int = 20) -> float | None:
     with torch.cuda.stream(stream):
         start.record(stream)
         for _ in range(repeats):
-            graphs.replay(graphs.bucket(batch), 0)
+            graphs.replay(graphs.bucket(batch), 0, engine.stager.views(0, {"req_slots": graphs.bucket(batch)})["req_slots"])
         end.record(stream)
     end.synchronize()
     return start.elapsed_time(end) / repeats

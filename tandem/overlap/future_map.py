@@ -23,6 +23,6 @@ class FutureMap:
         if self.debug:
             torch._assert_async(((ids >= 0) | (slots == 0)).all(),
                                 "FutureMap: read of a slot with no stashed token")
-            self.buf[slots] = -1  # a second read without a new stash fails too
+            self.buf.index_fill_(0, slots, -1)  # a second read without a stash fails too (no host copy)
             self.buf[:1].zero_()  # padding slot stays valid (a device op: capturable in a graph)
         return ids
