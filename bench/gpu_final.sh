@@ -40,4 +40,19 @@ B)
   curl -s 127.0.0.1:8000/metrics | grep -E "^tandem_(gpu_busy|cpu_lead|host_ms|requests_running|kv_cache)" 
   kill -INT $SRV; wait $SRV; tail -3 /tmp/serve.log
   ;;
+C)  # needs .whl carried (fastapi, uvicorn, pyzmq, msgspec, pydantic: absent on the GPU image)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=.:/tmp/site
+  echo "=== GPU tests"
+  TANDEM_TEST_DEVICE=cuda timeout 110 python3 -m pytest -q tests/test_gpu.py tests/test_gpu_diagnostics.py \
+     -p no:cacheprovider > "$OUT/gpu_tests.log" 2>&1; echo "rc=$?"; grep -E "passed|failed|^FAILED" "$OUT/gpu_tests.log" | tail -8
+  echo "=== serve"
+  D=$(python3 -c "from tandem.bench.presets import preset_dir; print(preset_dir('qwen3-0.6b'))")
+  python3 -m tandem.server --model "$D" --dummy-weights --device cuda --max-model-len 2048 --port 8000 > /tmp/serve.log 2>&1 &
+  SRV=$!; for i in $(seq 60); do curl -sf 127.0.0.1:8000/health >/dev/null && break; sleep 1; done
+  timeout 100 python3 -m tandem.bench.serve --base-url http://127.0.0.1:8000 --rates 16,128,1024 --num-prompts 120 \
+     --input-len 100:1024 --output-len 64:256 --seed 0 --json "$OUT/serve-qwen3.json" 2>&1 | tail -12
+  curl -s 127.0.0.1:8000/metrics | grep -E "^tandem_(gpu_busy|cpu_lead|host_ms|requests_running|kv_cache)"
+  kill -INT $SRV; wait $SRV; tail -2 /tmp/serve.log
+  ;;
 esac
