@@ -6,6 +6,7 @@
         process(result of step N)              # the one completion wait
 It is the same code with overlap off: then each step is processed right after its launch.
 """
+import gc
 import hashlib
 import itertools
 import logging
@@ -71,6 +72,10 @@ class Engine:
         self.step_id = 0
         self.completed_step = -1
         self.fatal = FatalErrorGuard(log)
+        # Everything built so far (model, tokenizer, buffers) lives as long as the engine:
+        # keep it out of the garbage collector's scans, which otherwise stall steps for ms.
+        gc.collect()
+        gc.freeze()
 
     # ---- construction ----
     def _build_memory(self) -> None:
