@@ -1,0 +1,57 @@
+"""Where a steady decode step's device time goes: kernel time by name, from torch.profiler.
+
+    PYTHONPATH=. python3 bench/profile_decode.py --preset qwen3-0.6b --batch 1 --batch 64
+"""
+import argparse
+import random
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from tandem.bench.presets import preset_dir
+from tandem.config import EngineConfig
+from tandem.engine import Engine
+from tandem.sampling import SamplingParams
+
+
+def profile_batch(engine: Engine, batch: int, steps: int, prompt_len: int) -> None:
+    rng = random.Random(0)
+    params = SamplingParams(max_tokens=steps + 40, temperature=0, ignore_eos=True)
+    rids = [engine.add_request([rng.randrange(1000, 100000) for _ in range(prompt_len)], params)
+            for _ in range(batch)]
+    for _ in range(20):
+        engine.step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+    total = sum(e.self_device_time_total for e in events)
+    print(f"\nbatch {batch}: {total / steps / 1e3:.3f} ms of kernel time per step, top kernels:")
+    print("| kernel | calls/step | µs/step | share |\n|---|---:|---:|---:|")
+    for e in sorted(events, key=lambda e: -e.self_device_time_total)[:12]:
+        print(f"| {e.key[:70]} | {e.count / steps:.0f} | {e.self_device_time_total / steps:.1f} | "
+              f"{e.self_device_time_total / total:.1%} |")
+    for rid in rids:
+        engine.abort(rid)
+    while engine.has_unfinished():
+        engine.step()
+    for rid in rids:
+        engine.release(rid)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", default="qwen3-0.6b")
+    ap.add_argument("--batch", type=int, action="append")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--prompt-len", type=int, default=512)
+    args = ap.parse_args()
+    engine = Engine(EngineConfig(model=preset_dir(args.preset), dummy_weights=True))
+    for b in args.batch or [1]:
+        profile_batch(engine, b, args.steps, args.prompt_len)
+
+
+if __name__ == "__main__":
+    main()
