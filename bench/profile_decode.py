@@ -21,18 +21,21 @@ def profile_batch(engine: Engine, batch: int, steps: int, prompt_len: int) -> No
             for _ in range(batch)]
     for _ in range(20):
         engine.step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    cuda = torch.cuda.is_available()
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    sync()
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
         for _ in range(steps):
             engine.step()
-        torch.cuda.synchronize()
-    events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
-    total = sum(e.self_device_time_total for e in events)
+        sync()
+    kind = "CUDA" if cuda else "CPU"
+    events = [e for e in prof.key_averages() if e.device_type.name == kind]
+    time_of = (lambda e: e.self_device_time_total) if cuda else (lambda e: e.self_cpu_time_total)
+    total = sum(time_of(e) for e in events) or 1
     print(f"\nbatch {batch}: {total / steps / 1e3:.3f} ms of kernel time per step, top kernels:")
     print("| kernel | calls/step | µs/step | share |\n|---|---:|---:|---:|")
-    for e in sorted(events, key=lambda e: -e.self_device_time_total)[:12]:
-        print(f"| {e.key[:70]} | {e.count / steps:.0f} | {e.self_device_time_total / steps:.1f} | "
-              f"{e.self_device_time_total / total:.1%} |")
+    for e in sorted(events, key=lambda e: -time_of(e))[:12]:
+        print(f"| {e.key[:70]} | {e.count / steps:.0f} | {time_of(e) / steps:.1f} | {time_of(e) / total:.1%} |")
     for rid in rids:
         engine.abort(rid)
     while engine.has_unfinished():
