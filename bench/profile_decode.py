@@ -17,7 +17,8 @@ from tandem.sampling import SamplingParams
 def profile_batch(engine: Engine, batch: int, steps: int, prompt_len: int) -> None:
     rng = random.Random(0)
     params = SamplingParams(max_tokens=steps + 40, temperature=0, ignore_eos=True)
-    rids = [engine.add_request([rng.randrange(1000, 100000) for _ in range(prompt_len)], params)
+    vocab = engine.model_config.vocab_size
+    rids = [engine.add_request([rng.randrange(vocab) for _ in range(prompt_len)], params)
             for _ in range(batch)]
     for _ in range(20):
         engine.step()
