@@ -37,12 +37,7 @@ def profile_batch(engine: Engine, batch: int, steps: int, prompt_len: int) -> No
     print("| kernel | calls/step | µs/step | share |\n|---|---:|---:|---:|")
     for e in sorted(events, key=lambda e: -time_of(e))[:12]:
         print(f"| {e.key[:70]} | {e.count / steps:.0f} | {time_of(e) / steps:.1f} | {time_of(e) / total:.1%} |")
-    for rid in rids:
-        engine.abort(rid)
-    while engine.has_unfinished():
-        engine.step()
-    for rid in rids:
-        engine.release(rid)
+    engine.cancel(rids)
 
 
 def main() -> None:

@@ -190,6 +190,15 @@ class Engine:
                              req.stop_reason, req.output_logprobs if req.params.logprobs is not None else None,
                              req.num_preemptions)
 
+    def cancel(self, request_ids: list[str]) -> None:
+        """Abort these requests, run the loop until nothing is in flight, and forget them."""
+        for rid in request_ids:
+            self.abort(rid)
+        while self.has_unfinished():
+            self.step()
+        for rid in request_ids:
+            self.release(rid)
+
     def release(self, request_id: str) -> None:
         """Forget a finished request's bookkeeping (its KV was already freed or deferred)."""
         req = self.requests.pop(request_id)

@@ -54,12 +54,7 @@ def steady_decode(engine: Engine, batch: int, overlap: bool, steps: int, warmup:
     wall = time.perf_counter() - start
     summary = engine.timeline.summary(skip=first)
     graph_ms = replay_ms(engine, batch)
-    for rid in rids:
-        engine.abort(rid)
-    while engine.has_unfinished():
-        engine.step()
-    for rid in rids:
-        engine.release(rid)
+    engine.cancel(rids)
     return DecodeRow(batch, overlap, wall / steps * 1e3, batch * steps / wall,
                      summary.get("mean_gpu_forward_ms"), summary.get("gpu_busy_fraction"),
                      summary["mean_host_ms"], graph_ms, _phases(engine.timeline.records[first:]))

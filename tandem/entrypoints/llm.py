@@ -45,12 +45,7 @@ class LLM:
             return [engine.output(rid) for rid in rids]
         finally:
             if not engine.fatal.dead:  # a dead CUDA context must not be touched again
-                for rid in rids:  # on error too: nothing left running, nothing leaked
-                    engine.abort(rid)
-                while engine.has_unfinished():
-                    engine.step()
-                for rid in rids:
-                    engine.release(rid)
+                engine.cancel(rids)  # on error too: nothing left running, nothing leaked
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
