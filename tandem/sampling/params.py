@@ -1,0 +1,119 @@
+"""SamplingParams: one request's sampling settings, validated at construction."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+
+MAX_LOGPROBS = 20
+
+
+def _is_int(x: object) -> bool:
+    # bool is an int subclass; True as max_tokens is a caller bug, not 1.
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_real(x: object) -> bool:
+    return (_is_int(x) or isinstance(x, float)) and math.isfinite(x)
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
+        self._real("temperature", lo=0.0, rule=">= 0 (0 means greedy)")
+        self._real("top_p", lo=0.0, lo_open=True, hi=1.0, rule="in (0, 1]")
+        if not _is_int(self.top_k) or not (self.top_k == -1 or self.top_k >= 1):
+            raise ValueError(
+                f"top_k must be -1 (disabled) or an int >= 1 (0 is not accepted as 'disabled'), "
+                f"got {self.top_k!r}"
+            )
+        self._real("min_p", lo=0.0, hi=1.0, rule="in [0, 1]")
+        if self.seed is not None and not _is_int(self.seed):
+            raise ValueError(f"seed must be None or an int, got {self.seed!r}")
+        self.stop = self._stop_strings(self.stop)
+        if self.stop_token_ids is not None:
+            ids = self.stop_token_ids
+            if not isinstance(ids, (list, tuple)) or not all(_is_int(t) and t >= 0 for t in ids):
+                raise ValueError(f"stop_token_ids must be None or a list of ints >= 0, got {ids!r}")
+            self.stop_token_ids = list(ids)
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        self._real("repetition_penalty", lo=0.0, lo_open=True, rule="> 0 (1 means off)")
+        self._real("presence_penalty", lo=-2.0, hi=2.0, rule="in [-2, 2]")
+        self._real("frequency_penalty", lo=-2.0, hi=2.0, rule="in [-2, 2]")
+        if self.logprobs is not None and (
+            not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS
+        ):
+            raise ValueError(
+                f"logprobs must be None or an int in [0, {MAX_LOGPROBS}], got {self.logprobs!r}"
+            )
+
+    def _real(
+        self, name: str, *, lo: float, hi: float | None = None, lo_open: bool = False, rule: str
+    ) -> None:
+        v = getattr(self, name)
+        ok = _is_real(v) and (v > lo if lo_open else v >= lo) and (hi is None or v <= hi)
+        if not ok:
+            raise ValueError(f"{name} must be a finite number {rule}, got {v!r}")
+        setattr(self, name, float(v))
+
+    @staticmethod
+    def _stop_strings(stop: object) -> list[str] | None:
+        if stop is None:
+            return None
+        items = [stop] if isinstance(stop, str) else stop
+        if not isinstance(items, (list, tuple)) or not all(isinstance(s, str) and s for s in items):
+            raise ValueError(f"stop must be None, a non-empty str or a list of non-empty str, got {stop!r}")
+        return list(items)
+
+    # Host-side facts the scheduler uses to pick which batch-wide operations run.
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def uses_top_k(self) -> bool:
+        return not self.is_greedy and self.top_k != -1
+
+    @property
+    def uses_top_p(self) -> bool:
+        return not self.is_greedy and self.top_p < 1.0
+
+    @property
+    def uses_min_p(self) -> bool:
+        return not self.is_greedy and self.min_p > 0.0
+
+    @property
+    def uses_penalties(self) -> bool:
+        # Penalties change the argmax too, so greedy rows use them.
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
+
+    @property
+    def stop_tokens(self) -> list[int]:
+        return list(self.stop_token_ids or [])
+
+    def clone(self, **changes: object) -> "SamplingParams":
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        values.update(changes)
+        return SamplingParams(**values)
+
+
