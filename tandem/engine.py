@@ -33,7 +33,7 @@ from tandem.overlap.streams import StreamSet
 from tandem.request import Request, Status
 from tandem.runner import ModelRunner, PendingResult
 from tandem.sampling import Sampler, SamplingParams
-from tandem.scheduler import Scheduler, SchedulerConfig
+from tandem.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from tandem.text import RequestText
 
 log = logging.getLogger("tandem")
@@ -229,12 +229,7 @@ class Engine:
         t1 = perf_counter()
         launched = self.runner.launch(batch)
         if self.timeline is not None:
-            launched.record = StepRecord(batch.step, len(batch.rows), batch.num_tokens, batch.is_decode,
-                                         sum(r.start + r.num_new for r in batch.rows),
-                                         sum(r.num_new * r.start + r.num_new * (r.num_new + 1) // 2
-                                             for r in batch.rows),
-                                         t0, (t1 - t0) * 1e3, (perf_counter() - t1) * 1e3,
-                                         num_sampled=len(batch.sample_rows))
+            launched.record = _step_record(batch, t0, t1, perf_counter())
             self.timeline.add(launched.record)
         self.step_id += 1
         self._drain(outputs)  # step N's result, while step N+1 runs
@@ -243,7 +238,7 @@ class Engine:
             self._drain(outputs)
         return outputs
 
-    def _process_first(self, batch) -> bool:
+    def _process_first(self, batch: ScheduledBatch) -> bool:
         """Consecutive-prefill switch: finish the previous prefill before the next one."""
         return (self.cfg.process_before_consecutive_prefill and batch.has_prefill
                 and self.pending.batch.has_prefill)
@@ -325,6 +320,17 @@ class Engine:
                 "kv_free_tokens": self.kv_slots.num_free,
                 "num_preemptions": self.scheduler.num_preemptions,
                 "steps": self.step_id}
+
+
+def _step_record(batch: ScheduledBatch, t_start: float, t_launch: float, t_end: float) -> StepRecord:
+    """A timeline record of a launched step: its shape (for rooflines) and host times."""
+    rows = batch.rows
+    return StepRecord(
+        batch.step, len(rows), batch.num_tokens, batch.is_decode,
+        context_tokens=sum(r.start + r.num_new for r in rows),
+        attn_pairs=sum(r.num_new * r.start + r.num_new * (r.num_new + 1) // 2 for r in rows),
+        host_start=t_start, schedule_ms=(t_launch - t_start) * 1e3, launch_ms=(t_end - t_launch) * 1e3,
+        num_sampled=len(batch.sample_rows))
 
 
 def _derived_seed(engine_seed: int, request_id: str) -> int:
