@@ -6,7 +6,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from tandem import LLM, SamplingParams
 from tandem.engine import Engine
