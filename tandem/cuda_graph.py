@@ -42,6 +42,7 @@ class DecodeGraphs:
         # Decode kernels take their split count from this host int; fixed for every replay.
         self.max_seq_len = max_seq_len
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.memory_bytes = 0  # device memory the captured graphs took (measured at capture)
         # The debug FutureMap's device assert cannot be captured (its message is copied from
         # pageable host memory), so in debug mode the gather runs eagerly into a static buffer.
         self.resolve_in_graph = not future_map.debug

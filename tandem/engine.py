@@ -318,6 +318,9 @@ class Engine:
                 "waiting": len(self.scheduler.waiting),
                 "kv_cache_usage": used / self.kv_slots.count,
                 "kv_free_tokens": self.kv_slots.num_free,
+                "kv_capacity_tokens": self.kv_slots.count,
+                "cuda_graph_memory_mib": (self.runner.graphs.memory_bytes / 2**20
+                                          if self.runner.graphs is not None else 0.0),
                 "num_preemptions": self.scheduler.num_preemptions,
                 "steps": self.step_id}
 
