@@ -1,11 +1,24 @@
 """Attention backends: a torch reference (any device) and Triton kernels (CUDA)."""
+from typing import Protocol
+
 import torch
+
 from tandem.attention.torch_backend import TorchAttention
+from tandem.forward_batch import ForwardBatch
 
-__all__ = ["TorchAttention", "make_attention_backend"]
+__all__ = ["AttentionBackend", "TorchAttention", "make_attention_backend"]
 
 
-def make_attention_backend(name: str, device: torch.device) -> "TorchAttention":  # noqa: F821
+class AttentionBackend(Protocol):
+    """Writes the new tokens' K/V into the cache, then attends over each request's cache."""
+
+    name: str
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, batch: ForwardBatch, scale: float) -> torch.Tensor: ...
+
+
+def make_attention_backend(name: str, device: torch.device) -> AttentionBackend:
     """`auto` picks Triton on CUDA when it is importable, the torch reference otherwise."""
     if name == "torch" or (name == "auto" and device.type != "cuda"):
         return TorchAttention()
