@@ -17,7 +17,7 @@ from tandem.overlap.future_map import FutureMap
 from tandem.overlap.results import HostResult, ResultCopier
 from tandem.overlap.staging import InputStager
 from tandem.overlap.streams import StreamSet
-from tandem.sampling import Sampler, SamplingInputs
+from tandem.sampling import Sampler, SamplingInputs, SamplingParams
 from tandem.scheduler.batch import ScheduledBatch
 
 
@@ -120,14 +120,18 @@ class ModelRunner:
             ids[dev["decode_token_idx"]] = self.future_map.resolve(dev["decode_slots"])
         return ids
 
-    def start_request(self, slot: int, token_ids: list[int], params, outputs: list[int]) -> None:
+    def start_request(self, slot: int, prompt_ids: list[int], params: SamplingParams,
+                      outputs: list[int]) -> None:
         """Reset per-slot sampling state; on the forward stream so it orders before sampling."""
         if not params.uses_penalties:
             return
         with self.streams.use(self.streams.forward):
-            self.sampler.start_request(slot, token_ids[:len(token_ids) - len(outputs)], params)
+            self.sampler.start_request(slot, prompt_ids, params)
             if outputs:  # a preempted request brings its earlier outputs back
-                ids = torch.tensor(outputs, dtype=torch.int64).to(self.streams.device)
+                # Pinned and async: no host sync; the caching host allocator keeps the source
+                # alive until the copy has run.
+                ids = torch.tensor(outputs, dtype=torch.int64, pin_memory=self.streams.pin())
+                ids = ids.to(self.streams.device, non_blocking=True)
                 self.sampler.record(torch.full_like(ids, slot), ids)
 
 

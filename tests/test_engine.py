@@ -43,6 +43,31 @@ def test_preemption_gives_same_greedy_outputs(tiny_text_model):
     assert tight_llm.engine.kv_slots.num_free == 200
 
 
+def test_preemption_keeps_penalty_history(tiny_text_model):
+    """A preempted request re-enters with its prompt and earlier outputs in its penalty state,
+    so penalised greedy decoding gives the same tokens as without preemption."""
+    rng = random.Random(4)
+    prompts = [[rng.randrange(3, 1000) for _ in range(rng.randint(20, 60))] for _ in range(12)]
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, repetition_penalty=1.3,
+                            presence_penalty=0.5, frequency_penalty=0.3)
+    roomy = LLM(str(tiny_text_model), device=TEST_DEVICE, dtype="float32").generate(
+        prompts, params, use_tqdm=False)
+    tight = LLM(str(tiny_text_model), device=TEST_DEVICE, dtype="float32", max_total_tokens=200).generate(
+        prompts, params, use_tqdm=False)
+    assert sum(o.num_preemptions for o in tight) > 0
+    assert [o.token_ids for o in tight] == [o.token_ids for o in roomy]
+
+
+def test_readmitted_request_restores_prompt_and_output_history(tiny_text_model):
+    engine = _engine(tiny_text_model)
+    params = SamplingParams(repetition_penalty=1.2)
+    engine.runner.start_request(3, [5, 6, 7, 8], params, outputs=[9, 9, 10])
+    mask = engine.sampler._prompt_mask[3]
+    counts = engine.sampler._output_counts[3]
+    assert mask.nonzero().flatten().tolist() == [5, 6, 7, 8]
+    assert {t: int(counts[t]) for t in counts.nonzero().flatten().tolist()} == {9: 2, 10: 1}
+
+
 @pytest.mark.parametrize("overlap", [True, False])
 def test_pages_come_back_after_mixed_workload_with_aborts(tiny_text_model, overlap):
     engine = _engine(tiny_text_model, max_total_tokens=600, chunked_prefill_size=16,
