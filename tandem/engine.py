@@ -60,8 +60,6 @@ class Engine:
         self._build_memory()
         self._build_loop()
         self.requests: dict[str, Request] = {}
-        self.texts: dict[str, RequestText] = {}
-        self._prompts: dict[str, str | None] = {}
         self._ids = itertools.count()
         self._aborted: list[StepOutput] = []
         self.pending: PendingResult | None = None
@@ -151,10 +149,10 @@ class Engine:
         room = self.max_model_len - len(ids)
         stop_ids = frozenset(params.stop_token_ids or ()) | (
             frozenset() if params.ignore_eos else frozenset(self.eos_token_ids))
-        req = Request(rid, ids, params, seed, max_samples=min(params.max_tokens, room), stop_ids=stop_ids)
-        if self.tokenizer is not None:
-            self.texts[rid] = RequestText(self.tokenizer, ids, params.stop)
-        self.requests[rid], self._prompts[rid] = req, text
+        req = Request(rid, ids, params, seed, max_samples=min(params.max_tokens, room), stop_ids=stop_ids,
+                      prompt=text,
+                      text=RequestText(self.tokenizer, ids, params.stop) if self.tokenizer is not None else None)
+        self.requests[rid] = req
         self.scheduler.add(req)
         return rid
 
@@ -176,17 +174,15 @@ class Engine:
         if req is None or req.finished:
             return
         self._finish(req, "abort")
-        text = self.texts.get(request_id)
-        self._aborted.append(StepOutput(request_id, [], text.finish() if text else "", True, "abort"))
+        self._aborted.append(StepOutput(request_id, [], req.text.finish() if req.text else "", True, "abort"))
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work() or self.pending is not None or bool(self._aborted)
 
     def output(self, request_id: str) -> RequestOutput:
         req = self.requests[request_id]
-        text = self.texts.get(request_id)
-        return RequestOutput(request_id, self._prompts[request_id], req.prompt_token_ids,
-                             text.text if text else "", list(req.output_token_ids), req.finish_reason,
+        return RequestOutput(request_id, req.prompt, req.prompt_token_ids,
+                             req.text.text if req.text else "", list(req.output_token_ids), req.finish_reason,
                              req.stop_reason, req.output_logprobs if req.params.logprobs is not None else None,
                              req.num_preemptions)
 
@@ -203,8 +199,6 @@ class Engine:
         """Forget a finished request's bookkeeping (its KV was already freed or deferred)."""
         req = self.requests.pop(request_id)
         assert req.finished, "release() of a running request"
-        self.texts.pop(request_id, None)
-        self._prompts.pop(request_id, None)
 
     # ---- the loop ----
     def step(self) -> list[StepOutput]:
@@ -289,7 +283,7 @@ class Engine:
             req.output_logprobs.append(lp)
         if req.first_token_time is None:
             req.first_token_time = time.monotonic()
-        text, new_text, reason = self.texts.get(req.rid), "", None
+        text, new_text, reason = req.text, "", None
         if token in req.stop_ids:
             reason = "stop"
             req.stop_reason = token if token in (req.params.stop_token_ids or ()) else None

@@ -26,11 +26,3 @@ class ForwardBatch:
     host_extend_lens: list[int]
     is_decode: bool  # every request has exactly one new token
     max_seq_len: int
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.input_ids.shape[0])
-
-    @property
-    def batch_size(self) -> int:
-        return len(self.host_seq_lens)

@@ -4,6 +4,7 @@ import time
 from dataclasses import dataclass, field
 
 from tandem.sampling import SamplingParams
+from tandem.text import RequestText
 
 
 class Status(enum.Enum):
@@ -20,6 +21,8 @@ class Request:
     seed: int
     max_samples: int  # min(max_tokens, room left in the context)
     stop_ids: frozenset[int] = frozenset()  # token ids that finish it (EOS unless ignored, stop ids)
+    prompt: str | None = None  # the prompt text, when it came as text
+    text: RequestText | None = None  # incremental detokenizer; None for a model without tokenizer
     arrival_time: float = field(default_factory=time.monotonic)
     status: Status = Status.WAITING
     output_token_ids: list[int] = field(default_factory=list)  # processed (known to the host)

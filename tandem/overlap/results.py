@@ -9,7 +9,7 @@ import torch
 
 from tandem.overlap.streams import StreamSet
 
-MAX_TOP_LOGPROBS = 20
+from tandem.sampling import MAX_LOGPROBS as MAX_TOP_LOGPROBS
 
 
 @dataclass

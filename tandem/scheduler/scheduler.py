@@ -92,7 +92,6 @@ class Scheduler:
     def _commit(self, row: Row, step: int) -> None:
         req = row.req
         req.kv_slots.extend(row.kv_slots)
-        self.table.host_rows[req.slot] = req.kv_slots
         req.num_computed += row.num_new
         if row.sample_index is not None:
             req.num_scheduled_samples += 1

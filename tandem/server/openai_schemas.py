@@ -10,8 +10,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from tandem.sampling import MAX_LOGPROBS  # one bound for the API and the engine
+
 MAX_N = 16
-MAX_LOGPROBS = 20
 
 
 class _Strict(BaseModel):
