@@ -117,6 +117,8 @@ class EngineConfig:
     max_prefill_tokens: int = 8192  # per-step token budget for prefill chunks
     chunked_prefill_size: int | None = 4096  # split prompts longer than this; None: never
     enable_mixed_batch: bool = False  # put prefill chunks and decodes in one forward
+    enable_prefix_caching: bool = True  # reuse the KV of cached prompt prefixes (radix tree)
+    schedule_policy: str = "fcfs"  # fcfs, or lpm: longest cached prefix first
     process_before_consecutive_prefill: bool = False  # better first-batch TTFT, lower throughput
     coarse_war_barrier: bool = False  # wait_stream(forward) instead of the fine-grained event
     attention_backend: str = "auto"
@@ -126,6 +128,8 @@ class EngineConfig:
     seed: int = 0
     # FutureMap read-before-write check on the device; the test suite turns it on via the env.
     debug_future_map: bool = field(default_factory=lambda: os.environ.get("TANDEM_DEBUG_FUTURE_MAP") == "1")
+    # Prefix-cache books checked after every step (reference counts, slot owners); tests' env.
+    debug_prefix_cache: bool = field(default_factory=lambda: os.environ.get("TANDEM_DEBUG_PREFIX_CACHE") == "1")
     timeline: bool = False  # record per-step host and device times (CUDA events)
     timeline_path: str | None = None  # also write each step as a JSON line here
     timeline_max_records: int | None = None  # keep at most this many steps in memory (servers)

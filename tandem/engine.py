@@ -22,6 +22,7 @@ from tandem.cuda_graph import DecodeGraphs, default_buckets
 from tandem.config import EngineConfig, ModelConfig, resolve_device, resolve_dtype
 from tandem.memory.allocator import SlotAllocator
 from tandem.memory.kv_cache import KVCache
+from tandem.memory.prefix_cache import PrefixCache
 from tandem.memory.req_to_token import ReqToTokenTable
 from tandem.models.checkpoint import builtin_model_path, open_checkpoint
 from tandem.models.loader import load_model
@@ -92,6 +93,8 @@ class Engine:
         self.max_model_len = min(self.max_model_len, num_tokens)
         self.kv = KVCache(mc.num_layers, num_tokens + 1, mc.num_kv_heads, mc.head_dim, self.dtype, self.device)
         self.kv_slots = SlotAllocator(num_tokens)  # slot 0 is the dummy slot
+        self.prefix_cache = PrefixCache(self.kv_slots, enabled=cfg.enable_prefix_caching,
+                                        debug=cfg.debug_prefix_cache)
         self.req_slots = SlotAllocator(cfg.max_running_requests)  # row 0 is the padding row
         self.table = ReqToTokenTable(cfg.max_running_requests, self.max_model_len, self.device)
         log.info("KV pool: %d tokens (%.1f MiB)", num_tokens, num_tokens * per_token / 2**20)
@@ -100,7 +103,8 @@ class Engine:
         cfg, rows = self.cfg, self.cfg.max_running_requests
         self.streams = StreamSet.create(self.device)
         max_tokens = max(cfg.max_prefill_tokens, self.max_model_len) + rows
-        self.stager = InputStager(self.streams, capacity=4 * max_tokens + 8 * rows + 16,
+        reused = 4 * max(cfg.max_prefill_tokens, self.max_model_len)  # reused-prefix table entries
+        self.stager = InputStager(self.streams, capacity=4 * max_tokens + reused + 10 * rows + 16,
                                   coarse=cfg.coarse_war_barrier)
         self.copier = ResultCopier(self.streams, max_rows=rows)
         self.sampler = Sampler(self.model_config.vocab_size, rows + 1, self.device)
@@ -110,8 +114,9 @@ class Engine:
         self.runner = ModelRunner(self.model, self.kv, self.table, backend, self.sampler,
                                   self.future_map, self.streams, self.stager, self.copier, graphs)
         self.scheduler = Scheduler(
-            SchedulerConfig(rows, cfg.max_prefill_tokens, cfg.chunked_prefill_size, cfg.enable_mixed_batch),
-            self.kv_slots, self.req_slots, self.table,
+            SchedulerConfig(rows, cfg.max_prefill_tokens, cfg.chunked_prefill_size, cfg.enable_mixed_batch,
+                            cfg.schedule_policy, max_reused_tokens_per_step=reused),
+            self.prefix_cache, self.req_slots,
             on_admit=lambda r: self.runner.start_request(r.slot, r.prompt_token_ids, r.params,
                                                          r.output_token_ids))
 
@@ -174,7 +179,8 @@ class Engine:
         if req is None or req.finished:
             return
         self._finish(req, "abort")
-        self._aborted.append(StepOutput(request_id, [], req.text.finish() if req.text else "", True, "abort"))
+        self._aborted.append(StepOutput(request_id, [], req.text.finish() if req.text else "", True, "abort",
+                                        num_cached_tokens=req.num_cached_tokens))
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work() or self.pending is not None or bool(self._aborted)
@@ -184,7 +190,7 @@ class Engine:
         return RequestOutput(request_id, req.prompt, req.prompt_token_ids,
                              req.text.text if req.text else "", list(req.output_token_ids), req.finish_reason,
                              req.stop_reason, req.output_logprobs if req.params.logprobs is not None else None,
-                             req.num_preemptions)
+                             req.num_preemptions, req.num_cached_tokens)
 
     def cancel(self, request_ids: list[str]) -> None:
         """Abort these requests, run the loop until nothing is in flight, and forget them."""
@@ -230,6 +236,8 @@ class Engine:
         self.pending = launched
         if self.cfg.disable_overlap:
             self._drain(outputs)
+        if self.prefix_cache.debug:
+            self.prefix_cache.check(self.scheduler.kv_holders())
         return outputs
 
     def _process_first(self, batch: ScheduledBatch) -> bool:
@@ -299,20 +307,28 @@ class Engine:
             if text is not None:
                 new_text += text.finish()
         return StepOutput(req.rid, [token], new_text, reason is not None, reason,
-                          [lp] if lp is not None else None)
+                          [lp] if lp is not None else None, req.num_cached_tokens)
 
     def _finish(self, req: Request, reason: str) -> None:
         req.status, req.finish_reason = Status.FINISHED, reason
         self.scheduler.finish(req, self.completed_step)
 
+    def reset_prefix_cache(self) -> int:
+        """Drop every cached prefix that no running request uses; returns the KV slots freed."""
+        return self.prefix_cache.reset()
+
     # ---- introspection ----
     def stats(self) -> dict:
-        used = self.kv_slots.count - self.kv_slots.num_free
+        cached = self.prefix_cache.evictable_tokens
+        used = self.kv_slots.count - self.kv_slots.num_free - cached
         return {"running": sum(not r.finished for r in self.scheduler.running),
                 "waiting": len(self.scheduler.waiting),
-                "kv_cache_usage": used / self.kv_slots.count,
+                "kv_cache_usage": used / self.kv_slots.count,  # held by requests (cache excluded)
                 "kv_free_tokens": self.kv_slots.num_free,
                 "kv_capacity_tokens": self.kv_slots.count,
+                "prefix_cache_tokens": cached,  # held only by the cache: evictable
+                "prefix_cache_hit_tokens": self.prefix_cache.hit_tokens,
+                "prefix_cache_queried_tokens": self.prefix_cache.queried_tokens,
                 "cuda_graph_memory_mib": (self.runner.graphs.memory_bytes / 2**20
                                           if self.runner.graphs is not None else 0.0),
                 "num_preemptions": self.scheduler.num_preemptions,

@@ -19,6 +19,7 @@ class StepOutput:
     finished: bool
     finish_reason: str | None = None
     new_logprobs: list[TokenLogprob] | None = None
+    num_cached_tokens: int = 0  # set when finished: prompt tokens reused from the prefix cache
 
 
 @dataclass
@@ -34,3 +35,4 @@ class RequestOutput:
     stop_reason: str | int | None = None
     logprobs: list[TokenLogprob] | None = None
     num_preemptions: int = 0
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache

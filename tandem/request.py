@@ -31,7 +31,14 @@ class Request:
     stop_reason: str | int | None = None
     # Placement, owned by the scheduler:
     slot: int = 0  # row in req_to_token and in the FutureMap; 0 = none
-    kv_slots: list[int] = field(default_factory=list)
+    kv_slots: list[int] = field(default_factory=list)  # KV slot of each computed token, in order
+    # Prefix cache (see tandem.memory.prefix_cache): kv_slots[:cached_len] are the tree's and
+    # locked through cache_node; duplicate_slots are the request's own copies of cached tokens.
+    cached_len: int = 0
+    cache_node: object = None
+    duplicate_slots: list[int] = field(default_factory=list)
+    num_cached_tokens: int = 0  # prompt tokens reused from the cache at first admission
+    table_pending: int = 0  # leading table entries (reused from the cache) not yet on the device
     num_computed: int = 0  # tokens whose KV is written by work already launched
     prefill_target: int = 0  # len(fill_ids) when (re)admitted; decode starts once computed
     num_scheduled_samples: int = 0  # samples launched (>= processed outputs, by the lag)

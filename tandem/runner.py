@@ -98,6 +98,9 @@ class ModelRunner:
     def _eager_logits(self, batch: ScheduledBatch, fields: dict[str, list[int]],
                       dev: dict[str, torch.Tensor]) -> torch.Tensor | None:
         input_ids = self._input_ids(batch, dev)
+        if fields["cached_locs"]:  # rows reusing cached prefixes: their table rows first
+            self.table.write_prefixes_on_device(dev["cached_req_slots"], dev["cached_lens"],
+                                                dev["cached_locs"], len(fields["cached_locs"]))
         self.table.write_on_device(dev["token_req_slots"], dev["positions"], dev["out_cache_loc"])
         fb = ForwardBatch(
             input_ids=input_ids, positions=dev["positions"], out_cache_loc=dev["out_cache_loc"],
@@ -140,6 +143,7 @@ def _metadata(batch: ScheduledBatch) -> dict[str, list[int]]:
     input_ids, positions, locs, token_req = [], [], [], []
     req_slots, seq_lens, prefix_lens, qo_indptr = [], [], [], [0]
     decode_idx, decode_slots, sample_idx, sample_slots = [], [], [], []
+    cached_locs, cached_req_slots, cached_lens = [], [], []
     for row in batch.rows:
         slot, start, n = row.req.slot, row.start, len(row.kv_slots)
         if row.prefill_ids is None:
@@ -160,10 +164,15 @@ def _metadata(batch: ScheduledBatch) -> dict[str, list[int]]:
         if row.sample_index is not None:
             sample_idx.append(len(input_ids) - 1)
             sample_slots.append(slot)
+        if row.cached_prefix is not None:
+            cached_locs += row.cached_prefix
+            cached_req_slots.append(slot)
+            cached_lens.append(len(row.cached_prefix))
     return {"input_ids": input_ids, "positions": positions, "out_cache_loc": locs,
             "token_req_slots": token_req, "req_slots": req_slots, "seq_lens": seq_lens,
             "prefix_lens": prefix_lens, "qo_indptr": qo_indptr, "decode_token_idx": decode_idx,
-            "decode_slots": decode_slots, "sample_token_idx": sample_idx, "sample_slots": sample_slots}
+            "decode_slots": decode_slots, "sample_token_idx": sample_idx, "sample_slots": sample_slots,
+            "cached_locs": cached_locs, "cached_req_slots": cached_req_slots, "cached_lens": cached_lens}
 
 
 def _decode_metadata(batch: ScheduledBatch, bucket: int) -> dict[str, list[int]]:

@@ -7,6 +7,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 # Every engine in the tests checks FutureMap reads on the device (a read before a write fails).
 os.environ.setdefault("TANDEM_DEBUG_FUTURE_MAP", "1")
+# ... and the prefix cache's books (reference counts, slot ownership) after every step.
+os.environ.setdefault("TANDEM_DEBUG_PREFIX_CACHE", "1")
 import torch  # noqa: E402
 
 torch.set_num_threads(1)

@@ -11,7 +11,7 @@ from tandem import LLM, SamplingParams
 from tandem.engine import Engine
 from tandem.config import EngineConfig
 from tiny_models import TEST_DEVICE
-from workload import random_specs, run_workload
+from workload import assert_kv_conserved, random_specs, run_workload
 
 
 def _engine(path, **kw) -> Engine:
@@ -40,7 +40,7 @@ def test_preemption_gives_same_greedy_outputs(tiny_text_model):
     tight = tight_llm.generate(prompts, _greedy(40), use_tqdm=False)
     assert [o.token_ids for o in tight] == [o.token_ids for o in roomy]
     assert sum(o.num_preemptions for o in tight) > 0
-    assert tight_llm.engine.kv_slots.num_free == 200
+    assert_kv_conserved(tight_llm.engine)
 
 
 def test_preemption_keeps_penalty_history(tiny_text_model):
@@ -72,11 +72,9 @@ def test_readmitted_request_restores_prompt_and_output_history(tiny_text_model):
 def test_pages_come_back_after_mixed_workload_with_aborts(tiny_text_model, overlap):
     engine = _engine(tiny_text_model, max_total_tokens=600, chunked_prefill_size=16,
                      disable_overlap=not overlap)
-    free_kv, free_reqs = engine.kv_slots.num_free, engine.req_slots.num_free
     specs = random_specs(60, 1000, seed=3)
     results = run_workload(engine, specs)
-    assert engine.kv_slots.num_free == free_kv
-    assert engine.req_slots.num_free == free_reqs
+    assert_kv_conserved(engine)
     assert any(r[1] == "abort" for r in results.values())
     assert engine.scheduler.num_preemptions > 0
 
@@ -96,7 +94,7 @@ def test_overlap_on_and_off_are_token_identical(tiny_text_model, builtin_tokeniz
                          max_prefill_tokens=64, disable_overlap=not overlap, debug_future_map=True)
         engine.eos_token_ids = {generated[3]}  # make EOS actually happen in a random model
         runs[overlap] = run_workload(engine, specs)
-        assert engine.kv_slots.num_free == 900
+        assert_kv_conserved(engine)
         assert engine.scheduler.num_preemptions > 0
     assert runs[True] == runs[False]
     reasons = {r[1] for r in runs[True].values()}
@@ -201,4 +199,4 @@ def test_bad_inputs_give_clear_errors(tiny_text_model, tmp_path):
         LLM(str(tiny_text_model), device="tpu")
     # The engine is still usable after the errors.
     assert llm.generate([[5, 6]], _greedy(2), use_tqdm=False)[0].finish_reason == "length"
-    assert llm.engine.kv_slots.num_free == llm.engine.kv_slots.count
+    assert_kv_conserved(llm.engine)

@@ -257,6 +257,29 @@ def test_64_streams_a_third_disconnecting(server, client):
     assert generated < (64 - leavers) * 24 + leavers * 60
 
 
+def test_second_chat_turn_reports_cached_tokens(server, client):
+    """Prefix reuse across turns: the second turn resends the first, and usage says how much of
+    the prompt came from the cache (the field the official API and clients read)."""
+    history = [{"role": "system", "content": "You answer in one short line. " * 4},
+               {"role": "user", "content": "Name a colour."}]
+    first = client.chat.completions.create(model="llama", messages=history, max_tokens=6, temperature=0)
+    history += [{"role": "assistant", "content": first.choices[0].message.content},
+                {"role": "user", "content": "Another one."}]
+    second = client.chat.completions.create(model="llama", messages=history, max_tokens=6, temperature=0)
+    assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - 1
+    stream = client.chat.completions.create(model="llama", messages=history, max_tokens=6, temperature=0,
+                                            stream=True, stream_options={"include_usage": True})
+    usage = [c.usage for c in stream if c.usage is not None][-1]
+    assert usage.prompt_tokens_details.cached_tokens == second.usage.prompt_tokens - 1
+    m = _metrics(server)
+    assert m["tandem_prefix_cache_hits_total"] > 0 and m["tandem_prefix_cache_tokens"] > 0
+    assert httpx.post(server + "/reset_prefix_cache").status_code == 200
+    deadline = time.monotonic() + 10
+    while _metrics(server)["tandem_prefix_cache_tokens"] > 0:  # applied by the engine's loop
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+
+
 def test_schemathesis_finds_no_server_error(server, tmp_path):
     st = Path(sys.executable).with_name("st")
     cmd = [str(st), "run", f"{server}/openapi.json", "--checks", "not_a_server_error", "--max-examples", "30",

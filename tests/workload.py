@@ -54,3 +54,11 @@ def run_workload(engine: Engine, specs: list[Spec], arrive_per_step: int = 8) ->
         results[spec.rid] = (o.token_ids, o.finish_reason, o.text)
         engine.release(spec.rid)
     return results
+
+
+def assert_kv_conserved(engine: Engine) -> None:
+    """Nothing runs any more: every KV slot is free or held by the prefix cache alone."""
+    s = engine.stats()
+    assert s["kv_free_tokens"] + s["prefix_cache_tokens"] == s["kv_capacity_tokens"], s
+    assert engine.prefix_cache.tree.locked_tokens == 0
+    assert engine.req_slots.num_free == engine.req_slots.count

@@ -16,6 +16,10 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--max-total-tokens", type=int, help="KV pool size in tokens")
     ap.add_argument("--max-model-len", type=int)
     ap.add_argument("--cuda-graph", default="auto", choices=["auto", "on", "off"])
+    ap.add_argument("--no-prefix-caching", action="store_false", dest="enable_prefix_caching",
+                    help="recompute every prompt (no KV reuse across requests)")
+    ap.add_argument("--schedule-policy", default="fcfs", choices=["fcfs", "lpm"],
+                    help="admission order: first come first served, or longest cached prefix first")
     ap.add_argument("--timeline", metavar="PATH", help="write every engine step as a JSON line")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--launch-blocking", action="store_true",
@@ -32,7 +36,9 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(model=args.model, dtype=args.dtype, device=args.device,
                         dummy_weights=args.dummy_weights, disable_overlap=args.disable_overlap,
                         max_total_tokens=args.max_total_tokens, max_model_len=args.max_model_len,
-                        cuda_graph=args.cuda_graph, timeline_path=args.timeline, seed=args.seed)
+                        cuda_graph=args.cuda_graph, timeline_path=args.timeline, seed=args.seed,
+                        enable_prefix_caching=args.enable_prefix_caching,
+                        schedule_policy=args.schedule_policy)
 
 
 def add_sampling_args(ap: argparse.ArgumentParser) -> None:
@@ -122,7 +128,7 @@ def chat_main(argv: list[str]) -> int:
 
 def bench_main(argv: list[str]) -> int:
     kinds = {"latency": "tandem.bench.latency:main", "offline": "tandem.bench.offline:main",
-             "serve": "tandem.bench.serve:bench_serve_main"}
+             "serve": "tandem.bench.serve:bench_serve_main", "prefix": "tandem.bench.prefix:main"}
     if not argv or argv[0] not in kinds:
         print(f"usage: tandem bench {{{','.join(kinds)}}} [options]", file=sys.stderr)
         return 2
@@ -156,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
               "  generate    generate text from a prompt, streamed to the terminal\n"
               "  chat        interactive chat on the same engine\n"
               "  serve       OpenAI-compatible HTTP server\n"
-              "  bench       benchmarks: latency | offline | serve\n"
+              "  bench       benchmarks: latency | offline | serve | prefix\n"
               "  profile     traces and a timeline plot, overlap on vs off\n"
               "  sync-audit  find host syncs in the engine loop (CUDA)",
               file=sys.stderr if argv and argv[0] not in ("-h", "--help") else sys.stdout)

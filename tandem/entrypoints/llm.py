@@ -47,6 +47,10 @@ class LLM:
             if not engine.fatal.dead:  # a dead CUDA context must not be touched again
                 engine.cancel(rids)  # on error too: nothing left running, nothing leaked
 
+    def reset_prefix_cache(self) -> int:
+        """Drop every cached prompt prefix no running request uses; returns the KV slots freed."""
+        return self.engine.reset_prefix_cache()
+
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:

@@ -18,3 +18,14 @@ class ReqToTokenTable:
         """table[req_slot, position] = loc for every new token (device scatter, stream-ordered
         before the attention that reads the table)."""
         self.table[req_slots, positions] = locs.to(torch.int32)
+
+    def write_prefixes_on_device(self, req_slots: torch.Tensor, lengths: torch.Tensor,
+                                 locs: torch.Tensor, total: int) -> None:
+        """table[req_slots[i], 0:lengths[i]] = the next lengths[i] entries of `locs`: rows that
+        reuse cached prefixes. `total` (the host's sum of lengths) sizes the expansion, so
+        nothing waits for a device value."""
+        rows = torch.repeat_interleave(req_slots, lengths, output_size=total)
+        starts = torch.cumsum(lengths, 0) - lengths
+        positions = torch.arange(total, device=locs.device) - torch.repeat_interleave(
+            starts, lengths, output_size=total)
+        self.table[rows, positions] = locs.to(torch.int32)

@@ -13,6 +13,9 @@ class Row:
     kv_slots: list[int]  # cache slots of the new tokens
     prefill_ids: list[int] | None  # known input ids; None for a decode row (ids come from the FutureMap)
     sample_index: int | None  # output index sampled at this row's last token; None: no sample
+    # KV slots of positions [0, len) reused from the prefix cache, to write into the request's
+    # table row before this row's attention reads it; None when the row holds nothing new.
+    cached_prefix: list[int] | None = None
 
     @property
     def num_new(self) -> int:

@@ -1,14 +1,18 @@
-"""FCFS admission, chunked prefill, decode of all running requests, preemption by recompute.
+"""Admission (FCFS or longest-prefix-match first), prefix reuse, chunked prefill, decode of
+all running requests, preemption by recompute.
 
 The scheduler only does host bookkeeping. It never reads a device value: under overlap the
 newest sampled token of every request is still on the GPU when the next step is planned.
+KV slots come from the prefix cache, which evicts unused cached prefixes before the
+scheduler considers preempting a running request.
 """
 from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
 from tandem.memory.allocator import SlotAllocator
-from tandem.memory.req_to_token import ReqToTokenTable
+from tandem.memory.prefix_cache import PrefixCache
+from tandem.memory.radix_cache import common_length
 from tandem.request import Request, Status
 from tandem.scheduler.batch import Row, ScheduledBatch
 
@@ -19,13 +23,27 @@ class SchedulerConfig:
     max_prefill_tokens: int
     chunked_prefill_size: int | None
     enable_mixed_batch: bool
+    schedule_policy: str = "fcfs"  # or "lpm": longest cached prefix first
+    # Table entries of reused prefixes one step may write (they travel in the staging buffer).
+    max_reused_tokens_per_step: int = 1 << 16
+
+
+SCHEDULE_POLICIES = ("fcfs", "lpm")
+# Above this many waiting requests, lpm falls back to fcfs: matching each one costs host time.
+LPM_MAX_WAITING = 128
+# A waiting request that shares at least this many more tokens with a prompt being prefilled
+# than the cache holds waits for that prefill to be cached instead of computing them again.
+SHARED_PREFILL_MIN_TOKENS = 32
 
 
 class Scheduler:
-    def __init__(self, cfg: SchedulerConfig, kv_slots: SlotAllocator, req_slots: SlotAllocator,
-                 table: ReqToTokenTable, on_admit: Callable[[Request], None]):
+    def __init__(self, cfg: SchedulerConfig, cache: PrefixCache, req_slots: SlotAllocator,
+                 on_admit: Callable[[Request], None]):
+        if cfg.schedule_policy not in SCHEDULE_POLICIES:
+            raise ValueError(f"schedule_policy must be one of {', '.join(SCHEDULE_POLICIES)}; "
+                             f"got {cfg.schedule_policy!r}")
         self.cfg = cfg
-        self.kv_slots, self.req_slots, self.table = kv_slots, req_slots, table
+        self.cache, self.req_slots = cache, req_slots
         self.on_admit = on_admit  # engine hook: reset per-slot device state (penalties)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -50,6 +68,10 @@ class Scheduler:
         else:
             self._deferred.append(req)
 
+    def kv_holders(self) -> list[Request]:
+        """Requests holding KV slots: running, or finished with their release deferred."""
+        return list({id(r): r for r in self.running + self._deferred if r.slot != 0}.values())
+
     def on_step_completed(self, step: int) -> None:
         """Every step up to `step` finished on the device: free what only they could read."""
         still = []
@@ -58,9 +80,9 @@ class Scheduler:
         self._deferred = still
 
     def _release(self, req: Request) -> None:
-        self.kv_slots.free(req.kv_slots)
+        self.cache.release(req)  # one-step lag: no launched step can touch its KV any more
         self.req_slots.free([req.slot])
-        req.kv_slots, req.slot = [], 0
+        req.slot = 0
         if req in self.running:
             self.running.remove(req)
 
@@ -84,6 +106,8 @@ class Scheduler:
 
     def _plan(self, step: int, drain: Callable[[], None]) -> list[Row]:
         self.running = [r for r in self.running if not r.finished]
+        for req in self.running:  # prompt chunks launched in earlier steps become reusable
+            self.cache.cache_prefill(req)
         if self.cfg.enable_mixed_batch:
             decode = self._decode_rows(step, drain)
             return decode + self._prefill_rows(self.cfg.max_prefill_tokens - len(decode))
@@ -95,25 +119,29 @@ class Scheduler:
         req.num_computed += row.num_new
         if row.sample_index is not None:
             req.num_scheduled_samples += 1
+        if row.cached_prefix is not None:
+            req.table_pending = 0
         req.last_step = step
 
     def _decode_rows(self, step: int, drain: Callable[[], None]) -> list[Row]:
         reqs = [r for r in self.running if r.can_decode]
-        if len(reqs) > self.kv_slots.num_free:
+        if len(reqs) > self.cache.available():
             drain()  # finishes may free enough; if not, nothing is in flight for preemption
             self.running = [r for r in self.running if not r.finished]
-            while sum(r.can_decode for r in self.running) > self.kv_slots.num_free:
+            while sum(r.can_decode for r in self.running) > self.cache.available():
                 self._preempt(self.running[-1])
             reqs = [r for r in self.running if r.can_decode]
-        slots = self.kv_slots.alloc(len(reqs))
+        slots = self.cache.alloc(len(reqs))
         return [Row(r, r.num_computed, [s], None, r.num_scheduled_samples) for r, s in zip(reqs, slots)]
 
     def _preempt(self, req: Request) -> None:
-        """Recompute later: drop the KV, keep the known outputs, go back to the queue's head."""
+        """Recompute later: keep the known outputs, go back to the queue's head. Its computed KV
+        goes to the prefix cache (nothing is in flight: preemption follows a drain), so the
+        recompute is only what eviction took meanwhile."""
         self.running.remove(req)
-        self.kv_slots.free(req.kv_slots)
+        self.cache.release(req)
         self.req_slots.free([req.slot])
-        req.kv_slots, req.slot, req.num_computed = [], 0, 0
+        req.slot, req.num_computed = 0, 0
         req.status = Status.WAITING
         req.num_preemptions += 1
         self.num_preemptions += 1
@@ -128,30 +156,64 @@ class Scheduler:
                 return rows
             rows.append(row)
             budget -= row.num_new
-        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_running_requests:
-            req = self.waiting[0]
+        if budget <= 0 or not self.waiting:
+            return rows
+        prefilling = [r for r in self.running if not r.prefill_done]
+        reused = sum(len(r.cached_prefix) for r in rows if r.cached_prefix is not None)
+        for req in self._admission_order():
+            if budget <= 0 or len(self.running) >= self.cfg.max_running_requests:
+                break
             if self.req_slots.num_free == 0:
                 break
-            fill = len(req.fill_ids)
+            if self._shares_pending_prefill(req, prefilling):
+                continue  # reuse that prefill once it is cached, a step or two from now
+            matched = self.cache.admit(req)
+            new = len(req.fill_ids) - matched
             whole = self.cfg.chunked_prefill_size is None
-            if whole and fill > budget and rows:
-                break  # an unchunked prompt waits for a step of its own
-            if self.kv_slots.num_free - reserve < min(fill, self._chunk_limit(budget)):
+            if (whole and new > budget and rows) or \
+                    self.cache.available() - reserve < min(new, self._chunk_limit(budget)) or \
+                    (reused + matched > self.cfg.max_reused_tokens_per_step and rows):
+                self.cache.undo_admit(req)  # it waits for a step with room
                 break
-            self.waiting.popleft()
-            self._admit(req)
+            reused += matched
+            self.waiting.remove(req)
+            self._admit(req, matched)
+            prefilling.append(req)
             row = self._chunk(req, budget, reserve)
             rows.append(row)
             budget -= row.num_new
         return rows
 
+    def _admission_order(self) -> list[Request]:
+        """FCFS; with `lpm`, longest cached prefix first (stable), while the queue is short."""
+        queue = list(self.waiting)
+        if self.cfg.schedule_policy == "lpm" and self.cache.enabled and len(queue) <= LPM_MAX_WAITING:
+            queue.sort(key=lambda r: -self.cache.match_length(r))
+        return queue
+
+    def _shares_pending_prefill(self, req: Request, prefilling: list[Request]) -> bool:
+        """Would `req` recompute tokens a running prefill is computing right now? Then it had
+        better wait until they are cached (prompts in one batch sharing a prefix are
+        prefilled once)."""
+        if not self.cache.enabled or not prefilling:
+            return False
+        fill, cached = req.fill_ids, self.cache.match_length(req)
+        for other in prefilling:
+            shared = common_length(other.fill_ids[:other.prefill_target], fill, 0)
+            if shared - cached >= SHARED_PREFILL_MIN_TOKENS:
+                return True
+        return False
+
     def _chunk_limit(self, budget: int) -> int:
         size = self.cfg.chunked_prefill_size
         return budget if size is None else min(size, budget)
 
-    def _admit(self, req: Request) -> None:
+    def _admit(self, req: Request, matched: int) -> None:
         req.slot = self.req_slots.alloc(1)[0]
         req.status = Status.RUNNING
+        req.num_computed = req.table_pending = matched  # the cached prefix counts as computed
+        if req.num_preemptions == 0:
+            req.num_cached_tokens = matched
         req.prefill_target = len(req.prompt_token_ids) + len(req.output_token_ids)
         req.num_scheduled_samples = len(req.output_token_ids)
         self.running.append(req)
@@ -160,10 +222,11 @@ class Scheduler:
     def _chunk(self, req: Request, budget: int, reserve: int) -> Row | None:
         left = req.prefill_target - req.num_computed
         n = left if self.cfg.chunked_prefill_size is None else min(left, self._chunk_limit(budget))
-        n = min(n, self.kv_slots.num_free - reserve)
+        n = min(n, self.cache.available() - reserve)
         if n <= 0:
             return None
         fill = req.fill_ids
         ids = fill[req.num_computed:req.num_computed + n]
         sample = req.num_scheduled_samples if req.num_computed + n == req.prefill_target else None
-        return Row(req, req.num_computed, self.kv_slots.alloc(n), ids, sample)
+        cached = req.kv_slots[:req.table_pending] if req.table_pending else None
+        return Row(req, req.num_computed, self.cache.alloc(n), ids, sample, cached)

@@ -102,6 +102,10 @@ def _prompt_tokens(prompts: list[list[int]], n: int) -> int:
     return sum(len(p) for p in prompts[::n])  # a prompt counts once however many choices it has
 
 
+def _cached_tokens(choices: list[Choice], n: int) -> int:
+    return sum(c.cached_tokens for c in choices[::n])  # like the prompt: once per prompt
+
+
 def create_app(state: ServerState, api_key: str | None = None) -> FastAPI:
     app = FastAPI(title="tandem", version="0.1.0",
                   description="OpenAI-compatible server of the tandem inference engine")
@@ -123,11 +127,12 @@ def create_app(state: ServerState, api_key: str | None = None) -> FastAPI:
         env, n_prompt = Envelope(gen.request_id, state.model_name), _prompt_tokens(prompts, body.n)
         if body.stream:
             usage = body.stream_options is not None and body.stream_options.include_usage
-            return _AbortingStream(_completion_stream(gen, env, state.names, usage, n_prompt), gen)
+            return _AbortingStream(_completion_stream(gen, env, state.names, usage, n_prompt, body.n), gen)
 
         async def work() -> Response:
             choices = await _collect(gen)
-            return _json(env.completion(choices, state.names, body.logprobs is not None, n_prompt))
+            return _json(env.completion(choices, state.names, body.logprobs is not None, n_prompt,
+                                        _cached_tokens(choices, body.n)))
         return await _unless_disconnected(request, gen, work())
 
     @app.post("/v1/chat/completions")
@@ -138,11 +143,12 @@ def create_app(state: ServerState, api_key: str | None = None) -> FastAPI:
         env, n_prompt = Envelope(gen.request_id, state.model_name), _prompt_tokens(prompts, body.n)
         if body.stream:
             usage = body.stream_options is not None and body.stream_options.include_usage
-            return _AbortingStream(_chat_stream(gen, env, state.names, usage, n_prompt), gen)
+            return _AbortingStream(_chat_stream(gen, env, state.names, usage, n_prompt, body.n), gen)
 
         async def work() -> Response:
             choices = await _collect(gen)
-            return _json(env.chat(choices, state.names, body.logprobs, n_prompt))
+            return _json(env.chat(choices, state.names, body.logprobs, n_prompt,
+                                  _cached_tokens(choices, body.n)))
         return await _unless_disconnected(request, gen, work())
 
     @app.get("/v1/models")
@@ -150,6 +156,12 @@ def create_app(state: ServerState, api_key: str | None = None) -> FastAPI:
         card = {"id": state.model_name, "object": "model", "created": 0, "owned_by": "tandem",
                 "max_model_len": state.max_model_len}
         return _json({"object": "list", "data": [card]})
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> Response:
+        """Drop every cached prefix no running request uses (e.g. after changing weights)."""
+        state.client.reset_prefix_cache()
+        return _json({"status": "ok"})
 
     @app.get("/health")
     async def health() -> Response:
@@ -165,29 +177,31 @@ def create_app(state: ServerState, api_key: str | None = None) -> FastAPI:
 
 
 async def _completion_stream(gen: Generation, env: Envelope, names: TokenNames, include_usage: bool,
-                             prompt_tokens: int) -> AsyncIterator[bytes]:
-    offsets, tokens = [0] * len(gen.rids), 0
+                             prompt_tokens: int, n: int) -> AsyncIterator[bytes]:
+    offsets, tokens, cached = [0] * len(gen.rids), 0, 0
     try:
         async for index, d in gen.deltas():
             tokens += len(d.token_ids)
+            cached += d.cached_tokens if d.finished and index % n == 0 else 0
             yield _sse(env.completion_chunk(index, d, names, offsets[index]))
             offsets[index] += len(d.text)
     except EngineDead as exc:
         yield _sse(error_body(503, str(exc)))
         return
     if include_usage:
-        yield _sse(env.usage_chunk("text_completion", prompt_tokens, tokens))
+        yield _sse(env.usage_chunk("text_completion", prompt_tokens, tokens, cached))
     yield b"data: [DONE]\n\n"
 
 
 async def _chat_stream(gen: Generation, env: Envelope, names: TokenNames, include_usage: bool,
-                       prompt_tokens: int) -> AsyncIterator[bytes]:
-    tokens = 0
+                       prompt_tokens: int, n: int) -> AsyncIterator[bytes]:
+    tokens, cached = 0, 0
     for index in range(len(gen.rids)):
         yield _sse(env.chat_chunk(index, {"role": "assistant", "content": ""}))
     try:
         async for index, d in gen.deltas():
             tokens += len(d.token_ids)
+            cached += d.cached_tokens if d.finished and index % n == 0 else 0
             delta = {"content": d.text} if d.text or d.token_ids else {}
             lps = chat_logprobs(d.logprobs, names) if d.logprobs is not None else None
             yield _sse(env.chat_chunk(index, delta, d.finish_reason if d.finished else None, lps))
@@ -195,5 +209,5 @@ async def _chat_stream(gen: Generation, env: Envelope, names: TokenNames, includ
         yield _sse(error_body(503, str(exc)))
         return
     if include_usage:
-        yield _sse(env.usage_chunk("chat.completion.chunk", prompt_tokens, tokens))
+        yield _sse(env.usage_chunk("chat.completion.chunk", prompt_tokens, tokens, cached))
     yield b"data: [DONE]\n\n"

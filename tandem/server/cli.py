@@ -27,6 +27,8 @@ def _engine_options(parser: argparse.ArgumentParser) -> None:
                  if t is not type(None)]
         kind, optional = kinds[0], isinstance(f.type, types.UnionType)
         if kind is bool:
+            if f.default and f.name.startswith("enable_"):  # on by default: --no-<feature> turns it off
+                flag = "--no-" + f.name.removeprefix("enable_").replace("_", "-")
             group.add_argument(flag, action="store_true" if not f.default else "store_false",
                                dest=f.name, help=f"(engine) default {f.default}")
             continue

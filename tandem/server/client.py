@@ -152,6 +152,12 @@ class EngineClient:
             except EngineDead:
                 pass  # nothing left to abort in
 
+    def reset_prefix_cache(self) -> None:
+        """Ask the engine to drop unused cached prefixes (applied before its next step)."""
+        if self.dead:
+            raise EngineDead(self.dead)
+        self._send(P.ResetPrefixCache())
+
     def _send(self, msg: P.ToEngine) -> None:
         try:
             self._push.send(self._enc.encode(msg), zmq.NOBLOCK)

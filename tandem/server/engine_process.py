@@ -68,6 +68,7 @@ class _EngineLoop:
         self.engine, self.pull, self.push = engine, pull, push
         self.max_waiting, self.parent = max_waiting, parent
         self.enc, self.dec = P.encoder(), P.to_engine_decoder()
+        self.report_stats = False  # send fresh stats even without deltas (after a cache reset)
 
     def run(self) -> None:
         while True:
@@ -88,7 +89,8 @@ class _EngineLoop:
                 self.push.send(self.enc.encode(P.Failed(str(exc))))
                 self.push.close()  # LINGER delivers Failed before the hard exit
                 os._exit(3)  # no destructors on a dead CUDA context
-            if accepted or rejected or deltas:
+            if accepted or rejected or deltas or self.report_stats:
+                self.report_stats = False
                 msg = P.Outputs(accepted, rejected, deltas, _stats(self.engine))
                 self.push.send(self.enc.encode(msg), copy=False)
 
@@ -106,6 +108,10 @@ class _EngineLoop:
             if isinstance(msg, P.Abort):
                 for rid in msg.request_ids:
                     self.engine.abort(rid)
+                continue
+            if isinstance(msg, P.ResetPrefixCache):
+                log.info("prefix cache reset: %d KV slots freed", self.engine.reset_prefix_cache())
+                self.report_stats = True
                 continue
             if waiting is None:
                 waiting = self.engine.stats()["waiting"]
@@ -135,7 +141,8 @@ def _delta(out: StepOutput) -> P.Delta:
     lps = None
     if out.new_logprobs is not None:
         lps = [P.Logprob(lp.token_id, lp.logprob, lp.top) for lp in out.new_logprobs]
-    return P.Delta(out.request_id, out.new_token_ids, out.new_text, out.finished, out.finish_reason, lps)
+    return P.Delta(out.request_id, out.new_token_ids, out.new_text, out.finished, out.finish_reason, lps,
+                   out.num_cached_tokens)
 
 
 def _stats(engine) -> P.Stats:
@@ -143,4 +150,5 @@ def _stats(engine) -> P.Stats:
     recent = engine.timeline.recent() if engine.timeline is not None else {}
     return P.Stats(s["running"], s["waiting"], float(s["kv_cache_usage"]),
                    recent.get("gpu_busy_fraction"), recent.get("mean_cpu_lead_ms"),
-                   recent.get("mean_host_ms", 0.0))
+                   recent.get("mean_host_ms", 0.0), s["prefix_cache_queried_tokens"],
+                   s["prefix_cache_hit_tokens"], s["prefix_cache_tokens"])

@@ -63,14 +63,18 @@ def install_error_handlers(app: FastAPI) -> None:
         return _json(error_body(500, f"internal error: {type(exc).__name__}"), 500)
 
 
+_ADMIN_PATHS = frozenset({"/reset_prefix_cache"})
+
+
 class ApiKeyMiddleware:
-    """Requires `Authorization: Bearer <key>` on /v1/*; health and metrics stay open for probes."""
+    """Requires `Authorization: Bearer <key>` on /v1/* and admin routes; health and metrics stay
+    open for probes."""
 
     def __init__(self, app, api_key: str):
         self.app, self._key = app, api_key.encode()
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+        if scope["type"] == "http" and (scope["path"].startswith("/v1") or scope["path"] in _ADMIN_PATHS):
             auth = dict(scope["headers"]).get(b"authorization", b"")
             scheme, _, token = auth.partition(b" ")
             if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self._key):

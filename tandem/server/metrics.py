@@ -33,6 +33,13 @@ class Metrics:
                               buckets=_LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("tandem_inter_token_latency_seconds", "Time between streamed tokens",
                              buckets=_ITL_BUCKETS, registry=r)
+        self.cache_queries = Counter("tandem_prefix_cache_queries", "Prompt tokens looked up in the "
+                                     "prefix cache", registry=r)
+        self.cache_hits = Counter("tandem_prefix_cache_hits", "Prompt tokens served from the prefix cache",
+                                  registry=r)
+        self.cache_tokens = Gauge("tandem_prefix_cache_tokens", "KV slots held only by the prefix cache "
+                                  "(evictable)", registry=r)
+        self._cache_totals = (0, 0)  # the engine's running totals last seen (counters take deltas)
         self.e2e = Histogram("tandem_e2e_request_latency_seconds", "Arrival to last token",
                              buckets=_LATENCY_BUCKETS, registry=r)
 
@@ -45,6 +52,13 @@ class Metrics:
             self.gpu_busy.set(stats.gpu_busy_fraction)
         if stats.mean_cpu_lead_ms is not None:
             self.cpu_lead.set(stats.mean_cpu_lead_ms)
+        queried, hits = stats.prefix_cache_queried_tokens, stats.prefix_cache_hit_tokens
+        seen_queried, seen_hits = self._cache_totals
+        if queried >= seen_queried and hits >= seen_hits:  # an engine restart starts from 0 again
+            self.cache_queries.inc(queried - seen_queried)
+            self.cache_hits.inc(hits - seen_hits)
+        self._cache_totals = (queried, hits)
+        self.cache_tokens.set(stats.prefix_cache_tokens)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

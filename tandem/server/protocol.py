@@ -42,7 +42,11 @@ class Shutdown(msgspec.Struct, tag=True):
     pass
 
 
-ToEngine = Add | Abort | Shutdown
+class ResetPrefixCache(msgspec.Struct, tag=True):
+    pass
+
+
+ToEngine = Add | Abort | Shutdown | ResetPrefixCache
 
 
 # ---- engine -> front end ----
@@ -61,6 +65,7 @@ class Delta(msgspec.Struct, array_like=True):
     finished: bool
     finish_reason: str | None
     logprobs: list[Logprob] | None
+    cached_tokens: int = 0  # on the last delta: prompt tokens whose KV came from the prefix cache
 
 
 class Rejection(msgspec.Struct):
@@ -77,6 +82,10 @@ class Stats(msgspec.Struct):
     gpu_busy_fraction: float | None = None
     mean_cpu_lead_ms: float | None = None
     mean_host_ms: float = 0.0
+    # Prefix cache: running totals in tokens, and the tokens only the cache holds.
+    prefix_cache_queried_tokens: int = 0
+    prefix_cache_hit_tokens: int = 0
+    prefix_cache_tokens: int = 0
 
 
 class Outputs(msgspec.Struct, tag=True):

@@ -33,6 +33,7 @@ class Choice:
     num_tokens: int = 0
     logprobs: list[P.Logprob] = field(default_factory=list)
     finish_reason: str | None = None
+    cached_tokens: int = 0
 
     def add(self, d: P.Delta) -> None:
         self.text.append(d.text)
@@ -40,12 +41,13 @@ class Choice:
         if d.logprobs:
             self.logprobs.extend(d.logprobs)
         if d.finished:
-            self.finish_reason = d.finish_reason
+            self.finish_reason, self.cached_tokens = d.finish_reason, d.cached_tokens
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 def _lp(x: float) -> float:
@@ -80,21 +82,21 @@ class Envelope:
     created: int = field(default_factory=lambda: int(time.time()))
 
     def completion(self, choices: list[Choice], names: TokenNames, with_logprobs: bool,
-                   prompt_tokens: int) -> dict:
+                   prompt_tokens: int, cached_tokens: int = 0) -> dict:
         return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
                 "choices": [{"index": i, "text": "".join(c.text), "finish_reason": c.finish_reason,
                              "logprobs": completion_logprobs(c.logprobs, names) if with_logprobs else None}
                             for i, c in enumerate(choices)],
-                "usage": usage(prompt_tokens, sum(c.num_tokens for c in choices))}
+                "usage": usage(prompt_tokens, sum(c.num_tokens for c in choices), cached_tokens)}
 
     def chat(self, choices: list[Choice], names: TokenNames, with_logprobs: bool,
-             prompt_tokens: int) -> dict:
+             prompt_tokens: int, cached_tokens: int = 0) -> dict:
         return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
                 "choices": [{"index": i, "message": {"role": "assistant", "content": "".join(c.text)},
                              "finish_reason": c.finish_reason,
                              "logprobs": chat_logprobs(c.logprobs, names) if with_logprobs else None}
                             for i, c in enumerate(choices)],
-                "usage": usage(prompt_tokens, sum(c.num_tokens for c in choices))}
+                "usage": usage(prompt_tokens, sum(c.num_tokens for c in choices), cached_tokens)}
 
     def completion_chunk(self, index: int, d: P.Delta, names: TokenNames, offset: int) -> dict:
         lps = completion_logprobs(d.logprobs, names, offset) if d.logprobs is not None else None
@@ -109,6 +111,7 @@ class Envelope:
                 "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
                              "finish_reason": finish_reason}]}
 
-    def usage_chunk(self, kind: str, prompt_tokens: int, completion_tokens: int) -> dict:
+    def usage_chunk(self, kind: str, prompt_tokens: int, completion_tokens: int,
+                    cached_tokens: int = 0) -> dict:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model,
-                "choices": [], "usage": usage(prompt_tokens, completion_tokens)}
+                "choices": [], "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}

@@ -1,0 +1,276 @@
+"""`tandem bench prefix`: workloads that share prompt prefixes, prefix cache on vs off.
+
+Workloads (random token ids, EOS ignored, fixed seed; greedy):
+- shared: SGLang's "generated-shared-prefix" shape, G groups x R requests, each group one
+  system prompt of S tokens, each request its own question of Q tokens, O output tokens; all
+  requests arrive at once.
+- multiturn: C conversations x T turns; every turn resends the whole history (earlier prompts
+  and the tokens the engine generated) plus Q new tokens, and arrives when the previous turn of
+  its conversation finished (closed loop).
+- standard: DESIGN.md's offline workload (N requests, input and output U[100, 1024]), no
+  sharing: what the cache costs when it cannot help.
+
+Each configuration runs in its own process (an engine does not give GPU memory back to a
+second one in the same process); `--compare` runs cache on and off and prints both with their
+ratios. Per run: wall time, output tok/s, TTFT p50/p99 (arrival to first token seen by the
+host), prefix hit rate (cached / looked-up prompt tokens), host ms per step, GPU busy.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from tandem.bench.presets import preset_dir
+from tandem.config import EngineConfig
+from tandem.engine import Engine
+from tandem.sampling import SamplingParams
+
+
+@dataclass
+class Turn:
+    """One request to send: its prompt and output length; `conversation` chains turns."""
+
+    prompt: list[int]
+    output_len: int
+    conversation: int | None = None
+
+
+class SharedPrefix:
+    def __init__(self, groups: int, per_group: int, system_len: int, question_len: int,
+                 output_len: int, vocab: int, seed: int):
+        rng = random.Random(seed)
+        systems = [[rng.randrange(vocab) for _ in range(system_len)] for _ in range(groups)]
+        self.turns = [Turn(system + [rng.randrange(vocab) for _ in range(question_len)], output_len)
+                      for _ in range(per_group) for system in systems]
+        rng.shuffle(self.turns)
+
+    def initial(self) -> list[Turn]:
+        return self.turns
+
+    def follow_up(self, turn: Turn, output_ids: list[int]) -> Turn | None:
+        return None
+
+
+class MultiTurn:
+    def __init__(self, conversations: int, turns: int, first_len: int, question_len: int,
+                 output_len: int, vocab: int, seed: int):
+        self.rng, self.vocab, self.turns = random.Random(seed), vocab, turns
+        self.question_len, self.output_len = question_len, output_len
+        self.sent = [1] * conversations
+        self.first = [Turn(self._tokens(first_len), output_len, c) for c in range(conversations)]
+
+    def _tokens(self, n: int) -> list[int]:
+        return [self.rng.randrange(self.vocab) for _ in range(n)]
+
+    def initial(self) -> list[Turn]:
+        return self.first
+
+    def follow_up(self, turn: Turn, output_ids: list[int]) -> Turn | None:
+        c = turn.conversation
+        if self.sent[c] >= self.turns:
+            return None
+        self.sent[c] += 1
+        return Turn(turn.prompt + output_ids + self._tokens(self.question_len), self.output_len, c)
+
+
+class Standard:
+    def __init__(self, num_requests: int, vocab: int, seed: int, min_len: int = 100, max_len: int = 1024):
+        rng = random.Random(seed)
+        self.turns = [Turn([rng.randrange(vocab) for _ in range(rng.randint(min_len, max_len))],
+                           rng.randint(min_len, max_len)) for _ in range(num_requests)]
+
+    def initial(self) -> list[Turn]:
+        return self.turns
+
+    def follow_up(self, turn: Turn, output_ids: list[int]) -> Turn | None:
+        return None
+
+
+@dataclass
+class PrefixRow:
+    workload: str
+    cache: bool
+    requests: int
+    input_tokens: int
+    output_tokens: int
+    wall_s: float
+    ttft_p50_ms: float
+    ttft_p99_ms: float
+    hit_rate: float  # cached prompt tokens / prompt tokens looked up
+    steps: int
+    host_ms_per_step: float
+    gpu_busy: float | None
+
+    @property
+    def output_tok_s(self) -> float:
+        return self.output_tokens / self.wall_s
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "output_tok_s": self.output_tok_s}
+
+
+def drive(engine: Engine, workload, tag: str) -> tuple[int, int, float, list[float]]:
+    """Send the workload's requests (follow-ups as their predecessors finish) until all are
+    done. Returns input tokens, output tokens, wall seconds and the TTFTs in ms (one per
+    request)."""
+    arrival: dict[str, float] = {}
+    turns: dict[str, Turn] = {}
+    ttft: list[float] = []
+    ids = iter(range(1 << 62))
+    inputs = outputs = 0
+
+    def send(turn: Turn) -> None:
+        nonlocal inputs
+        rid = f"{tag}-{next(ids)}"
+        engine.add_request(turn.prompt, SamplingParams(max_tokens=turn.output_len, temperature=0.0,
+                                                       ignore_eos=True), request_id=rid)
+        arrival[rid], turns[rid] = time.perf_counter(), turn
+        inputs += len(turn.prompt)
+
+    _sync(engine.device)
+    start = time.perf_counter()
+    for turn in workload.initial():
+        send(turn)
+    while engine.has_unfinished():
+        for out in engine.step():
+            now = time.perf_counter()
+            if out.new_token_ids and out.request_id in arrival:  # its first token
+                ttft.append((now - arrival.pop(out.request_id)) * 1e3)
+            if out.finished:
+                got = engine.output(out.request_id).token_ids
+                outputs += len(got)
+                engine.release(out.request_id)
+                nxt = workload.follow_up(turns.pop(out.request_id), got)
+                if nxt is not None:
+                    send(nxt)
+    _sync(engine.device)
+    return inputs, outputs, time.perf_counter() - start, ttft
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _percentile(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))] if xs else float("nan")
+
+
+def make_workload(args: argparse.Namespace, vocab: int, seed: int):
+    if args.workload == "shared":
+        return SharedPrefix(args.groups, args.per_group, args.system_len, args.question_len,
+                            args.output_len, vocab, seed)
+    if args.workload == "multiturn":
+        return MultiTurn(args.conversations, args.turns, args.system_len, args.question_len,
+                         args.output_len, vocab, seed)
+    return Standard(args.num_requests, vocab, seed)
+
+
+def run_one(args: argparse.Namespace) -> PrefixRow:
+    model = preset_dir(args.preset) if args.preset else args.model
+    engine = Engine(EngineConfig(model=model, dummy_weights=bool(args.preset), device=args.device,
+                                 dtype=args.dtype, enable_prefix_caching=args.cache == "on",
+                                 max_total_tokens=args.max_total_tokens, max_model_len=args.max_model_len,
+                                 timeline=True, seed=0))
+    vocab = engine.model_config.vocab_size
+    small = argparse.Namespace(**{**vars(args), "groups": min(args.groups, 2), "per_group": min(args.per_group, 2),
+                                  "conversations": min(args.conversations, 2), "turns": min(args.turns, 2),
+                                  "num_requests": min(args.num_requests, 8)})
+    drive(engine, make_workload(small, vocab, seed=1_000 + args.seed), "warm")  # compile kernels
+    engine.reset_prefix_cache()
+    s0, first = engine.stats(), len(engine.timeline.records)
+    inputs, outputs, wall, ttft = drive(engine, make_workload(args, vocab, args.seed), "run")
+    s1 = engine.stats()
+    queried = s1["prefix_cache_queried_tokens"] - s0["prefix_cache_queried_tokens"]
+    hits = s1["prefix_cache_hit_tokens"] - s0["prefix_cache_hit_tokens"]
+    summary = engine.timeline.summary(skip=first)
+    return PrefixRow(args.workload, args.cache == "on", len(ttft), inputs, outputs, wall,
+                     _percentile(ttft, 50), _percentile(ttft, 99), hits / max(queried, 1),
+                     summary["steps"], summary["mean_host_ms"], summary.get("gpu_busy_fraction"))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="tandem bench prefix", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workload", choices=["shared", "multiturn", "standard"], default="shared")
+    ap.add_argument("--preset", help="model shape with dummy weights (qwen3-0.6b, llama-3.1-8b, tiny)")
+    ap.add_argument("--model", help="a model path instead of a preset (default: the built-in model)")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--cache", choices=["on", "off"], default="on")
+    ap.add_argument("--compare", action="store_true", help="run cache on and off, each in its own process")
+    ap.add_argument("--groups", type=int, default=32)
+    ap.add_argument("--per-group", type=int, default=16)
+    ap.add_argument("--system-len", type=int, default=2048, help="shared system prompt (first turn) length")
+    ap.add_argument("--question-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=256)
+    ap.add_argument("--conversations", type=int, default=64)
+    ap.add_argument("--turns", type=int, default=6)
+    ap.add_argument("--num-requests", type=int, default=256, help="standard workload size")
+    ap.add_argument("--max-total-tokens", type=int)
+    ap.add_argument("--max-model-len", type=int)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", help="write the rows here")
+    return ap
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    if not args.compare:
+        row = run_one(args)
+        print(json.dumps(row.to_dict()))
+        return 0
+    rows = []
+    for cache in ("on", "off"):
+        cmd = [sys.executable, "-m", "tandem.bench.prefix", *_without_compare(argv), "--cache", cache]
+        out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+        rows.append(json.loads(out.strip().splitlines()[-1]))
+    print(format_table(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+def _without_compare(argv: list[str]) -> list[str]:
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--compare":
+            continue
+        elif a in ("--cache", "--json"):
+            skip = True
+        elif not a.startswith(("--cache=", "--json=")):
+            out.append(a)
+    return out
+
+
+def format_table(rows: list[dict]) -> str:
+    cols = ["workload", "cache", "requests", "output_tok_s", "ttft_p50_ms", "ttft_p99_ms", "hit_rate",
+            "host_ms_per_step", "gpu_busy", "wall_s"]
+    lines = [" | ".join(cols)]
+    for r in rows:
+        lines.append(" | ".join(_fmt(r[c]) for c in cols))
+    on, off = rows[0], rows[1]
+    lines.append(f"cache on/off: throughput x{on['output_tok_s'] / off['output_tok_s']:.2f}, "
+                 f"TTFT p50 x{off['ttft_p50_ms'] / on['ttft_p50_ms']:.2f} lower")
+    return "\n".join(lines)
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.3f}" if abs(v) < 10 else f"{v:,.1f}"
+    return str(v)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,133 @@
+"""Who owns which KV slot: the free list, the radix tree, or a request.
+
+A request's table row lists the slots of its tokens in order (`req.kv_slots`). The first
+`req.cached_len` of them belong to the radix tree and are locked by the request (through
+`req.cache_node`); the rest belong to the request, which frees them when it is released, as
+does the list `req.duplicate_slots` (tokens another request cached first while this one was
+computing them; the request keeps reading its own copy, so they stay until it is released).
+
+Lifetime rules (the one-step lag): `release` and `preempt` run only when no launched step can
+still read or write the request's KV (finished requests are released once their last step
+completed; preemption happens after the in-flight step was processed). `cache_prefill` caches
+tokens whose KV writes were launched but may still run: later readers are ordered behind them
+on the forward stream. Eviction takes only nodes no request locks, and a request locks what it
+uses until it is released, so nothing an in-flight step reads can be evicted.
+
+With caching disabled the same calls keep the same books with an always-empty tree.
+"""
+from __future__ import annotations
+
+from tandem.memory.allocator import SlotAllocator
+from tandem.memory.radix_cache import RadixCache
+from tandem.request import Request
+
+
+class PrefixCache:
+    def __init__(self, kv_slots: SlotAllocator, enabled: bool = True, debug: bool = False):
+        self.kv_slots, self.enabled, self.debug = kv_slots, enabled, debug
+        self.tree = RadixCache(kv_slots.free)
+        self.hit_tokens = 0  # running totals, in prompt tokens
+        self.queried_tokens = 0
+
+    # ---- capacity ----
+    @property
+    def evictable_tokens(self) -> int:
+        return self.tree.evictable_tokens
+
+    def available(self) -> int:
+        """Slots a request could get now: free ones plus what eviction can free."""
+        return self.kv_slots.num_free + self.tree.evictable_tokens
+
+    def alloc(self, n: int) -> list[int]:
+        """n free slots, evicting unreferenced cached prefixes (LRU) first if needed."""
+        short = n - self.kv_slots.num_free
+        if short > 0:
+            self.tree.evict(short)
+        return self.kv_slots.alloc(n)
+
+    # ---- a request's prefix ----
+    def match_length(self, req: Request) -> int:
+        """Tokens of the request's input that admission would reuse (no state changes)."""
+        if not self.enabled:
+            return 0
+        return min(self.tree.match_length(req.fill_ids), len(req.fill_ids) - 1)
+
+    def admit(self, req: Request) -> int:
+        """Give a newly (re)admitted request the longest cached prefix of its input and lock
+        it. At least the last input token is always recomputed: its logits are needed.
+        Returns the matched length."""
+        fill = req.fill_ids
+        req.kv_slots, req.cached_len, req.cache_node, req.duplicate_slots = [], 0, None, []
+        self.queried_tokens += len(fill)
+        if not self.enabled:
+            return 0
+        slots, node = self.tree.match(fill[:len(fill) - 1])
+        if slots:
+            self.tree.lock(node)
+            req.kv_slots, req.cached_len, req.cache_node = slots, len(slots), node
+            self.hit_tokens += len(slots)
+        return len(slots)
+
+    def undo_admit(self, req: Request) -> None:
+        """Admission did not go ahead (no room): drop the lock, keep the tree as it was."""
+        if req.cache_node is not None:
+            self.tree.unlock(req.cache_node)
+            self.hit_tokens -= req.cached_len
+        self.queried_tokens -= len(req.fill_ids)
+        req.kv_slots, req.cached_len, req.cache_node = [], 0, None
+
+    def cache_prefill(self, req: Request) -> None:
+        """Cache the prompt tokens whose KV writes were launched, so that requests sharing
+        them (and this one, if preempted) reuse them. Decode tokens wait for `release`."""
+        upto = min(req.num_computed, req.prefill_target)
+        if self.enabled and upto > req.cached_len:
+            self._insert(req, upto)
+
+    def release(self, req: Request) -> None:
+        """The request is done with its KV (no launched step can touch it): cache every token
+        whose KV exists and whose id is known, and free the rest."""
+        known = min(req.num_computed, len(req.prompt_token_ids) + len(req.output_token_ids))
+        if self.enabled and known > req.cached_len:
+            self._insert(req, known)
+        if req.cache_node is not None:
+            self.tree.unlock(req.cache_node)
+        self.kv_slots.free(req.kv_slots[req.cached_len:] + req.duplicate_slots)
+        req.kv_slots, req.cached_len, req.cache_node, req.duplicate_slots = [], 0, None, []
+
+    def _insert(self, req: Request, upto: int) -> None:
+        present, node = self.tree.insert(req.fill_ids[:upto], req.kv_slots[:upto])
+        # Tokens [cached_len, present) were cached by someone else meanwhile: ours duplicate them.
+        req.duplicate_slots += req.kv_slots[req.cached_len:present]
+        self.tree.lock(node)
+        if req.cache_node is not None:
+            self.tree.unlock(req.cache_node)
+        req.cache_node, req.cached_len = node, upto
+
+    def reset(self) -> int:
+        """Drop every cached prefix no request uses. Returns the slots freed."""
+        return self.tree.evict(self.tree.evictable_tokens)
+
+    # ---- debug checks ----
+    def check(self, requests: list[Request]) -> None:
+        """Locks equal the requests holding them, no slot has two owners, and every slot is
+        free, in the tree or held by a request (called after each step in debug mode)."""
+        expected: dict[int, int] = {}
+        for req in requests:
+            node = req.cache_node
+            while node is not None and node is not self.tree.root:
+                expected[id(node)] = expected.get(id(node), 0) + 1
+                node = node.parent
+        self.tree.check(expected)
+        tree_slots = self.tree.all_slots()
+        owned: set[int] = set()
+        for req in requests:
+            own = req.kv_slots[req.cached_len:] + req.duplicate_slots
+            assert not tree_slots.intersection(own), f"request {req.rid} owns a slot the tree owns"
+            assert not owned.intersection(own), f"request {req.rid} shares a slot with another"
+            owned.update(own)
+            cached = set(req.kv_slots[:req.cached_len]).difference(req.duplicate_slots)
+            assert cached <= tree_slots, f"request {req.rid} reads a slot that was evicted"
+        total = self.kv_slots.num_free + len(tree_slots) + len(owned)
+        assert total == self.kv_slots.count, \
+            f"KV slots leaked: {self.kv_slots.num_free} free + {len(tree_slots)} cached + " \
+            f"{len(owned)} held != {self.kv_slots.count}"
