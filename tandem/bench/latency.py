@@ -38,6 +38,7 @@ class DecodeRow:
 def steady_decode(engine: Engine, batch: int, overlap: bool, steps: int, warmup: int,
                   prompt_len: int, seed: int = 0) -> DecodeRow:
     engine.cfg.disable_overlap = not overlap
+    engine.reset_prefix_cache()  # runs repeat prompts: each computes its own
     rng = random.Random(seed)
     vocab = engine.model_config.vocab_size
     params = SamplingParams(max_tokens=warmup + steps + 8, temperature=0, ignore_eos=True)
@@ -87,6 +88,7 @@ def time_to_first_token(engine: Engine, prompts: list[list[int]], switch: bool) 
     """All prompts arrive at once; returns TTFT of the first-admitted and the mean, in ms."""
     engine.cfg.process_before_consecutive_prefill = switch
     engine.cfg.disable_overlap = False
+    engine.reset_prefix_cache()  # runs repeat prompts: each computes its own
     params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
     start = time.perf_counter()
     rids = [engine.add_request(p, params, request_id=f"ttft-{switch}-{i}") for i, p in enumerate(prompts)]

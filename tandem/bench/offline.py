@@ -114,6 +114,7 @@ def run_tandem(engine: Engine, wl: Workload, overlap: bool, tag: str,
                cost: ModelCost | None = None, hw: Hardware | None = None) -> RunRow:
     """All requests at once; steps until done. Token counts are checked against the workload."""
     engine.cfg.disable_overlap = not overlap
+    engine.reset_prefix_cache()  # runs repeat prompts: each computes its own
     first = len(engine.timeline.records) if engine.timeline is not None else 0
     preempt0 = engine.scheduler.num_preemptions
     _sync(engine.device)

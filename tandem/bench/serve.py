@@ -257,6 +257,7 @@ def bench_serve_main(argv: list[str]) -> int:
     url = base + ("/v1/chat/completions" if chat else "/v1/completions")
     summaries = []
     for rate in args.rates:
+        _reset_prefix_cache(base, headers)  # every rate sends the same prompts: none starts warm
         results, duration = asyncio.run(run_rate(url, reqs, rate, model=model, chat=chat,
                                                  ignore_eos=args.ignore_eos, seed=args.seed,
                                                  api_key=args.api_key, max_concurrency=args.max_concurrency))
@@ -269,6 +270,14 @@ def bench_serve_main(argv: list[str]) -> int:
         with open(args.json, "w") as f:
             json.dump({"config": {**config, "model": model, "url": url}, "results": summaries}, f, indent=2)
     return 0 if all(s["failed"] == 0 for s in summaries) else 1
+
+
+def _reset_prefix_cache(base: str, headers: dict) -> None:
+    """tandem's (and SGLang's/vLLM's) cache reset; servers without one are left as they are."""
+    try:
+        httpx.post(base + "/reset_prefix_cache", headers=headers, timeout=10)
+    except httpx.HTTPError:
+        pass
 
 
 if __name__ == "__main__":

@@ -63,6 +63,7 @@ def make_workload(args: argparse.Namespace, engine, num_requests: int | None = N
 
 def drive(engine, prompts: list[list[int]], params) -> int:
     """Run the prompts to the end through `engine.step()`; returns the number of steps."""
+    engine.reset_prefix_cache()  # runs repeat prompts: each computes its own
     rids = [engine.add_request(p, params) for p in prompts]
     steps = 0
     while engine.has_unfinished():

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Batched H200 session D (device tool), one part per argument:
+#   tests   GPU tests: prefix cache and overlap equivalence on CUDA, sync guard
+#   prefix  `tandem bench prefix` cache on vs off: shared-prefix, multi-turn, standard (Qwen3-0.6B),
+#           shared-prefix (Llama-3.1-8B)
+# Carry .model (the built-in tokenizer, saved) for the tests.
+set -u
+export PYTHONPATH=. PYTHONUNBUFFERED=1 TANDEM_TEST_TOKENIZER=.model/tokenizer OMP_NUM_THREADS=4
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+git log -1 --format=%h 2>/dev/null
+for part in "$@"; do
+  echo "=== $part"
+  case $part in
+    tests)
+      TANDEM_TEST_DEVICE=cuda timeout 240 python3 -m pytest -q -x tests/test_prefix_cache.py tests/test_gpu.py \
+        "tests/test_engine.py::test_overlap_on_and_off_are_token_identical" -m "gpu or not gpu" -p no:cacheprovider \
+        > "$OUT/gpu_tests.log" 2>&1; echo "rc=$?"; grep -E "passed|failed|^FAILED|Error" "$OUT/gpu_tests.log" | tail -6 ;;
+    prefix)
+      for w in shared multiturn standard; do
+        timeout 200 python3 -m tandem.bench.prefix --preset qwen3-0.6b --workload $w --compare \
+          --json "$OUT/prefix-qwen3-$w.json" 2>&1 | tail -4
+      done
+      timeout 240 python3 -m tandem.bench.prefix --preset llama-3.1-8b --workload shared --compare \
+        --json "$OUT/prefix-llama8b-shared.json" 2>&1 | tail -4 ;;
+  esac
+done
