@@ -3,6 +3,8 @@
 #   tests   GPU tests: prefix cache and overlap equivalence on CUDA, sync guard
 #   prefix  `tandem bench prefix` cache on vs off: shared-prefix, multi-turn, standard (Qwen3-0.6B),
 #           shared-prefix (Llama-3.1-8B)
+#   serve   `tandem bench serve` from a cold server (warm-up at start): 16 then 128 req/s, for
+#           mixed batches off / on with a 4096- or 2048-token prefill share per mixed step
 # Carry .model (the built-in tokenizer, saved) for the tests.
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1 TANDEM_TEST_TOKENIZER=.model/tokenizer OMP_NUM_THREADS=4
@@ -23,5 +25,19 @@ for part in "$@"; do
       done
       timeout 240 python3 -m tandem.bench.prefix --preset llama-3.1-8b --workload shared --compare \
         --json "$OUT/prefix-llama8b-shared.json" 2>&1 | tail -4 ;;
+    serve)
+      D=$(python3 -c "from tandem.bench.presets import preset_dir; print(preset_dir('qwen3-0.6b'))")
+      for cfg in "off 4096" "on 4096" "on 2048"; do
+        set -- $cfg; mixed=$1; chunk=$2; flag=""; [ "$mixed" = on ] && flag="--enable-mixed-batch"
+        t0=$(date +%s.%N)
+        python3 -m tandem.server --model "$D" --dummy-weights --device cuda --max-model-len 2048 --port 8000 \
+          --chunked-prefill-size "$chunk" $flag > "$OUT/serve-$mixed-$chunk.log" 2>&1 &
+        SRV=$!; for i in $(seq 120); do curl -sf 127.0.0.1:8000/health >/dev/null && break; sleep 1; done
+        echo "--- mixed $mixed, chunk $chunk: ready after $(python3 -c "import time; print(round(time.time() - $t0, 1))") s"
+        grep -o "warm-up: [0-9.]*s" "$OUT/serve-$mixed-$chunk.log"
+        timeout 100 python3 -m tandem.bench.serve --base-url http://127.0.0.1:8000 --rates 16,128 --num-prompts 120 \
+          --input-len 100:1024 --output-len 100:512 --seed 0 --json "$OUT/serve-$mixed-$chunk.json" 2>&1 | tail -5
+        kill -INT $SRV; wait $SRV
+      done ;;
   esac
 done

@@ -124,6 +124,7 @@ class EngineConfig:
     attention_backend: str = "auto"
     cuda_graph: str = "auto"  # auto (on with CUDA + Triton), on, off: decode steps replay graphs
     cuda_graph_max_batch: int = 256
+    warm_up: str = "auto"  # auto (on with CUDA), on, off: run every kernel shape class at start
     max_model_len: int | None = None
     seed: int = 0
     # FutureMap read-before-write check on the device; the test suite turns it on via the env.

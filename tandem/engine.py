@@ -36,6 +36,7 @@ from tandem.runner import ModelRunner, PendingResult
 from tandem.sampling import Sampler, SamplingParams
 from tandem.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from tandem.text import RequestText
+from tandem.warmup import warm_up
 
 log = logging.getLogger("tandem")
 
@@ -64,19 +65,32 @@ class Engine:
         self._ids = itertools.count()
         self._aborted: list[StepOutput] = []
         self.pending: PendingResult | None = None
-        self.timeline = (Timeline(cfg.timeline_path, max_records=cfg.timeline_max_records)
-                         if cfg.timeline or cfg.timeline_path else None)
-        self.runner.timing = self.timeline is not None and self.device.type == "cuda"
+        self.timeline = None
         self._previous_forward_end = None
         self.step_id = 0
         self.completed_step = -1
         self.fatal = FatalErrorGuard(log)
+        self.warm_up_s = self._warm_up()
+        self.timeline = (Timeline(cfg.timeline_path, max_records=cfg.timeline_max_records)
+                         if cfg.timeline or cfg.timeline_path else None)
+        self.runner.timing = self.timeline is not None and self.device.type == "cuda"
         # Everything built so far (model, tokenizer, buffers) lives as long as the engine:
         # keep it out of the garbage collector's scans, which otherwise stall steps for ms.
         gc.collect()
         gc.freeze()
 
     # ---- construction ----
+    def _warm_up(self) -> float:
+        """Compile and load every kernel serving hits before the first request (CUDA)."""
+        mode = self.cfg.warm_up
+        if mode not in ("auto", "on", "off"):
+            raise ValueError(f"warm_up must be auto, on or off; got {mode!r}")
+        if mode == "off" or (mode == "auto" and self.device.type != "cuda"):
+            return 0.0
+        seconds = warm_up(self)
+        log.info("warm-up: %.1fs", seconds)
+        return seconds
+
     def _build_memory(self) -> None:
         mc, cfg = self.model_config, self.cfg
         per_token = KVCache.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype)

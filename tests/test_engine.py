@@ -200,3 +200,20 @@ def test_bad_inputs_give_clear_errors(tiny_text_model, tmp_path):
     # The engine is still usable after the errors.
     assert llm.generate([[5, 6]], _greedy(2), use_tqdm=False)[0].finish_reason == "length"
     assert_kv_conserved(llm.engine)
+
+
+def test_mixed_steps_bound_the_prefill_share_while_requests_decode(tiny_text_model):
+    """Decode first: with requests decoding, a mixed step carries at most one prefill chunk."""
+    engine = _engine(tiny_text_model, enable_mixed_batch=True, chunked_prefill_size=24,
+                     max_prefill_tokens=200, timeline=True)
+    greedy = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    for i in range(4):
+        engine.add_request(list(range(10 + i, 60 + i)), greedy)
+    for _ in range(6):
+        engine.step()
+    engine.add_request(list(range(300, 480)), greedy)  # a long prompt arrives mid-decode
+    while engine.has_unfinished():
+        engine.step()
+    mixed = [r for r in engine.timeline.records if not r.is_decode and r.num_sampled >= 4]
+    assert mixed and all(r.num_tokens <= 24 for r in mixed)
+    assert max(r.num_tokens for r in engine.timeline.records) > 24  # alone, prefill takes more

@@ -110,8 +110,17 @@ class Scheduler:
             self.cache.cache_prefill(req)
         if self.cfg.enable_mixed_batch:
             decode = self._decode_rows(step, drain)
-            return decode + self._prefill_rows(self.cfg.max_prefill_tokens - len(decode))
+            return decode + self._prefill_rows(self._mixed_prefill_budget(len(decode)))
         return self._prefill_rows(self.cfg.max_prefill_tokens) or self._decode_rows(step, drain)
+
+    def _mixed_prefill_budget(self, num_decodes: int) -> int:
+        """Decode first: while requests decode, a step's prefill share is at most one chunk, so
+        the step (every decoding request's next token) stays short; alone, prefill gets the
+        whole budget."""
+        budget = self.cfg.max_prefill_tokens
+        if num_decodes and self.cfg.chunked_prefill_size is not None:
+            budget = min(budget, self.cfg.chunked_prefill_size)
+        return budget - num_decodes
 
     def _commit(self, row: Row, step: int) -> None:
         req = row.req

@@ -1,0 +1,34 @@
+"""Warm start: the start-up warm-up leaves no trace but compiled kernels."""
+import pytest
+
+from tandem import LLM, SamplingParams
+from tandem.warmup import warm_up_lengths
+from tiny_models import TEST_DEVICE
+from workload import assert_kv_conserved
+
+
+def test_warm_up_lengths_cover_triton_integer_classes():
+    lengths = warm_up_lengths(8192, 4096)
+    assert {1, 16, 17, 4099} <= set(lengths)  # one, a multiple of 16, neither, a chunked prompt
+    assert max(warm_up_lengths(200, 4096)) <= 196
+
+
+def test_warm_up_leaves_no_state_and_changes_no_token(tiny_text_model):
+    prompts = [[5, 6, 7, 8], list(range(10, 60))]
+    greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    cold = LLM(str(tiny_text_model), device=TEST_DEVICE, dtype="float32", max_model_len=256, warm_up="off")
+    warm = LLM(str(tiny_text_model), device=TEST_DEVICE, dtype="float32", max_model_len=256, warm_up="on",
+               timeline=True)
+    engine = warm.engine
+    assert engine.warm_up_s > 0 and cold.engine.warm_up_s == 0
+    s = engine.stats()
+    assert s["prefix_cache_tokens"] == 0 and s["prefix_cache_queried_tokens"] == 0
+    assert engine.requests == {} and len(engine.timeline.records) == 0
+    assert_kv_conserved(engine)
+    assert [o.token_ids for o in warm.generate(prompts, greedy, use_tqdm=False)] == \
+        [o.token_ids for o in cold.generate(prompts, greedy, use_tqdm=False)]
+
+
+def test_bad_warm_up_mode_is_refused(tiny_text_model):
+    with pytest.raises(ValueError, match="warm_up must be auto, on or off"):
+        LLM(str(tiny_text_model), device=TEST_DEVICE, warm_up="yes")
