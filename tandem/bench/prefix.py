@@ -179,7 +179,7 @@ def run_one(args: argparse.Namespace) -> PrefixRow:
     engine = Engine(EngineConfig(model=model, dummy_weights=bool(args.preset), device=args.device,
                                  dtype=args.dtype, enable_prefix_caching=args.cache == "on",
                                  max_total_tokens=args.max_total_tokens, max_model_len=args.max_model_len,
-                                 timeline=True, seed=0))
+                                 timeline=True, seed=0, warm_up="off"))  # drive() below warms up
     vocab = engine.model_config.vocab_size
     small = argparse.Namespace(**{**vars(args), "groups": min(args.groups, 2), "per_group": min(args.per_group, 2),
                                   "conversations": min(args.conversations, 2), "turns": min(args.turns, 2),
