@@ -20,10 +20,10 @@ for part in "$@"; do
         > "$OUT/gpu_tests.log" 2>&1; echo "rc=$?"; grep -E "passed|failed|^FAILED|Error" "$OUT/gpu_tests.log" | tail -6 ;;
     prefix)
       for w in shared multiturn standard; do
-        timeout 200 python3 -m tandem.bench.prefix --preset qwen3-0.6b --workload $w --compare \
+        timeout 200 python3 -m tandem.bench.prefix --preset qwen3-0.6b --workload $w --compare --max-running-requests 512 \
           --json "$OUT/prefix-qwen3-$w.json" 2>&1 | tail -4
       done
-      timeout 240 python3 -m tandem.bench.prefix --preset llama-3.1-8b --workload shared --compare \
+      timeout 240 python3 -m tandem.bench.prefix --preset llama-3.1-8b --workload shared --compare --max-running-requests 512 \
         --json "$OUT/prefix-llama8b-shared.json" 2>&1 | tail -4 ;;
     serve)
       D=$(python3 -c "from tandem.bench.presets import preset_dir; print(preset_dir('qwen3-0.6b'))")

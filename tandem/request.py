@@ -1,10 +1,14 @@
 """A request's state, as the scheduler and the output processor see it."""
 import enum
+import functools
 import time
 from dataclasses import dataclass, field
 
 from tandem.sampling import SamplingParams
 from tandem.text import RequestText
+
+
+PROMPT_HASH_BLOCK = 32  # tokens per block of `Request.prompt_block_hashes`
 
 
 class Status(enum.Enum):
@@ -13,7 +17,7 @@ class Status(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
+@dataclass(eq=False)  # a request is itself: queue removal and `in` go by identity, in O(1) compares
 class Request:
     rid: str
     prompt_token_ids: list[int]
@@ -50,6 +54,17 @@ class Request:
     def fill_ids(self) -> list[int]:
         """The tokens a (re)prefill must compute: the prompt, plus outputs after a preemption."""
         return self.prompt_token_ids + self.output_token_ids
+
+    @functools.cached_property
+    def prompt_block_hashes(self) -> list[int]:
+        """hashes[k] identifies prompt[:BLOCK * (k + 1)]: equal hashes, equal prefixes (up to
+        hash collisions), compared in O(1) where a token-by-token compare costs O(length)."""
+        hashes, h = [], 0
+        ids = self.prompt_token_ids
+        for start in range(0, len(ids) - PROMPT_HASH_BLOCK + 1, PROMPT_HASH_BLOCK):
+            h = hash((h, tuple(ids[start:start + PROMPT_HASH_BLOCK])))
+            hashes.append(h)
+        return hashes
 
     @property
     def prefill_done(self) -> bool:

@@ -179,6 +179,8 @@ def run_one(args: argparse.Namespace) -> PrefixRow:
     engine = Engine(EngineConfig(model=model, dummy_weights=bool(args.preset), device=args.device,
                                  dtype=args.dtype, enable_prefix_caching=args.cache == "on",
                                  max_total_tokens=args.max_total_tokens, max_model_len=args.max_model_len,
+                                 max_running_requests=args.max_running_requests,
+                                 cuda_graph_max_batch=min(args.max_running_requests, 512),
                                  timeline=True, seed=0, warm_up="off"))  # drive() below warms up
     vocab = engine.model_config.vocab_size
     small = argparse.Namespace(**{**vars(args), "groups": min(args.groups, 2), "per_group": min(args.per_group, 2),
@@ -216,6 +218,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--turns", type=int, default=6)
     ap.add_argument("--num-requests", type=int, default=256, help="standard workload size")
     ap.add_argument("--max-total-tokens", type=int)
+    ap.add_argument("--max-running-requests", type=int, default=256,
+                    help="concurrency cap (shared KV lets more requests fit: try 512 for shared)")
     ap.add_argument("--max-model-len", type=int)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", help="write the rows here")

@@ -12,8 +12,7 @@ from typing import Callable
 
 from tandem.memory.allocator import SlotAllocator
 from tandem.memory.prefix_cache import PrefixCache
-from tandem.memory.radix_cache import common_length
-from tandem.request import Request, Status
+from tandem.request import PROMPT_HASH_BLOCK, Request, Status
 from tandem.scheduler.batch import Row, ScheduledBatch
 
 
@@ -31,9 +30,9 @@ class SchedulerConfig:
 SCHEDULE_POLICIES = ("fcfs", "lpm")
 # Above this many waiting requests, lpm falls back to fcfs: matching each one costs host time.
 LPM_MAX_WAITING = 128
-# A waiting request that shares at least this many more tokens with a prompt being prefilled
-# than the cache holds waits for that prefill to be cached instead of computing them again.
-SHARED_PREFILL_MIN_TOKENS = 32
+# A waiting request that shares at least one more block of prompt tokens with a prompt being
+# prefilled than that prompt has cached waits for the prefill instead of computing them again.
+SHARED_PREFILL_MIN_TOKENS = PROMPT_HASH_BLOCK
 
 
 class Scheduler:
@@ -167,14 +166,14 @@ class Scheduler:
             budget -= row.num_new
         if budget <= 0 or not self.waiting:
             return rows
-        prefilling = [r for r in self.running if not r.prefill_done]
+        pending = self._pending_prefixes([r for r in self.running if not r.prefill_done])
         reused = sum(len(r.cached_prefix) for r in rows if r.cached_prefix is not None)
         for req in self._admission_order():
             if budget <= 0 or len(self.running) >= self.cfg.max_running_requests:
                 break
             if self.req_slots.num_free == 0:
                 break
-            if self._shares_pending_prefill(req, prefilling):
+            if pending and self._shares_pending_prefill(req, pending):
                 continue  # reuse that prefill once it is cached, a step or two from now
             matched = self.cache.admit(req)
             new = len(req.fill_ids) - matched
@@ -187,7 +186,7 @@ class Scheduler:
             reused += matched
             self.waiting.remove(req)
             self._admit(req, matched)
-            prefilling.append(req)
+            pending |= self._pending_prefixes([req])
             row = self._chunk(req, budget, reserve)
             rows.append(row)
             budget -= row.num_new
@@ -200,18 +199,27 @@ class Scheduler:
             queue.sort(key=lambda r: -self.cache.match_length(r))
         return queue
 
-    def _shares_pending_prefill(self, req: Request, prefilling: list[Request]) -> bool:
-        """Would `req` recompute tokens a running prefill is computing right now? Then it had
+    def _pending_prefixes(self, prefilling: list[Request]) -> set[tuple[int, int]]:
+        """(block index, prefix hash) per running prefill, for the first prompt block that ends
+        SHARED_PREFILL_MIN_TOKENS or more past what it has cached: a waiting prompt with the same
+        hash there shares that many tokens the prefill is still computing."""
+        if not self.cache.enabled:
+            return set()
+        pending = set()
+        for req in prefilling:
+            # Block k ends at least SHARED_PREFILL_MIN_TOKENS past what this prefill has cached.
+            hashes, k = req.prompt_block_hashes, -(-req.cached_len // PROMPT_HASH_BLOCK)
+            if k < len(hashes):
+                pending.add((k, hashes[k]))
+        return pending
+
+    @staticmethod
+    def _shares_pending_prefill(req: Request, pending: set[tuple[int, int]]) -> bool:
+        """Would `req` compute tokens a running prefill is computing right now? Then it had
         better wait until they are cached (prompts in one batch sharing a prefix are
-        prefilled once)."""
-        if not self.cache.enabled or not prefilling:
-            return False
-        fill, cached = req.fill_ids, self.cache.match_length(req)
-        for other in prefilling:
-            shared = common_length(other.fill_ids[:other.prefill_target], fill, 0)
-            if shared - cached >= SHARED_PREFILL_MIN_TOKENS:
-                return True
-        return False
+        prefilled once). O(len(pending)) hash lookups, no token compares."""
+        hashes = req.prompt_block_hashes
+        return any(k < len(hashes) and hashes[k] == h for k, h in pending)
 
     def _chunk_limit(self, budget: int) -> int:
         size = self.cfg.chunked_prefill_size
