@@ -134,4 +134,5 @@ class EngineConfig:
     timeline: bool = False  # record per-step host and device times (CUDA events)
     timeline_path: str | None = None  # also write each step as a JSON line here
     timeline_max_records: int | None = None  # keep at most this many steps in memory (servers)
+    grammar_threads: int = 2  # threads compiling grammars and filling token masks
     extra: dict = field(default_factory=dict)

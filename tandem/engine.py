@@ -18,6 +18,7 @@ import torch
 from tandem.attention import make_attention_backend
 from tandem.diagnostics.errors import FatalErrorGuard
 from tandem.diagnostics.timeline import StepRecord, Timeline
+from tandem.grammar import GrammarManager
 from tandem.cuda_graph import DecodeGraphs, default_buckets
 from tandem.config import EngineConfig, ModelConfig, resolve_device, resolve_dtype
 from tandem.memory.allocator import SlotAllocator
@@ -123,6 +124,8 @@ class Engine:
         self.copier = ResultCopier(self.streams, max_rows=rows)
         self.sampler = Sampler(self.model_config.vocab_size, rows + 1, self.device)
         self.future_map = FutureMap(rows, self.device, debug=cfg.debug_future_map)
+        self.grammar = GrammarManager(self.tokenizer, self.model_config.vocab_size, sorted(self.eos_token_ids),
+                                      self.streams, rows, cfg.grammar_threads)
         backend = make_attention_backend(cfg.attention_backend, self.device)
         graphs = self._capture_graphs(backend)
         self.runner = ModelRunner(self.model, self.kv, self.table, backend, self.sampler,
@@ -161,6 +164,7 @@ class Engine:
         else:
             ids, text = [int(t) for t in prompt], None
         self._check_prompt(ids, params)
+        self.grammar.check(params)
         rid = request_id if request_id is not None else str(next(self._ids))
         if rid in self.requests:
             raise ValueError(f"request id {rid!r} is already in use")
@@ -172,7 +176,10 @@ class Engine:
                       prompt=text,
                       text=RequestText(self.tokenizer, ids, params.stop) if self.tokenizer is not None else None)
         self.requests[rid] = req
-        self.scheduler.add(req)
+        if params.constraint is not None:
+            self.grammar.add(req)  # scheduled once its grammar compiled (off the loop)
+        else:
+            self.scheduler.add(req)
         return rid
 
     def _check_prompt(self, ids: list[int], params: SamplingParams) -> None:
@@ -197,7 +204,8 @@ class Engine:
                                         num_cached_tokens=req.num_cached_tokens))
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work() or self.pending is not None or bool(self._aborted)
+        return (self.scheduler.has_work() or self.pending is not None or bool(self._aborted)
+                or self.grammar.has_pending())
 
     def output(self, request_id: str) -> RequestOutput:
         req = self.requests[request_id]
@@ -233,6 +241,7 @@ class Engine:
 
     def _step(self) -> list[StepOutput]:
         outputs, self._aborted = self._aborted, []
+        self._admit_compiled(outputs)
         t0 = perf_counter()
         batch = self.scheduler.schedule(self.step_id, drain=lambda: self._drain(outputs))
         if batch is None:  # nothing to launch: the pending result is processed at once
@@ -241,18 +250,33 @@ class Engine:
         if self.pending is not None and self._process_first(batch):
             self._drain(outputs)
         t1 = perf_counter()
-        launched = self.runner.launch(batch)
+        masked = self.grammar.constrains(batch)
+        launched = self.runner.launch(batch, defer_sampling=masked)
         if self.timeline is not None:
             launched.record = _step_record(batch, t0, t1, perf_counter())
             self.timeline.add(launched.record)
         self.step_id += 1
         self._drain(outputs)  # step N's result, while step N+1 runs
+        if masked:  # N's tokens are known now: fill N+1's masks, then queue its sampling
+            self.runner.sample(launched, *self.grammar.masks(batch))
+            self.grammar.mark_consumed(batch)
         self.pending = launched
         if self.cfg.disable_overlap:
             self._drain(outputs)
         if self.prefix_cache.debug:
             self.prefix_cache.check(self.scheduler.kv_holders())
         return outputs
+
+    def _admit_compiled(self, outputs: list[StepOutput]) -> None:
+        """Constrained requests enter the scheduler once their grammar compiled."""
+        idle = not self.scheduler.has_work() and self.pending is None
+        ready, failed = self.grammar.take_ready(block=idle)
+        for req in ready:
+            self.scheduler.add(req)
+        for req, reason in failed:
+            log.error("request %s: %s", req.rid, reason)
+            self._finish(req, "abort")
+            outputs.append(StepOutput(req.rid, [], "", True, "abort"))
 
     def _process_first(self, batch: ScheduledBatch) -> bool:
         """Consecutive-prefill switch: finish the previous prefill before the next one."""
@@ -301,6 +325,7 @@ class Engine:
 
     def _append_token(self, req: Request, token: int, lp: TokenLogprob | None) -> StepOutput:
         req.output_token_ids.append(token)
+        grammar_done = req.mask is not None and self.grammar.accept(req, token)
         if lp is not None:
             req.output_logprobs.append(lp)
         if req.first_token_time is None:
@@ -314,6 +339,8 @@ class Engine:
             new_text = delta.text
             if delta.stop is not None:
                 reason, req.stop_reason = "stop", delta.stop
+        if reason is None and grammar_done:
+            reason = "stop"
         if reason is None and len(req.output_token_ids) >= req.max_samples:
             reason = "length"
         if reason is not None:

@@ -49,6 +49,7 @@ class Request:
     last_step: int = -1  # last step that included this request (its KV is live until it completes)
     first_token_time: float | None = None
     num_preemptions: int = 0
+    mask: object | None = None  # a grammar.MaskProducer (structured output), set once compiled
 
     @property
     def fill_ids(self) -> list[int]:

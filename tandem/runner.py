@@ -34,6 +34,7 @@ class PendingResult:
     forward_start: object = None
     forward_end: object = None
     record: object = None  # the step's timeline record, when a timeline is kept
+    unsampled: tuple | None = None  # (logits, sample slots, sampling inputs) until `sample` ran
 
 
 class ModelRunner:
@@ -45,7 +46,9 @@ class ModelRunner:
         self.sampler, self.future_map, self.streams = sampler, future_map, streams
         self.stager, self.copier, self.graphs, self.timing = stager, copier, graphs, timing
 
-    def launch(self, batch: ScheduledBatch) -> PendingResult:
+    def launch(self, batch: ScheduledBatch, defer_sampling: bool = False) -> PendingResult:
+        """Queue the step. With `defer_sampling` only the forward is queued; `sample` queues the
+        rest once the host has the step's token masks (they need the previous step's tokens)."""
         rows, sample_rows = batch.rows, batch.sample_rows
         bucket = self._graph_bucket(batch)
         fields = _metadata(batch) if bucket is None else _decode_metadata(batch, bucket)
@@ -74,8 +77,20 @@ class ModelRunner:
                 logits = self.graphs.replay(bucket, batch.step % self.stager.depth,
                                             dev["req_slots"])[:len(rows)]
                 sample_slots = dev["req_slots"][:len(rows)]
-            if sample_rows:
-                out = self.sampler.sample(logits, sampling)
+        pending.unsampled = (logits, sample_slots, sampling)
+        if not defer_sampling:
+            self.sample(pending)
+        return pending
+
+    def sample(self, pending: PendingResult, bitmask: torch.Tensor | None = None, mask_ready=None) -> None:
+        """Queue the step's sampling behind its forward, and the copy of its results."""
+        (logits, sample_slots, sampling), pending.unsampled = pending.unsampled, None
+        batch, forward = pending.batch, self.streams.forward
+        with self.streams.use(forward):
+            if mask_ready is not None:
+                forward.wait_event(mask_ready)  # read-after-write: the mask, copied on the schedule stream
+            if batch.sample_rows:
+                out = self.sampler.sample(logits, sampling, bitmask)
                 self.future_map.stash(sample_slots, out.token_ids)
                 self.sampler.record(sample_slots, out.token_ids)
                 result = (out.token_ids, out.logprobs, out.top_ids, out.top_logprobs)
@@ -88,7 +103,6 @@ class ModelRunner:
             sampled = self.streams.event()
             sampled.record(forward)
         pending.host = self.copier.copy(batch.step, *result, sampled)
-        return pending
 
     def _graph_bucket(self, batch: ScheduledBatch) -> int | None:
         if self.graphs is None or not batch.is_decode or len(batch.rows) > self.graphs.max_batch:

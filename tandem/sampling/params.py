@@ -1,10 +1,12 @@
 """SamplingParams: one request's sampling settings, validated at construction."""
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, fields
 
 MAX_LOGPROBS = 20
+_CONSTRAINTS = ("json_schema", "regex", "grammar", "choice")
 
 
 def _is_int(x: object) -> bool:
@@ -31,6 +33,11 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logprobs: int | None = None
+    # Structured output (at most one): the grammar engine masks every sampled token.
+    json_schema: dict | str | None = None  # a JSON Schema, as a dict or a JSON string
+    regex: str | None = None
+    grammar: str | None = None  # EBNF, as xgrammar reads it
+    choice: list[str] | None = None  # the output is exactly one of these strings
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
@@ -62,6 +69,29 @@ class SamplingParams:
             raise ValueError(
                 f"logprobs must be None or an int in [0, {MAX_LOGPROBS}], got {self.logprobs!r}"
             )
+        self._check_constraint()
+
+    def _check_constraint(self) -> None:
+        """Shape checks only; the grammar engine parses the spec when the engine admits it."""
+        given = [n for n in _CONSTRAINTS if getattr(self, n) is not None]
+        if len(given) > 1:
+            raise ValueError(f"at most one of {', '.join(_CONSTRAINTS)} may be set; got {', '.join(given)}")
+        if isinstance(self.json_schema, str):
+            try:
+                self.json_schema = json.loads(self.json_schema)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"json_schema is not valid JSON: {e}") from None
+        if self.json_schema is not None and not isinstance(self.json_schema, dict):
+            raise ValueError(f"json_schema must be a JSON object (dict or JSON string), got {self.json_schema!r}")
+        for name in ("regex", "grammar"):
+            v = getattr(self, name)
+            if v is not None and not (isinstance(v, str) and v):
+                raise ValueError(f"{name} must be None or a non-empty str, got {v!r}")
+        if self.choice is not None:
+            c = self.choice
+            if not isinstance(c, (list, tuple)) or not c or not all(isinstance(x, str) and x for x in c):
+                raise ValueError(f"choice must be a non-empty list of non-empty str, got {c!r}")
+            self.choice = list(c)
 
     def _real(
         self, name: str, *, lo: float, hi: float | None = None, lo_open: bool = False, rule: str
@@ -106,6 +136,18 @@ class SamplingParams:
             or self.presence_penalty != 0.0
             or self.frequency_penalty != 0.0
         )
+
+    @property
+    def constraint(self) -> tuple[str, str] | None:
+        """(kind, spec text) of the structured-output constraint: the grammar cache's key."""
+        if self.json_schema is not None:
+            return "json_schema", json.dumps(self.json_schema)  # key order kept: it is the output order
+        if self.choice is not None:
+            return "choice", json.dumps(self.choice)
+        for kind in ("regex", "grammar"):
+            if getattr(self, kind) is not None:
+                return kind, getattr(self, kind)
+        return None
 
     @property
     def stop_tokens(self) -> list[int]:

@@ -27,6 +27,9 @@ class Sampler:
         vocab = torch.arange(vocab_size, dtype=torch.int64, device=self.device)
         self._token_hash = _mix32(vocab ^ 0x9E3779B9)
         self._vocab = vocab
+        # Token v's bit in a packed allowed-token mask: bit v % 32 of int32 word v // 32.
+        self._mask_word = vocab >> 5
+        self._mask_bit = (vocab & 31).to(torch.int32)
         # Allocated on the first request with penalties (see start_request).
         self._prompt_mask: Tensor | None = None  # [max_slots, V] bool
         self._output_counts: Tensor | None = None  # [max_slots, V] int32
@@ -102,9 +105,19 @@ class Sampler:
 
     # ---- sampling
 
-    def sample(self, logits: Tensor, inputs: SamplingInputs) -> SampleOutput:
-        """Sample one token per row of `logits` [B, V]. Queues device work only."""
+    def apply_bitmask(self, logits: Tensor, bitmask: Tensor) -> Tensor:
+        """Disallowed tokens to -inf; `bitmask` [B, ceil(V/32)] int32 (xgrammar's layout), a set
+        bit allows the token. Out of place, fixed shapes: no host sync."""
+        allowed = (bitmask.index_select(1, self._mask_word) >> self._mask_bit) & 1
+        return logits.masked_fill(allowed == 0, float("-inf"))
+
+    def sample(self, logits: Tensor, inputs: SamplingInputs, bitmask: Tensor | None = None) -> SampleOutput:
+        """Sample one token per row of `logits` [B, V]. Queues device work only. A `bitmask`
+        (structured output) applies first, so penalties, every draw and the logprobs see the
+        constrained distribution."""
         logits = logits.to(torch.float32)
+        if bitmask is not None:
+            logits = self.apply_bitmask(logits, bitmask)
         raw = logits
         if inputs.need_penalties:
             logits = self.apply_penalties(logits, inputs)

@@ -1,0 +1,181 @@
+"""Structured output: constrained outputs parse and validate, unconstrained neighbours keep
+their tokens, overlap on == off, preemption and chunked prefill keep matchers consistent,
+and the mask reaches every sampling method."""
+import json
+import random
+import re
+
+import jsonschema
+import pytest
+import torch
+
+from tandem import LLM, SamplingParams
+from tandem.config import EngineConfig
+from tandem.engine import Engine
+from tandem.sampling import Sampler, SamplingInputs
+from tiny_models import TEST_DEVICE
+
+xgr = pytest.importorskip("xgrammar")
+
+PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "member"],
+          "properties": {"name": {"type": "string", "maxLength": 10},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                         "member": {"type": "boolean"}}}
+ORDER = {"type": "object", "additionalProperties": False, "required": ["id", "size", "extras", "note"],
+         "properties": {"id": {"type": "string", "pattern": "^[A-Z]{2}[0-9]{3}$"},
+                        "size": {"enum": ["small", "medium", "large"]},
+                        "extras": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9},
+                                   "maxItems": 3},
+                        "note": {"anyOf": [{"type": "null"}, {"type": "string", "maxLength": 6}]}}}
+REGEX = r"[a-z]{2,5}-[0-9]{1,3}"
+CHOICES = ["positive", "negative", "neutral", "it's \"complicated\""]
+EBNF = 'root ::= "(" num ("," num){0,3} ")"\nnum ::= [0-9] | [1-9] [0-9]'
+EBNF_RE = r"\((?:[0-9]|[1-9][0-9])(?:,(?:[0-9]|[1-9][0-9])){0,3}\)"
+
+
+def _engine(path, **kw) -> Engine:
+    return Engine(EngineConfig(model=str(path), device=TEST_DEVICE, dtype="float32", **kw))
+
+
+def _constrained(kind: int, seed: int, temperature: float = 0.9, **kw) -> SamplingParams:
+    spec = [dict(json_schema=PERSON), dict(json_schema=json.dumps(ORDER)), dict(regex=REGEX),
+            dict(choice=CHOICES), dict(grammar=EBNF)][kind % 5]
+    return SamplingParams(max_tokens=80, temperature=temperature, seed=seed, **spec, **kw)
+
+
+def _check(kind: int, text: str) -> None:
+    if kind % 5 in (0, 1):
+        jsonschema.validate(json.loads(text), [PERSON, ORDER][kind % 5])
+    elif kind % 5 == 2:
+        assert re.fullmatch(REGEX, text), text
+    elif kind % 5 == 3:
+        assert text in CHOICES
+    else:
+        assert re.fullmatch(EBNF_RE, text), text
+
+
+def _prompts(n: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 1000) for _ in range(rng.randint(2, 40))] for _ in range(n)]
+
+
+def test_sampled_constrained_outputs_parse_and_validate(tiny_text_model):
+    """60 sampled requests (temperature 0.8-1.2, top-p/top-k/min-p/penalties mixed in) over
+    json_schema (dict and string), regex, choice and EBNF: each completes and validates."""
+    llm = LLM(str(tiny_text_model), device=TEST_DEVICE, dtype="float32")
+    extras = [{}, dict(top_p=0.9), dict(top_k=50), dict(min_p=0.05), dict(repetition_penalty=1.3)]
+    params = [_constrained(i, seed=i, temperature=0.8 + 0.1 * (i % 5), **extras[(i // 5) % 5])
+              for i in range(60)]
+    outs = llm.generate(_prompts(60), params, use_tqdm=False)
+    for i, out in enumerate(outs):
+        assert out.finish_reason == "stop", (i, out.text)
+        _check(i, out.text)
+
+
+def test_grammar_finishes_with_stop_even_when_eos_is_ignored(tiny_text_model):
+    llm = LLM(str(tiny_text_model), device=TEST_DEVICE, dtype="float32")
+    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=50, temperature=0, choice=["yes", "no"],
+                                                   ignore_eos=True), use_tqdm=False)[0]
+    assert out.text in ("yes", "no") and out.finish_reason == "stop"
+
+
+def test_unconstrained_tokens_unchanged_by_constrained_neighbours(tiny_text_model):
+    prompts = _prompts(24, seed=1)
+    plain = [SamplingParams(max_tokens=20, temperature=t, seed=i, ignore_eos=True, top_p=0.9)
+             for i, t in enumerate([0.0, 0.8] * 6)]
+    llm = LLM(str(tiny_text_model), device=TEST_DEVICE, dtype="float32")
+    alone = llm.generate(prompts[:12], plain, use_tqdm=False)
+    mixed = llm.generate(prompts, plain + [_constrained(i, seed=i) for i in range(12)], use_tqdm=False)
+    assert [o.token_ids for o in mixed[:12]] == [o.token_ids for o in alone]
+    for i, out in enumerate(mixed[12:]):
+        _check(i, out.text)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_overlap_on_equals_off_for_constrained_requests(tiny_text_model, temperature):
+    prompts = _prompts(20, seed=2)
+    params = [_constrained(i, seed=100 + i, temperature=temperature) for i in range(20)]
+    params += [SamplingParams(max_tokens=12, temperature=temperature, seed=7, ignore_eos=True)] * 4
+    runs = []
+    for overlap in (True, False):
+        llm = LLM(str(tiny_text_model), device=TEST_DEVICE, dtype="float32", disable_overlap=not overlap)
+        runs.append([(o.token_ids, o.finish_reason) for o in
+                     llm.generate(prompts + _prompts(4, seed=3), params, use_tqdm=False)])
+    assert runs[0] == runs[1]
+
+
+def test_preemption_and_chunked_prefill_keep_matchers_consistent(tiny_text_model):
+    """A tight KV pool preempts constrained requests mid-output; they resume with the matcher
+    at their kept tokens, so outputs equal a run without memory pressure and still validate."""
+    prompts = _prompts(16, seed=4)
+    params = [_constrained(i, seed=200 + i) for i in range(16)]
+    roomy = LLM(str(tiny_text_model), device=TEST_DEVICE, dtype="float32")
+    want = [o.token_ids for o in roomy.generate(prompts, params, use_tqdm=False)]
+    tight = LLM(str(tiny_text_model), device=TEST_DEVICE, dtype="float32", max_total_tokens=260,
+                chunked_prefill_size=8, max_prefill_tokens=16, enable_mixed_batch=True)
+    outs = tight.generate(prompts, params, use_tqdm=False)
+    assert tight.engine.scheduler.num_preemptions > 0
+    assert [o.token_ids for o in outs] == want
+    for i, out in enumerate(outs):
+        _check(i, out.text)
+
+
+@pytest.mark.parametrize("field,value,words", [
+    ("json_schema", {"type": "objectx"}, "json_schema is not a valid JSON schema"),
+    ("json_schema", "{not json", "json_schema is not valid JSON"),
+    ("json_schema", [1, 2], "json_schema must be a JSON object"),
+    ("regex", "a(", "regex is not a valid regular expression"),
+    ("grammar", "root ::= undefined_rule", "grammar is not a valid EBNF grammar"),
+    ("choice", [], "choice must be a non-empty list"),
+])
+def test_bad_specs_raise_at_submission(tiny_text_model, field, value, words):
+    engine = _engine(tiny_text_model)
+    with pytest.raises(ValueError, match=re.escape(words)):
+        engine.add_request([5, 6], SamplingParams(**{field: value}))
+    assert not engine.has_unfinished()
+
+
+def test_at_most_one_constraint():
+    with pytest.raises(ValueError, match="at most one of json_schema, regex, grammar, choice"):
+        SamplingParams(regex="a+", choice=["a"])
+
+
+def test_a_schema_compiles_once(tiny_text_model):
+    engine = _engine(tiny_text_model)
+    for i in range(3):
+        engine.add_request([5, 6], SamplingParams(json_schema=PERSON, max_tokens=4), request_id=f"r{i}")
+    futures = {id(f) for _, f in engine.grammar.compiling}
+    assert len(futures) == 1
+    engine.abort("r0")
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.output("r0").finish_reason == "abort"
+
+
+def test_mask_applies_before_every_sampling_method():
+    """A bitmask allowing {3, 7, 40}: greedy, sampled (top-k/top-p/min-p), penalised rows all
+    pick allowed tokens; logprobs are those of the constrained distribution."""
+    V, B = 70, 5
+    torch.manual_seed(0)
+    logits = torch.randn(B, V) * 3
+    allowed = [3, 7, 40]
+    bitmask = xgr.allocate_token_bitmask(B, V)
+    bitmask.zero_()
+    for t in allowed:
+        bitmask[:, t // 32] |= torch.tensor(1 << (t % 32), dtype=torch.int64).to(torch.int32)
+    ref = logits.clone()
+    xgr.apply_token_bitmask_inplace(ref, bitmask)
+    sampler = Sampler(V, 8, "cpu")
+    assert torch.equal(sampler.apply_bitmask(logits, bitmask), ref)
+    params = [SamplingParams(temperature=0, logprobs=2), SamplingParams(temperature=1.0, top_k=2, logprobs=0),
+              SamplingParams(temperature=1.0, top_p=0.5), SamplingParams(temperature=1.0, min_p=0.3),
+              SamplingParams(temperature=0, repetition_penalty=2.0, presence_penalty=1.0)]
+    for slot, p in enumerate(params):
+        sampler.start_request(slot, [3, 7], p)
+    inputs = SamplingInputs.build(params, list(range(B)), [0] * B, list(range(B)))
+    for _ in range(3):
+        out = sampler.sample(logits, inputs, bitmask)
+        assert set(out.token_ids.tolist()) <= set(allowed)
+    constrained = torch.log_softmax(ref, dim=-1)
+    assert torch.allclose(out.logprobs, constrained.gather(1, out.token_ids[:, None]).squeeze(1))
+    assert set(out.top_ids.flatten().tolist()) <= set(allowed)
