@@ -297,7 +297,7 @@ class Engine:
             pending.record.process_ms = (perf_counter() - t0) * 1e3
             pending.record.host_wait_ms = t_wait * 1e3
             self.timeline.completed(pending.record, pending.forward_start, pending.forward_end,
-                                    self._previous_forward_end)
+                                    self._previous_forward_end, pending.mask_wait)
             self._previous_forward_end = pending.forward_end
         return outputs
 

@@ -35,6 +35,7 @@ class PendingResult:
     forward_end: object = None
     record: object = None  # the step's timeline record, when a timeline is kept
     unsampled: tuple | None = None  # (logits, sample slots, sampling inputs) until `sample` ran
+    mask_wait: tuple | None = None  # timing events around the forward stream's wait for the masks
 
 
 class ModelRunner:
@@ -88,7 +89,13 @@ class ModelRunner:
         batch, forward = pending.batch, self.streams.forward
         with self.streams.use(forward):
             if mask_ready is not None:
+                before = self.streams.event(timing=True) if self.timing else None
+                if before is not None:
+                    before.record(forward)
                 forward.wait_event(mask_ready)  # read-after-write: the mask, copied on the schedule stream
+                if before is not None:
+                    pending.mask_wait = (before, self.streams.event(timing=True))
+                    pending.mask_wait[1].record(forward)
             if batch.sample_rows:
                 out = self.sampler.sample(logits, sampling, bitmask)
                 self.future_map.stash(sample_slots, out.token_ids)

@@ -41,6 +41,7 @@ class StepRecord:
     host_done: float | None = None  # perf_counter when the host had this step's result (wait end)
     cpu_lead_ms: float | None = None  # see the module docstring; CUDA only
     num_sampled: int | None = None  # rows that sampled a token (the lm_head ran for them)
+    gpu_mask_stall_ms: float | None = None  # inside the forward span: waiting for grammar masks
 
     @property
     def launch_end(self) -> float:
@@ -73,9 +74,10 @@ class Timeline:
         if self.max_records is not None and len(self.records) > 2 * self.max_records:
             del self.records[:len(self.records) - self.max_records]
 
-    def completed(self, record: StepRecord, start, end, previous_end) -> None:
+    def completed(self, record: StepRecord, start, end, previous_end, mask_wait=None) -> None:
         """Fill device times once the step's forward is known complete (its result was read:
-        `process_ms` and `host_wait_ms` are already set)."""
+        `process_ms` and `host_wait_ms` are already set). `mask_wait`: events around the
+        forward stream's wait for the step's grammar masks; that stall counts as idle."""
         now = perf_counter()
         record.host_done = now - max(0.0, record.process_ms - record.host_wait_ms) / 1e3
         if start is not None and end is not None and end.query():
@@ -83,6 +85,8 @@ class Timeline:
             if previous_end is not None and previous_end.query():
                 record.gpu_idle_before_ms = max(0.0, previous_end.elapsed_time(start))
             record.cpu_lead_ms = cpu_lead_ms(record, self._previous_done)
+            if mask_wait is not None and mask_wait[1].query():
+                record.gpu_mask_stall_ms = mask_wait[0].elapsed_time(mask_wait[1])
         self._previous_done = record.host_done
         self._push_recent((record.schedule_ms + record.launch_ms + record.process_ms - record.host_wait_ms,
                            record.gpu_forward_ms, record.gpu_idle_before_ms, record.cpu_lead_ms))
@@ -128,8 +132,9 @@ class Timeline:
                                       for r in window]),
                "mean_host_wait_ms": _mean([r.host_wait_ms for r in window])}
         if recs:
-            busy = sum(r.gpu_forward_ms for r in recs)
-            idle = sum(r.gpu_idle_before_ms or 0.0 for r in recs[1:])
+            stall = sum(r.gpu_mask_stall_ms or 0.0 for r in recs)
+            busy = sum(r.gpu_forward_ms for r in recs) - stall
+            idle = sum(r.gpu_idle_before_ms or 0.0 for r in recs[1:]) + stall
             out["gpu_busy_fraction"] = busy / (busy + idle) if busy + idle > 0 else None
             out["mean_gpu_forward_ms"] = busy / len(recs)
             out["mean_gpu_idle_ms"] = idle / max(len(recs) - 1, 1)

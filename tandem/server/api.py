@@ -25,6 +25,7 @@ from tandem.server.inputs import chat_inputs, completion_inputs
 from tandem.server.metrics import Metrics
 from tandem.server.openai_schemas import ChatCompletionRequest, CompletionRequest
 from tandem.server.responses import Choice, Envelope, TokenNames, chat_logprobs
+from tandem.server.structured import ToolCalls, ToolMode, tool_mode
 
 
 @dataclass
@@ -138,17 +139,22 @@ def create_app(state: ServerState, api_key: str | None = None) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         state.check_model(body.model)
-        prompts, params = chat_inputs(body, state.tokenizer, state.max_model_len)
+        tools = tool_mode(body)
+        prompts, params = chat_inputs(body, state.tokenizer, state.max_model_len, tools)
         gen = await start(prompts, params, "chatcmpl")
         env, n_prompt = Envelope(gen.request_id, state.model_name), _prompt_tokens(prompts, body.n)
         if body.stream:
             usage = body.stream_options is not None and body.stream_options.include_usage
-            return _AbortingStream(_chat_stream(gen, env, state.names, usage, n_prompt, body.n), gen)
+            return _AbortingStream(_chat_stream(gen, env, state.names, usage, n_prompt, body.n, tools), gen)
 
         async def work() -> Response:
             choices = await _collect(gen)
-            return _json(env.chat(choices, state.names, body.logprobs, n_prompt,
-                                  _cached_tokens(choices, body.n)))
+            out = env.chat(choices, state.names, body.logprobs, n_prompt, _cached_tokens(choices, body.n))
+            if tools is not None:  # the model's text as tool calls
+                for c, item in zip(choices, out["choices"]):
+                    item["message"], item["finish_reason"] = ToolCalls(tools).message("".join(c.text),
+                                                                                      c.finish_reason)
+            return _json(out)
         return await _unless_disconnected(request, gen, work())
 
     @app.get("/v1/models")
@@ -194,16 +200,24 @@ async def _completion_stream(gen: Generation, env: Envelope, names: TokenNames, 
 
 
 async def _chat_stream(gen: Generation, env: Envelope, names: TokenNames, include_usage: bool,
-                       prompt_tokens: int, n: int) -> AsyncIterator[bytes]:
+                       prompt_tokens: int, n: int, tools: ToolMode | None = None) -> AsyncIterator[bytes]:
     tokens, cached = 0, 0
+    calls = [ToolCalls(tools) for _ in gen.rids] if tools is not None else None
     for index in range(len(gen.rids)):
-        yield _sse(env.chat_chunk(index, {"role": "assistant", "content": ""}))
+        yield _sse(env.chat_chunk(index, {"role": "assistant", "content": None if calls else ""}))
     try:
         async for index, d in gen.deltas():
             tokens += len(d.token_ids)
             cached += d.cached_tokens if d.finished and index % n == 0 else 0
-            delta = {"content": d.text} if d.text or d.token_ids else {}
             lps = chat_logprobs(d.logprobs, names) if d.logprobs is not None else None
+            if calls is not None:
+                deltas, reason = calls[index].stream(d.text, d.finished, d.finish_reason)
+                for i, delta in enumerate(deltas):
+                    yield _sse(env.chat_chunk(index, delta, reason if i == len(deltas) - 1 else None))
+                if d.finished and not deltas:
+                    yield _sse(env.chat_chunk(index, {}, reason))
+                continue
+            delta = {"content": d.text} if d.text or d.token_ids else {}
             yield _sse(env.chat_chunk(index, delta, d.finish_reason if d.finished else None, lps))
     except EngineDead as exc:
         yield _sse(error_body(503, str(exc)))

@@ -5,12 +5,15 @@ reaches the engine, so a bad request costs the engine loop nothing.
 """
 from __future__ import annotations
 
+import json
 from typing import Any
 
+from tandem.grammar.compiler import check_spec
 from tandem.sampling import SamplingParams
 from tandem.server import protocol as P
 from tandem.server.errors import APIError
 from tandem.server.openai_schemas import ChatCompletionRequest, CompletionRequest
+from tandem.server.structured import ToolMode, constraint, constraint_param
 
 MAX_CHOICES = 128  # prompts x n per HTTP request
 _INT64 = 2**63
@@ -26,38 +29,60 @@ def completion_inputs(body: CompletionRequest, tokenizer: Any, max_model_len: in
     prompts = [_prompt_ids(p, tokenizer, vocab_size) for p in _prompt_list(body.prompt)]
     explicit = "max_tokens" in body.model_fields_set and body.max_tokens is not None
     return _choices(body, prompts, body.max_tokens, explicit, "max_tokens", "prompt",
-                    body.logprobs, max_model_len)
+                    body.logprobs, max_model_len, constraint(body))
 
 
-def chat_inputs(body: ChatCompletionRequest, tokenizer: Any,
-                max_model_len: int) -> tuple[list[list[int]], list[P.Params]]:
-    _refuse(bool(body.tools), "tools", "tools are not supported")
+def chat_inputs(body: ChatCompletionRequest, tokenizer: Any, max_model_len: int,
+                tools: ToolMode | None = None) -> tuple[list[list[int]], list[P.Params]]:
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs set to true", "top_logprobs")
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise APIError(400, "this model has no chat template; use /v1/completions", "messages")
-    messages = [{"role": "system" if m.role == "developer" else m.role, "content": _content(m.content)}
-                for m in body.messages]
+    messages = [_message(m) for m in body.messages]
+    extra = {"tools": [t.model_dump(exclude_none=True) for t in tools.tools]} if tools is not None else {}
     try:
         ids = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                 return_dict=False))
+                                                 return_dict=False, **extra))
     except Exception as exc:  # jinja raises whatever the template author chose
         raise APIError(400, f"the chat template refused these messages: {exc}", "messages") from None
     name = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     return _choices(body, [ids], max_tokens, max_tokens is not None, name, "messages", logprobs,
-                    max_model_len)
+                    max_model_len, constraint(body, tools))
+
+
+def _message(m) -> dict:
+    out = {"role": "system" if m.role == "developer" else m.role, "content": _content(m.content)}
+    if m.tool_calls:  # templates read arguments as a mapping
+        out["tool_calls"] = [{**c, "function": {**c.get("function", {}),
+                                                "arguments": _arguments(c.get("function", {}).get("arguments"))}}
+                             for c in m.tool_calls]
+    if m.tool_call_id is not None:
+        out["tool_call_id"] = m.tool_call_id
+    return out
+
+
+def _arguments(args: Any) -> Any:
+    if isinstance(args, str):
+        try:
+            return json.loads(args)
+        except json.JSONDecodeError:
+            return args
+    return args
 
 
 def _choices(body, prompts: list[list[int]], max_tokens: int | None, explicit: bool, max_name: str,
-             prompt_name: str, logprobs: int | None, max_model_len: int):
+             prompt_name: str, logprobs: int | None, max_model_len: int, constrained: dict):
     _refuse(bool(body.logit_bias), "logit_bias", "logit_bias is not supported")
     if len(prompts) * body.n > MAX_CHOICES:
         raise APIError(400, f"{len(prompts)} prompts x n={body.n} exceeds {MAX_CHOICES} choices", "n")
     fields = {k: getattr(body, k) for k in _SAMPLING_FIELDS if getattr(body, k) is not None}
     _check_int64(fields)
-    _validate(fields, max_tokens, logprobs, max_name)
+    _validate({**fields, **constrained}, max_tokens, logprobs, max_name)
+    if "json_schema" in constrained:  # JSON text on the wire
+        constrained = {**constrained, "json_schema": json.dumps(constrained["json_schema"])}
+    fields.update(constrained)
     out_prompts, out_params = [], []
     for ids in prompts:
         room = max_model_len - len(ids)
@@ -83,12 +108,17 @@ def _choices(body, prompts: list[list[int]], max_tokens: int | None, explicit: b
 def _validate(fields: dict, max_tokens: int | None, logprobs: int | None, max_name: str) -> None:
     """SamplingParams is the one place that knows valid ranges; its message names the field."""
     try:
-        SamplingParams(max_tokens=1 if max_tokens is None else max_tokens, logprobs=logprobs, **fields)
+        params = SamplingParams(max_tokens=1 if max_tokens is None else max_tokens, logprobs=logprobs, **fields)
+        if params.constraint is not None:  # parse the grammar here too: the 400 names the API field
+            check_spec(*params.constraint)
     except ValueError as exc:
         msg = str(exc)
         param = msg.split(" ", 1)[0]
         if param == "max_tokens":
             param, msg = max_name, msg.replace("max_tokens", max_name, 1)
+        elif param in ("json_schema", "grammar"):
+            param = constraint_param(param)
+            msg = msg.replace(msg.split(" ", 1)[0], param, 1)
         raise APIError(400, msg, param) from None
 
 

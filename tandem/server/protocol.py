@@ -25,6 +25,10 @@ class Params(msgspec.Struct, frozen=True):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logprobs: int | None = None
+    json_schema: str | None = None  # JSON text
+    regex: str | None = None
+    grammar: str | None = None
+    choice: list[str] | None = None
 
 
 # ---- front end -> engine ----

@@ -1,0 +1,177 @@
+"""Structured output and tool calls over the OpenAI API.
+
+Request side: `response_format`, SGLang-style `regex` / `ebnf`, and `tools` + `tool_choice`
+become one grammar constraint of SamplingParams. For `required` the output is a JSON array of
+calls ([{"name": ..., "arguments": {...}}], one item unless `parallel_tool_calls`); for a named
+function it is that function's arguments. With `auto` the model writes freely with the tools in
+its chat template, and calls are parsed from its text: Qwen/Hermes `<tool_call>{...}</tool_call>`
+or a Llama 3.1 JSON object {"name": ..., "parameters": {...}}.
+
+Response side: `ToolCalls` turns a choice's text into `message.tool_calls` (finish_reason
+"tool_calls"), and into stream deltas shaped as the official API sends them.
+"""
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+
+from tandem.server.errors import APIError
+from tandem.server.openai_schemas import ChatCompletionRequest, NamedToolChoice, Tool
+
+_HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
+
+
+def _parameters(tool: Tool) -> dict:
+    return tool.function.parameters or {"type": "object", "properties": {}}
+
+
+@dataclass
+class ToolMode:
+    kind: str  # "named", "required" or "auto"
+    tools: list[Tool]
+    parallel: bool
+
+    @property
+    def names(self) -> set[str]:
+        return {t.function.name for t in self.tools}
+
+    def schema(self) -> dict | None:
+        """The JSON schema the output is constrained to (None for auto)."""
+        if self.kind == "named":
+            return _parameters(self.tools[0])
+        if self.kind == "required":
+            calls = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
+                      "properties": {"name": {"const": t.function.name}, "arguments": _parameters(t)}}
+                     for t in self.tools]
+            return {"type": "array", "minItems": 1, "items": {"anyOf": calls},
+                    **({} if self.parallel else {"maxItems": 1})}
+        return None
+
+
+def tool_mode(body: ChatCompletionRequest) -> ToolMode | None:
+    if not body.tools or body.tool_choice == "none":
+        return None
+    parallel = body.parallel_tool_calls is not False
+    choice = body.tool_choice
+    if isinstance(choice, NamedToolChoice):
+        match = [t for t in body.tools if t.function.name == choice.function.name]
+        if not match:
+            raise APIError(400, f"tool_choice names function {choice.function.name!r}, which is not in tools",
+                           "tool_choice")
+        return ToolMode("named", match[:1], parallel)
+    return ToolMode("required" if choice == "required" else "auto", body.tools, parallel)
+
+
+def constraint(body, tools: ToolMode | None = None) -> dict:
+    """SamplingParams fields (json_schema / regex / grammar) from the request; 400 if two clash."""
+    found: dict[str, tuple[str, object]] = {}
+    if body.regex is not None:
+        found["regex"] = ("regex", body.regex)
+    if body.ebnf is not None:
+        found["ebnf"] = ("grammar", body.ebnf)
+    fmt = getattr(body, "response_format", None)
+    if fmt is not None and fmt.type == "json_object":
+        found["response_format"] = ("json_schema", {"type": "object"})
+    elif fmt is not None and fmt.type == "json_schema":
+        if fmt.json_schema is None:
+            raise APIError(400, "response_format of type json_schema needs a json_schema", "response_format")
+        found["response_format"] = ("json_schema", fmt.json_schema.schema_ or {"type": "object"})
+    if tools is not None and tools.schema() is not None:
+        found["tool_choice"] = ("json_schema", tools.schema())
+    if len(found) > 1:
+        raise APIError(400, f"only one of {', '.join(found)} may constrain the output", list(found)[-1])
+    return dict(found.values())
+
+
+def constraint_param(field: str) -> str:
+    """The request field behind a SamplingParams constraint field."""
+    return {"json_schema": "response_format", "grammar": "ebnf"}.get(field, field)
+
+
+@dataclass
+class ToolCall:
+    name: str
+    arguments: str  # JSON text, as the API sends it
+    id: str = ""
+
+    def __post_init__(self) -> None:
+        self.id = self.id or f"call_{uuid.uuid4().hex[:24]}"
+
+    def as_dict(self, index: int | None = None) -> dict:
+        out = {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+        return out if index is None else {"index": index, **out}
+
+
+class ToolCalls:
+    """One choice's tool-call view of the model's text."""
+
+    def __init__(self, mode: ToolMode):
+        self.mode = mode
+        self.text: list[str] = []
+        self.named_call: ToolCall | None = None
+
+    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        """(content, calls) of a finished choice's text; unparsable text stays content."""
+        if self.mode.kind == "named":
+            return None, [ToolCall(self.mode.tools[0].function.name, text)]
+        if self.mode.kind == "required":
+            try:
+                items = json.loads(text)
+            except json.JSONDecodeError:
+                return text, []
+            return None, [ToolCall(c["name"], json.dumps(c["arguments"], ensure_ascii=False)) for c in items]
+        return self._parse_auto(text)
+
+    def _parse_auto(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        calls = []
+        for raw in _HERMES.findall(text):
+            call = self._call(raw, "arguments")
+            if call is not None:
+                calls.append(call)
+        if calls:
+            content = text[:text.find("<tool_call>")].strip()
+            return content or None, calls if self.mode.parallel else calls[:1]
+        call = self._call(text.strip(), "parameters")  # Llama 3.1: the whole reply is one call
+        return (None, [call]) if call is not None else (text, [])
+
+    def _call(self, raw: str, key: str) -> ToolCall | None:
+        try:
+            obj = json.loads(raw)
+        except json.JSONDecodeError:
+            return None
+        if not isinstance(obj, dict) or obj.get("name") not in self.mode.names:
+            return None
+        args = obj.get(key, obj.get("arguments", obj.get("parameters", {})))
+        return ToolCall(obj["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False))
+
+    def message(self, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
+        content, calls = self.parse(text) if finish_reason == "stop" or self.mode.kind == "named" else (text, [])
+        if not calls:
+            return {"role": "assistant", "content": content}, finish_reason
+        return ({"role": "assistant", "content": content, "tool_calls": [c.as_dict() for c in calls]},
+                "tool_calls" if finish_reason == "stop" else finish_reason)
+
+    # ---- streaming: a list of delta dicts per engine delta ----
+    def stream(self, text: str, finished: bool, finish_reason: str | None) -> tuple[list[dict], str | None]:
+        """Named calls stream their arguments as they come; other modes send the parsed
+        calls (or the content) once the choice finished."""
+        if self.mode.kind == "named":
+            out = []
+            if self.named_call is None:
+                self.named_call = ToolCall(self.mode.tools[0].function.name, "")
+                out.append({"tool_calls": [self.named_call.as_dict(0)]})
+            if text:
+                out.append({"tool_calls": [{"index": 0, "function": {"arguments": text}}]})
+            return out, ("tool_calls" if finish_reason == "stop" else finish_reason) if finished else None
+        self.text.append(text)
+        if not finished:
+            return [], None
+        message, reason = self.message("".join(self.text), finish_reason)
+        if "tool_calls" in message:
+            deltas = [{"tool_calls": [{**c, "index": i}]} for i, c in enumerate(message["tool_calls"])]
+            if message["content"]:
+                deltas.insert(0, {"content": message["content"]})
+            return deltas, reason
+        return [{"content": message["content"]}], reason

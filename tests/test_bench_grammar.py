@@ -1,0 +1,28 @@
+"""`tandem bench grammar` runs on the CPU with tiny shapes (the H200 run uses the same code)."""
+import json
+import os
+
+import pytest
+
+from tandem.bench import grammar
+
+pytest.importorskip("xgrammar")
+
+
+def test_grammar_bench_dry_run(tmp_path, capsys):
+    out = tmp_path / "grammar.json"
+    argv = ["--preset", "tiny", "--num-requests", "4", "--prompt-len", "8", "--max-tokens", "160",
+            "--device", "cpu", "--grammar-threads", "1", "--json", str(out)]
+    if os.environ.get("TANDEM_TEST_TOKENIZER"):
+        argv += ["--tokenizer", os.environ["TANDEM_TEST_TOKENIZER"]]
+    assert grammar.main(argv) == 0
+    report = json.loads(out.read_text())
+    rows = {(r["constrained"], r["overlap"]): r for r in report["rows"]}
+    assert set(rows) == {(True, True), (False, True), (True, False), (False, False)}
+    for overlap in (True, False):
+        c, u = rows[(True, overlap)], rows[(False, overlap)]
+        assert c["valid"] == 4 and c["output_tokens"] == u["output_tokens"] > 0
+        assert c["grammar_ms_per_step"] > 0 and u["grammar_ms_per_step"] == 0
+        assert 0 < c["host_ms_per_step"] and c["steps"] > 0
+    assert report["constrained_tokens_identical_overlap_on_off"] is True
+    assert "constrained / unconstrained output tok/s" in capsys.readouterr().out

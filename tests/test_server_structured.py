@@ -1,0 +1,157 @@
+"""Structured output and tool calls through the official `openai` client against a real server."""
+import json
+from typing import Annotated, Literal
+
+import jsonschema
+import openai
+import pytest
+from pydantic import BaseModel, Field
+
+from test_server import running_server
+
+pytest.importorskip("xgrammar")
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Weather in a city",
+    "parameters": {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
+                   "properties": {"city": {"enum": ["Paris", "Tokyo", "Lima"]},
+                                  "unit": {"enum": ["C", "F"]}}}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "additionalProperties": False, "required": ["zone"],
+                                       "properties": {"zone": {"type": "integer", "minimum": -12, "maximum": 12}}}}}
+TOOLS = [WEATHER, TIME]
+PARAMS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+class Person(BaseModel):
+    name: Annotated[str, Field(max_length=8)]
+    age: Annotated[int, Field(ge=0, le=99)]
+    member: bool
+    level: Literal["low", "high"]
+
+
+@pytest.fixture(scope="module")
+def client(tiny_text_model, tmp_path_factory):
+    log = tmp_path_factory.mktemp("server_structured") / "server.log"
+    with running_server(tiny_text_model, log, "--max-running-requests", "16", "--max-model-len", "256") as (url, proc):
+        yield openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+    assert proc.returncode == 0, log.read_text()
+
+
+def _check_calls(calls, names=None, single=False):
+    assert calls and (len(calls) == 1 or not single)
+    for call in calls:
+        assert call.type == "function" and call.id
+        assert call.function.name in (names or PARAMS)
+        jsonschema.validate(json.loads(call.function.arguments), PARAMS[call.function.name])
+
+
+def test_parse_with_a_pydantic_model(client):
+    for seed in range(3):
+        done = client.chat.completions.parse(model="llama", messages=ASK, response_format=Person,
+                                             max_tokens=80, temperature=0.9, seed=seed)
+        choice = done.choices[0]
+        assert choice.finish_reason == "stop"
+        assert isinstance(choice.message.parsed, Person)
+
+
+def test_json_object(client):
+    """A random model rarely closes a free JSON string, so outputs may be cut by max_tokens:
+    each is then an object's opening; any that finished parses as a JSON object."""
+    done = client.chat.completions.create(model="llama", messages=ASK, response_format={"type": "json_object"},
+                                          max_tokens=24, temperature=0.8, seed=1, n=3)
+    assert len(done.choices) == 3
+    for c in done.choices:
+        assert c.message.content.startswith('{"') or c.message.content == "{}"
+        if c.finish_reason == "stop":
+            assert isinstance(json.loads(c.message.content), dict)
+
+
+def test_regex_and_ebnf_extra_fields(client):
+    done = client.chat.completions.create(model="llama", messages=ASK, max_tokens=20, temperature=0.9, seed=2,
+                                          extra_body={"regex": "(yes|no), [0-9]{2}"})
+    assert done.choices[0].finish_reason == "stop"
+    assert done.choices[0].message.content[:3] in ("yes", "no,")
+    done = client.completions.create(model="llama", prompt="Answer:", max_tokens=20, temperature=0.9, seed=3,
+                                     extra_body={"ebnf": 'root ::= "A" | "B" | "C"'})
+    assert done.choices[0].text in ("A", "B", "C") and done.choices[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("parallel", [False, True])
+def test_tool_choice_required(client, parallel):
+    done = client.chat.completions.create(model="llama", messages=ASK, tools=TOOLS, tool_choice="required",
+                                          parallel_tool_calls=parallel, max_tokens=120, temperature=0.9,
+                                          seed=4)
+    choice = done.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    _check_calls(choice.message.tool_calls, single=not parallel)
+
+
+def test_tool_choice_named(client):
+    done = client.chat.completions.create(
+        model="llama", messages=ASK, tools=TOOLS, max_tokens=60, temperature=0.9, seed=5,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    choice = done.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    _check_calls(choice.message.tool_calls, names={"get_weather"}, single=True)
+
+
+def test_tool_choice_none_and_auto_answer_with_text(client):
+    for choice in ("none", "auto"):
+        done = client.chat.completions.create(model="llama", messages=ASK, tools=TOOLS, tool_choice=choice,
+                                              max_tokens=8, temperature=0, seed=6)
+        assert done.choices[0].message.tool_calls is None  # a random model writes no call
+        assert done.choices[0].finish_reason in ("stop", "length")
+
+
+def _stream_calls(stream):
+    calls, reason, content = {}, None, []
+    for chunk in stream:
+        for c in chunk.choices:
+            for tc in c.delta.tool_calls or []:
+                entry = calls.setdefault(tc.index, {"id": None, "name": None, "arguments": ""})
+                entry["id"] = tc.id or entry["id"]
+                if tc.function and tc.function.name:
+                    entry["name"] = tc.function.name
+                if tc.function and tc.function.arguments:
+                    entry["arguments"] += tc.function.arguments
+            content.append(c.delta.content or "")
+            reason = c.finish_reason or reason
+    return [calls[i] for i in sorted(calls)], reason, "".join(content)
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_time"}}])
+def test_streamed_tool_calls_equal_the_non_streamed_ones(client, tool_choice):
+    kw = dict(messages=ASK, tools=TOOLS, tool_choice=tool_choice, max_tokens=120,
+              temperature=0.9, seed=7)
+    whole = client.chat.completions.create(model="llama", **kw).choices[0].message.tool_calls
+    calls, reason, content = _stream_calls(client.chat.completions.create(model="llama", stream=True, **kw))
+    assert reason == "tool_calls" and content == ""
+    assert [(c["name"], c["arguments"]) for c in calls] == [(c.function.name, c.function.arguments) for c in whole]
+    assert all(c["id"] for c in calls)
+
+
+def test_streamed_json_schema(client):
+    schema = Person.model_json_schema()
+    kw = dict(messages=ASK, max_tokens=80, temperature=0.9, seed=8,
+              response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": schema,
+                                                                      "strict": True}})
+    whole = client.chat.completions.create(model="llama", **kw).choices[0].message.content
+    _, reason, content = _stream_calls(client.chat.completions.create(model="llama", stream=True, **kw))
+    assert reason == "stop" and content == whole
+    Person.model_validate_json(content)
+
+
+@pytest.mark.parametrize("kw,param", [
+    (dict(response_format={"type": "json_schema", "json_schema": {"name": "bad", "schema": {"type": "objectx"}}}),
+     "objectx"),
+    (dict(extra_body={"regex": "a("}), "regex"),
+    (dict(extra_body={"ebnf": "root ::= nothing_here"}), "ebnf"),
+    (dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}}), "tool_choice"),
+    (dict(response_format={"type": "json_object"}, extra_body={"regex": "a+"}), "only one of"),
+])
+def test_invalid_constraints_are_400(client, kw, param):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="llama", messages=ASK, max_tokens=8, **kw)
+    assert param in str(err.value)
