@@ -135,4 +135,5 @@ class EngineConfig:
     timeline_path: str | None = None  # also write each step as a JSON line here
     timeline_max_records: int | None = None  # keep at most this many steps in memory (servers)
     grammar_threads: int = 2  # threads compiling grammars and filling token masks
+    grammar_overlap: bool = True  # fill token masks while the forward runs (off: before it is queued)
     extra: dict = field(default_factory=dict)

@@ -247,10 +247,10 @@ class Engine:
         if batch is None:  # nothing to launch: the pending result is processed at once
             self._drain(outputs)
             return outputs
-        if self.pending is not None and self._process_first(batch):
+        masked = self.grammar.constrains(batch)
+        if self.pending is not None and (self._process_first(batch) or (masked and not self.cfg.grammar_overlap)):
             self._drain(outputs)
         t1 = perf_counter()
-        masked = self.grammar.constrains(batch)
         launched = self.runner.launch(batch, defer_sampling=masked)
         if self.timeline is not None:
             launched.record = _step_record(batch, t0, t1, perf_counter())

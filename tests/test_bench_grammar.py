@@ -11,17 +11,20 @@ pytest.importorskip("xgrammar")
 
 def test_grammar_bench_dry_run(tmp_path, capsys):
     out = tmp_path / "grammar.json"
-    argv = ["--preset", "tiny", "--num-requests", "4", "--prompt-len", "8", "--max-tokens", "160",
+    argv = ["--preset", "tiny", "--num-requests", "2", "--prompt-len", "8", "--max-tokens", "160",
             "--device", "cpu", "--grammar-threads", "1", "--json", str(out)]
     if os.environ.get("TANDEM_TEST_TOKENIZER"):
         argv += ["--tokenizer", os.environ["TANDEM_TEST_TOKENIZER"]]
     assert grammar.main(argv) == 0
     report = json.loads(out.read_text())
-    rows = {(r["constrained"], r["overlap"]): r for r in report["rows"]}
-    assert set(rows) == {(True, True), (False, True), (True, False), (False, False)}
+    rows = {(r["constrained"], r["overlap"], r["mask_overlap"]): r for r in report["rows"]}
+    assert set(rows) == {(True, True, True), (False, True, True), (True, True, False), (True, False, True),
+                         (False, False, True)}
+    assert rows[(True, True, False)]["valid"] == 2
+    rows = {(c, o): r for (c, o, m), r in rows.items() if m}
     for overlap in (True, False):
         c, u = rows[(True, overlap)], rows[(False, overlap)]
-        assert c["valid"] == 4 and c["output_tokens"] == u["output_tokens"] > 0
+        assert c["valid"] == 2 and c["output_tokens"] == u["output_tokens"] > 0
         assert c["grammar_ms_per_step"] > 0 and u["grammar_ms_per_step"] == 0
         assert 0 < c["host_ms_per_step"] and c["steps"] > 0
     assert report["constrained_tokens_identical_overlap_on_off"] is True

@@ -97,11 +97,12 @@ def test_overlap_on_equals_off_for_constrained_requests(tiny_text_model, tempera
     params = [_constrained(i, seed=100 + i, temperature=temperature) for i in range(20)]
     params += [SamplingParams(max_tokens=12, temperature=temperature, seed=7, ignore_eos=True)] * 4
     runs = []
-    for overlap in (True, False):
-        llm = LLM(str(tiny_text_model), device=TEST_DEVICE, dtype="float32", disable_overlap=not overlap)
+    for overlap, mask_overlap in ((True, True), (False, True), (True, False)):
+        llm = LLM(str(tiny_text_model), device=TEST_DEVICE, dtype="float32", disable_overlap=not overlap,
+                  grammar_overlap=mask_overlap)
         runs.append([(o.token_ids, o.finish_reason) for o in
                      llm.generate(prompts + _prompts(4, seed=3), params, use_tqdm=False)])
-    assert runs[0] == runs[1]
+    assert runs[0] == runs[1] == runs[2]
 
 
 def test_preemption_and_chunked_prefill_keep_matchers_consistent(tiny_text_model):

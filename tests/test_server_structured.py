@@ -155,3 +155,41 @@ def test_invalid_constraints_are_400(client, kw, param):
     with pytest.raises(openai.BadRequestError) as err:
         client.chat.completions.create(model="llama", messages=ASK, max_tokens=8, **kw)
     assert param in str(err.value)
+
+
+def test_auto_with_a_hermes_template_constrains_started_calls():
+    """tool_choice auto, Qwen/Hermes template: free text is allowed, but a `<tool_call>` block
+    must be a valid call of one of the tools; the calls parse back from the text."""
+    from xgrammar.testing import _is_grammar_accept_string as accepts
+
+    from tandem.server.openai_schemas import Tool
+    from tandem.server.structured import ToolCalls, ToolMode
+
+    mode = ToolMode("auto", [Tool.model_validate(t) for t in TOOLS], parallel=True, hermes=True)
+    grammar = mode.grammar()
+    good = 'Let me check.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Lima", "unit": "C"}}\n</tool_call>'
+    assert accepts(grammar, "Just text, no call.")
+    assert accepts(grammar, good)
+    assert not accepts(grammar, '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome", "unit": "C"}}\n</tool_call>')
+    assert not accepts(grammar, '<tool_call>\n{"name": "launch", "arguments": {}}\n</tool_call>')
+    message, reason = ToolCalls(mode).message(good, "stop")
+    assert reason == "tool_calls" and message["content"] == "Let me check."
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message["tool_calls"]] == \
+        [("get_weather", {"city": "Lima", "unit": "C"})]
+    llama = ToolCalls(ToolMode("auto", mode.tools, parallel=True))
+    message, reason = llama.message('{"name": "get_time", "parameters": {"zone": 3}}', "stop")
+    assert reason == "tool_calls" and json.loads(message["tool_calls"][0]["function"]["arguments"]) == {"zone": 3}
+
+
+def test_auto_streams_text_and_holds_back_a_starting_call():
+    from tandem.server.openai_schemas import Tool
+    from tandem.server.structured import ToolCalls, ToolMode
+
+    calls = ToolCalls(ToolMode("auto", [Tool.model_validate(t) for t in TOOLS], parallel=True, hermes=True))
+    pieces = ["Sure", ", checking.", "<tool", '_call>\n{"name": "get_time", ', '"arguments": {"zone": 1}}\n</tool_call>']
+    sent = [calls.stream(p, False, None)[0] for p in pieces]
+    assert sent[:3] == [[{"content": "Sure"}], [{"content": ", checking."}], []]
+    assert sent[3:] == [[], []]
+    deltas, reason = calls.stream("", True, "stop")
+    assert reason == "tool_calls"
+    assert [d["tool_calls"][0]["function"] for d in deltas] == [{"name": "get_time", "arguments": '{"zone": 1}'}]

@@ -139,7 +139,7 @@ def create_app(state: ServerState, api_key: str | None = None) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         state.check_model(body.model)
-        tools = tool_mode(body)
+        tools = tool_mode(body, getattr(state.tokenizer, "chat_template", None))
         prompts, params = chat_inputs(body, state.tokenizer, state.max_model_len, tools)
         gen = await start(prompts, params, "chatcmpl")
         env, n_prompt = Envelope(gen.request_id, state.model_name), _prompt_tokens(prompts, body.n)

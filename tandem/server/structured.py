@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from tandem.server.errors import APIError
 from tandem.server.openai_schemas import ChatCompletionRequest, NamedToolChoice, Tool
 
+_TRIGGER = "<tool_call>"
 _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 
 
@@ -32,6 +33,7 @@ class ToolMode:
     kind: str  # "named", "required" or "auto"
     tools: list[Tool]
     parallel: bool
+    hermes: bool = False  # the chat template writes Qwen/Hermes <tool_call> blocks
 
     @property
     def names(self) -> set[str]:
@@ -49,8 +51,26 @@ class ToolMode:
                     **({} if self.parallel else {"maxItems": 1})}
         return None
 
+    def grammar(self) -> str | None:
+        """auto with a Hermes/Qwen template: free text, but a started `<tool_call>` block must
+        be a valid call of one of the tools (EBNF from xgrammar's triggered structural tag)."""
+        if self.kind != "auto" or not self.hermes:
+            return None
+        import xgrammar as xgr
 
-def tool_mode(body: ChatCompletionRequest) -> ToolMode | None:
+        tags = [{"begin": '<tool_call>\n{"name": ' + json.dumps(t.function.name) + ', "arguments": ',
+                 "content": {"type": "json_schema", "json_schema": _parameters(t)}, "end": "}\n</tool_call>"}
+                for t in self.tools]
+        tag = {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": ["<tool_call>"],
+                                                    "tags": tags, "at_least_one": False,
+                                                    "stop_after_first": not self.parallel}}
+        try:
+            return str(xgr.Grammar.from_structural_tag(json.dumps(tag)))
+        except (RuntimeError, ValueError) as e:
+            raise APIError(400, f"tools: a function's parameters are not a valid JSON schema: {e}", "tools") from None
+
+
+def tool_mode(body: ChatCompletionRequest, chat_template: str | None = None) -> ToolMode | None:
     if not body.tools or body.tool_choice == "none":
         return None
     parallel = body.parallel_tool_calls is not False
@@ -61,7 +81,8 @@ def tool_mode(body: ChatCompletionRequest) -> ToolMode | None:
             raise APIError(400, f"tool_choice names function {choice.function.name!r}, which is not in tools",
                            "tool_choice")
         return ToolMode("named", match[:1], parallel)
-    return ToolMode("required" if choice == "required" else "auto", body.tools, parallel)
+    return ToolMode("required" if choice == "required" else "auto", body.tools, parallel,
+                    hermes="<tool_call>" in (chat_template or ""))
 
 
 def constraint(body, tools: ToolMode | None = None) -> dict:
@@ -80,6 +101,8 @@ def constraint(body, tools: ToolMode | None = None) -> dict:
         found["response_format"] = ("json_schema", fmt.json_schema.schema_ or {"type": "object"})
     if tools is not None and tools.schema() is not None:
         found["tool_choice"] = ("json_schema", tools.schema())
+    elif tools is not None and tools.grammar() is not None:
+        found["tool_choice"] = ("grammar", tools.grammar())
     if len(found) > 1:
         raise APIError(400, f"only one of {', '.join(found)} may constrain the output", list(found)[-1])
     return dict(found.values())
@@ -110,6 +133,7 @@ class ToolCalls:
     def __init__(self, mode: ToolMode):
         self.mode = mode
         self.text: list[str] = []
+        self.sent = 0  # characters of text already streamed as content
         self.named_call: ToolCall | None = None
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
@@ -155,8 +179,8 @@ class ToolCalls:
 
     # ---- streaming: a list of delta dicts per engine delta ----
     def stream(self, text: str, finished: bool, finish_reason: str | None) -> tuple[list[dict], str | None]:
-        """Named calls stream their arguments as they come; other modes send the parsed
-        calls (or the content) once the choice finished."""
+        """Named calls stream their arguments as they come; auto streams text up to where a
+        call may start; calls are sent once the choice finished, whole."""
         if self.mode.kind == "named":
             out = []
             if self.named_call is None:
@@ -166,12 +190,29 @@ class ToolCalls:
                 out.append({"tool_calls": [{"index": 0, "function": {"arguments": text}}]})
             return out, ("tool_calls" if finish_reason == "stop" else finish_reason) if finished else None
         self.text.append(text)
+        full = "".join(self.text)
         if not finished:
-            return [], None
-        message, reason = self.message("".join(self.text), finish_reason)
-        if "tool_calls" in message:
-            deltas = [{"tool_calls": [{**c, "index": i}]} for i, c in enumerate(message["tool_calls"])]
-            if message["content"]:
-                deltas.insert(0, {"content": message["content"]})
-            return deltas, reason
-        return [{"content": message["content"]}], reason
+            safe = self._safe_end(full) if self.mode.kind == "auto" else self.sent
+            out, self.sent = full[self.sent:safe], max(self.sent, safe)
+            return ([{"content": out}] if out else []), None
+        message, reason = self.message(full, finish_reason)
+        if "tool_calls" not in message:
+            rest = full[self.sent:]
+            return ([{"content": rest}] if rest or not self.sent else []), reason
+        deltas = [{"tool_calls": [{**c, "index": i}]} for i, c in enumerate(message["tool_calls"])]
+        if message["content"] and not self.sent:
+            deltas.insert(0, {"content": message["content"]})
+        return deltas, reason
+
+    @staticmethod
+    def _safe_end(full: str) -> int:
+        """How much of the text so far is content for sure: not a (possible) call's start."""
+        if full.lstrip().startswith("{"):
+            return 0  # may be a Llama 3.1 call: hold it all
+        at = full.find(_TRIGGER)
+        if at >= 0:
+            return at
+        for k in range(len(_TRIGGER) - 1, 0, -1):  # a trigger may be arriving token by token
+            if full.endswith(_TRIGGER[:k]):
+                return len(full) - k
+        return len(full)
