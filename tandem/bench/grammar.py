@@ -94,6 +94,7 @@ def load_tokenizer(path: str | None):
 def run(engine: Engine, prompts: list[list[int]], params: list[SamplingParams], overlap: bool,
         tag: str, mask_overlap: bool = True) -> tuple[GrammarRow, list[list[int]]]:
     engine.cfg.disable_overlap, engine.cfg.grammar_overlap = not overlap, mask_overlap
+    engine.reset_prefix_cache()  # runs repeat prompts: each computes its own
     first = len(engine.timeline.records)
     g = engine.grammar
     grammar0, steps0 = g.fill_s + g.accept_s, engine.step_id
