@@ -13,12 +13,16 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=.:/tmp/site
 git rev-parse --short HEAD 2>/dev/null
-echo "=== GPU grammar tests"
-TANDEM_TEST_DEVICE=cuda timeout 240 python3 -m pytest -q tests/test_gpu_grammar.py tests/test_grammar.py \
-   -m "gpu or not gpu" -p no:cacheprovider > "$OUT/gpu_grammar_tests.log" 2>&1
-echo "rc=$?"; grep -E "passed|failed|^FAILED|^E " "$OUT/gpu_grammar_tests.log" | tail -8
+what=${1:-all}  # tests | qwen3-0.6b | llama-3.1-8b | all (all fits one 10-minute device call)
+if [ "$what" = tests ] || [ "$what" = all ]; then
+  echo "=== GPU grammar tests"
+  TANDEM_TEST_DEVICE=cuda timeout 200 python3 -m pytest -q tests/test_gpu_grammar.py tests/test_grammar.py \
+     -m "gpu or not gpu" -p no:cacheprovider > "$OUT/gpu_grammar_tests.log" 2>&1
+  echo "rc=$?"; grep -E "passed|failed|^FAILED|^E " "$OUT/gpu_grammar_tests.log" | tail -8
+fi
 for preset in qwen3-0.6b llama-3.1-8b; do
+  [ "$what" = "$preset" ] || [ "$what" = all ] || continue
   echo "=== bench grammar $preset"
-  timeout 240 python3 -m tandem.bench.grammar --preset "$preset" --tokenizer .model/tokenizer \
+  timeout 180 python3 -m tandem.bench.grammar --preset "$preset" --tokenizer .model/tokenizer \
      --num-requests 128 --grammar-threads 8 --json "$OUT/grammar-$preset.json" 2>&1 | tail -12
 done
