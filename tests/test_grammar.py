@@ -181,3 +181,42 @@ def test_mask_applies_before_every_sampling_method():
     constrained = torch.log_softmax(ref, dim=-1)
     assert torch.allclose(out.logprobs, constrained.gather(1, out.token_ids[:, None]).squeeze(1))
     assert set(out.top_ids.flatten().tolist()) <= set(allowed)
+
+
+class _Forbid:
+    """A MaskProducer that is not a grammar: some tokens are never allowed (like bad words)."""
+
+    def __init__(self, vocab: int, banned: set[int]):
+        self.row = torch.full(((vocab + 31) // 32,), -1, dtype=torch.int32)
+        for t in banned:
+            self.row[t // 32] &= ~(1 << (t % 32)) if t % 32 != 31 else 0x7FFFFFFF
+        self.accepted: list[int] = []
+
+    def fill_next_mask(self, bitmask: torch.Tensor, row: int) -> None:
+        bitmask[row] = self.row
+
+    def accept(self, token: int) -> bool:
+        self.accepted.append(token)
+        return True
+
+    def is_terminated(self) -> bool:
+        return False
+
+
+def test_any_mask_producer_plugs_into_the_mask_path(tiny_text_model):
+    """The per-request interface (fill_next_mask / accept / is_terminated) the grammar uses is
+    open to other rules: a producer that bans the tokens greedy decoding picked."""
+    engine = _engine(tiny_text_model)
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    engine.add_request([5, 6, 7], params, request_id="free")
+    while engine.has_unfinished():
+        engine.step()
+    free = engine.output("free").token_ids
+    engine.add_request([5, 6, 7], params, request_id="banned")
+    producer = _Forbid(engine.model_config.vocab_size, set(free))
+    engine.requests["banned"].mask = producer
+    while engine.has_unfinished():
+        engine.step()
+    out = engine.output("banned").token_ids
+    assert len(out) == 12 and not set(out) & set(free)
+    assert producer.accepted == out
