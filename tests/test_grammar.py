@@ -59,6 +59,13 @@ def _prompts(n: int, seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(3, 1000) for _ in range(rng.randint(2, 40))] for _ in range(n)]
 
 
+def _compile_first(llm: LLM, params: list[SamplingParams]) -> None:
+    """Compile every spec before the run, so all requests enter at the first step: the same
+    batches in every run (compilation time would otherwise decide who joins which step)."""
+    specs = {p.constraint: p for p in params if p.constraint is not None}
+    llm.generate([[5, 6]] * len(specs), [p.clone(max_tokens=1) for p in specs.values()], use_tqdm=False)
+
+
 def test_sampled_constrained_outputs_parse_and_validate(tiny_text_model):
     """60 sampled requests (temperature 0.8-1.2, top-p/top-k/min-p/penalties mixed in) over
     json_schema (dict and string), regex, choice and EBNF: each completes and validates."""
@@ -100,6 +107,7 @@ def test_overlap_on_equals_off_for_constrained_requests(tiny_text_model, tempera
     for overlap, mask_overlap in ((True, True), (False, True), (True, False)):
         llm = LLM(str(tiny_text_model), device=TEST_DEVICE, dtype="float32", disable_overlap=not overlap,
                   grammar_overlap=mask_overlap)
+        _compile_first(llm, params)
         runs.append([(o.token_ids, o.finish_reason) for o in
                      llm.generate(prompts + _prompts(4, seed=3), params, use_tqdm=False)])
     assert runs[0] == runs[1] == runs[2]
@@ -112,9 +120,11 @@ def test_preemption_and_chunked_prefill_keep_matchers_consistent(tiny_text_model
     prompts = [[rng.randrange(3, 1000) for _ in range(rng.randint(20, 60))] for _ in range(16)]
     params = [_constrained(i, seed=200 + i) for i in range(16)]
     roomy = LLM(str(tiny_text_model), device=TEST_DEVICE, dtype="float32")
+    _compile_first(roomy, params)
     want = [o.token_ids for o in roomy.generate(prompts, params, use_tqdm=False)]
     tight = LLM(str(tiny_text_model), device=TEST_DEVICE, dtype="float32", max_total_tokens=200,
                 chunked_prefill_size=8, max_prefill_tokens=16, enable_mixed_batch=True)
+    _compile_first(tight, params)
     outs = tight.generate(prompts, params, use_tqdm=False)
     assert tight.engine.scheduler.num_preemptions > 0
     assert [o.token_ids for o in outs] == want
