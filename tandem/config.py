@@ -125,6 +125,10 @@ class EngineConfig:
     cuda_graph: str = "auto"  # auto (on with CUDA + Triton), on, off: decode steps replay graphs
     cuda_graph_max_batch: int = 256
     warm_up: str = "auto"  # auto (on with CUDA), on, off: run every kernel shape class at start
+    # Weight-streaming Triton GEMMs for <= 16 rows, tuned per shape at startup (CUDA only):
+    # auto (on with CUDA), off (cuBLAS everywhere).
+    small_m_gemm: str = "auto"
+    quantization: str | None = None  # "fp8": per-channel e4m3 weights, quantized at load
     max_model_len: int | None = None
     seed: int = 0
     # FutureMap read-before-write check on the device; the test suite turns it on via the env.

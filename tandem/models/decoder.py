@@ -12,6 +12,7 @@ from tandem.config import ModelConfig
 from tandem.forward_batch import ForwardBatch
 from tandem.memory.kv_cache import KVCache
 from tandem.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, qkv_norm_rope_torch
+from tandem.models.linear import Linear
 
 
 class Attention(nn.Module):
@@ -22,8 +23,8 @@ class Attention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim ** -0.5
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)

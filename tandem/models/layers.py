@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tandem.models.linear import Linear
+
 
 # ---- torch references (the CPU path) ----
 def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -119,8 +121,8 @@ class GatedMLP(nn.Module):
 
     def __init__(self, hidden: int, intermediate: int):
         super().__init__()
-        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.gate_up_proj = Linear(hidden, 2 * intermediate)
+        self.down_proj = Linear(intermediate, hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda:
