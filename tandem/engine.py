@@ -101,6 +101,8 @@ class Engine:
         if self.cfg.quantization != "fp8":
             raise ValueError(f"quantization must be None or 'fp8'; got {self.cfg.quantization!r}")
         check_fp8_support(self.device)
+        if self.device.type == "cuda" and self.dtype != torch.bfloat16:
+            raise ValueError(f"quantization='fp8' on CUDA needs dtype bfloat16, got {self.dtype}")
         n = quantize_model_fp8(self.model)
         log.info("quantized %d linear layers to fp8 (e4m3, per output channel)", n)
 
@@ -111,7 +113,8 @@ class Engine:
             raise ValueError(f"small_m_gemm must be auto, on or off; got {mode!r}")
         if mode == "on" and self.device.type != "cuda":
             raise ValueError("small_m_gemm='on' needs a CUDA device")
-        if mode == "off" or self.device.type != "cuda":
+        # float32 models keep cuBLAS: the kernels' tl.dot would round inputs to tf32.
+        if mode == "off" or self.device.type != "cuda" or self.dtype == torch.float32:
             return {}
         from tandem.kernels.gemm_tuner import tune_model
         return tune_model(self.model, self.dtype)
@@ -150,7 +153,8 @@ class Engine:
         self.future_map = FutureMap(rows, self.device, debug=cfg.debug_future_map)
         self.grammar = GrammarManager(self.tokenizer, self.model_config.vocab_size, sorted(self.eos_token_ids),
                                       self.streams, rows, cfg.grammar_threads)
-        backend = make_attention_backend(cfg.attention_backend, self.device)
+        backend = make_attention_backend(cfg.attention_backend, self.device,
+                                         cfg.attention_split_by_context)
         graphs = self._capture_graphs(backend)
         self.runner = ModelRunner(self.model, self.kv, self.table, backend, self.sampler,
                                   self.future_map, self.streams, self.stager, self.copier, graphs)

@@ -8,7 +8,9 @@ writes the output (bias and dtype cast fused); with several, fp32 partials go to
 workspace and a tiny second kernel sums them.
 
 M = 1 reduces in registers (multiply + sum along K); larger M pads to 16 rows for a
-`tl.dot`. FP8 (e4m3) weights are converted in registers and their per-output-channel
+`tl.dot`. For the MLP's down projection the input can be the packed gate_up rows: the
+kernel then forms silu(gate) * up while loading x (rounded as `kernels.activation`
+does), which saves the separate SiLU-mul launch per layer at small batch. FP8 (e4m3) weights are converted in registers and their per-output-channel
 scale is applied to the accumulator (it commutes with the sum over K).
 Every launch has a host-fixed grid and no device reads: CUDA-graph capturable.
 """
@@ -34,7 +36,7 @@ def _small_m_gemm_kernel(
     M, N, K, k_per_split, stride_xm, stride_wn, stride_om, stride_ps,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
-    EVEN_K: tl.constexpr,
+    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, SILU_MUL: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -46,20 +48,35 @@ def _small_m_gemm_kernel(
     k_end = tl.minimum(k_start + k_per_split, K)
     w_rows = W + offs_n.to(tl.int64)[:, None] * stride_wn
     x_rows = X + offs_m[:, None] * stride_xm
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if BLOCK_M == 1:
+        # Elementwise products accumulate per lane; one cross-lane reduction at the end.
+        acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         if EVEN_K:  # k_per_split is a multiple of BLOCK_K and K of k_per_split
-            w = tl.load(w_rows + offs_k[None, :], mask=mask_n[:, None], other=0.0)
-            x = tl.load(x_rows + offs_k[None, :], mask=mask_m[:, None], other=0.0)
+            mask_x = mask_m[:, None]
+            if EVEN_N:
+                w = tl.load(w_rows + offs_k[None, :])
+            else:
+                w = tl.load(w_rows + offs_k[None, :], mask=mask_n[:, None], other=0.0)
         else:
             mask_k = offs_k < k_end
+            mask_x = mask_m[:, None] & mask_k[None, :]
             w = tl.load(w_rows + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
-            x = tl.load(x_rows + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        x = tl.load(x_rows + offs_k[None, :], mask=mask_x, other=0.0)
+        if SILU_MUL:  # x holds gate; up sits K columns further
+            up = tl.load(x_rows + K + offs_k[None, :], mask=mask_x, other=0.0).to(tl.float32)
+            gate = x.to(tl.float32)
+            act = (gate / (1.0 + tl.exp(-gate))).to(x.dtype).to(tl.float32)
+            x = (act * up).to(x.dtype)
         if BLOCK_M == 1:
-            acc += tl.sum(x.to(tl.float32) * w.to(tl.float32), axis=1)[None, :]
+            acc2 += x.to(tl.float32) * w.to(tl.float32)
         else:
             acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc)
+    if BLOCK_M == 1:
+        acc = tl.sum(acc2, axis=1)[None, :]
     if HAS_SCALE:
         acc = acc * tl.load(Scale + offs_n, mask=mask_n, other=0.0)[None, :]
     mask = mask_m[:, None] & mask_n[None, :]
@@ -73,13 +90,13 @@ def _small_m_gemm_kernel(
 
 
 @triton.jit
-def _split_reduce_kernel(Partial, Bias, Out, N, stride_ps, stride_om, SPLIT_K: tl.constexpr,
+def _split_reduce_kernel(Partial, Bias, Out, N, stride_ps, stride_om, split_k,
                          HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
     m = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < N
     acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for s in tl.static_range(SPLIT_K):
+    for s in range(split_k):  # a runtime bound: no compile per split count
         acc += tl.load(Partial + s * stride_ps + m * N + offs, mask=mask, other=0.0)
     if HAS_BIAS:
         acc += tl.load(Bias + offs, mask=mask, other=0.0).to(tl.float32)
@@ -95,19 +112,19 @@ def k_per_split(k: int, cfg: GemmConfig) -> int:
 
 
 def small_m_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                 scale: torch.Tensor | None, cfg: GemmConfig,
-                 out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """x [..., K] (M = rows <= 16), weight [N, K] (16-bit, or fp8 with `scale` [N] fp32)."""
-    k = x.shape[-1]
+                 scale: torch.Tensor | None, cfg: GemmConfig, silu_mul: bool = False) -> torch.Tensor:
+    """x [..., K] (M = rows <= 16), weight [N, K] (16-bit, or fp8 with `scale` [N] fp32).
+    With `silu_mul`, x is [..., 2K] packed (gate, up) and the input is silu(gate) * up."""
+    k = x.shape[-1] // 2 if silu_mul else x.shape[-1]
     n = weight.shape[0]
-    x2 = x.reshape(-1, k)
+    x2 = x.reshape(-1, x.shape[-1])
     m = x2.shape[0]
     if m > MAX_M:
         raise ValueError(f"small_m_gemm takes at most {MAX_M} rows, got {m}")
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     assert weight.stride(-1) == 1 and weight.shape[1] == k
-    out = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out.reshape(*x.shape[:-1], n)
     per_split = k_per_split(k, cfg)
@@ -122,11 +139,11 @@ def small_m_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         partial.stride(0) if splits > 1 else 0,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=splits > 1,
         HAS_SCALE=scale is not None, HAS_BIAS=bias is not None, EVEN_K=even_k,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        EVEN_N=n % cfg.block_n == 0, SILU_MUL=silu_mul, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if splits > 1:
         block = 1024
         _split_reduce_kernel[(m, triton.cdiv(n, block))](
             partial, bias if bias is not None else partial, out, n, partial.stride(0),
-            out.stride(0), SPLIT_K=splits, HAS_BIAS=bias is not None, BLOCK=block, num_warps=4)
+            out.stride(0), splits, HAS_BIAS=bias is not None, BLOCK=block, num_warps=4)
     return out.reshape(*x.shape[:-1], n)

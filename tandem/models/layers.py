@@ -126,6 +126,10 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda:
+            gate_up = self.gate_up_proj(x)
+            fused = self.down_proj.silu_mul_forward(gate_up)  # small batch: one launch
+            if fused is not None:
+                return fused
             from tandem.kernels.activation import silu_mul
-            return self.down_proj(silu_mul(self.gate_up_proj(x)))
+            return self.down_proj(silu_mul(gate_up))
         return self.down_proj(silu_mul_torch(self.gate_up_proj(x)))

@@ -29,8 +29,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         if weight_scale is not None:
             weight = (weight.float() * weight_scale[:, None]).to(x.dtype)
         return F.linear(x, weight, bias)
-    m = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    cfg = plan.get(m_bucket(m)) if plan and 0 < m <= MAX_SMALL_M else None
+    cfg = _small_m_config(x, plan)
     if cfg is not None:
         from tandem.kernels.small_m_gemm import small_m_gemm
         return small_m_gemm(x, weight, bias, weight_scale, cfg)
@@ -39,12 +38,22 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
+def _small_m_config(x: torch.Tensor, plan: dict | None):
+    """The tuned small-M kernel config for x's row count (CUDA), or None: cuBLAS."""
+    if not plan or not x.is_cuda:
+        return None
+    m = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    return plan.get(m_bucket(m)) if 0 < m <= MAX_SMALL_M else None
+
+
 def fp8_linear_cublas(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                       weight_scale: torch.Tensor) -> torch.Tensor:
     """Per-token dynamic activation quantization, then cuBLAS's row-wise scaled FP8 GEMM."""
+    from tandem.kernels.fp8_quant import quantize_rows_fp8
     x2 = x.reshape(-1, x.shape[-1])
-    x_scale = x2.abs().amax(dim=1, keepdim=True).float().clamp(min=1e-12) / FP8_MAX
-    xq = (x2 / x_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    xq, x_scale = quantize_rows_fp8(x2)
     out = torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=weight_scale.view(1, -1),
                            out_dtype=x.dtype)
     if bias is not None:
@@ -74,6 +83,15 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias, self.weight_scale, self.plan)
+
+    def silu_mul_forward(self, gate_up: torch.Tensor) -> torch.Tensor | None:
+        """self(silu(gate) * up) in one launch when a small-M kernel is tuned for these rows
+        (CUDA); None otherwise, and the caller runs the two steps."""
+        cfg = _small_m_config(gate_up, self.plan)
+        if cfg is None:
+            return None
+        from tandem.kernels.small_m_gemm import small_m_gemm
+        return small_m_gemm(gate_up, self.weight, self.bias, self.weight_scale, cfg, silu_mul=True)
 
     @torch.no_grad()
     def quantize_fp8_(self) -> None:
