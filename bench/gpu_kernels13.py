@@ -9,6 +9,9 @@ written to OUT/kernels13.json after every section; a short table is printed at t
 """
 import argparse
 import gc
+import os
+import subprocess
+import sys
 import json
 import logging
 import random
@@ -169,6 +172,18 @@ def engine_section(label: str, preset: str, batches: list[int], new: bool, quant
     torch.cuda.empty_cache()
 
 
+def subprocess_section(name: str, cmd: list[str], budget_s: float) -> None:
+    """A command in a child process, cut off at what is left of the budget."""
+    limit = max(5.0, budget_s - elapsed() - 3)
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=limit, env=env)
+        R[name] = {"rc": done.returncode, "tail": (done.stdout + done.stderr)[-4000:]}
+    except subprocess.TimeoutExpired as e:
+        R[name] = {"rc": "timeout", "tail": str(e.stdout or "")[-4000:]}
+    print(f"{name}: rc {R[name]['rc']}\n{R[name]['tail'][-1500:]}", flush=True)
+
+
 def summary() -> str:
     lines = ["| config | batch | tok/s | step ms | graph replay ms | kernels/step (b1) | build s |",
              "|---|---:|---:|---:|---:|---:|---:|"]
@@ -204,6 +219,14 @@ def main() -> None:
         ("e2e-0.6b-fp8", lambda: engine_section("0.6b fp8 new", "qwen3-0.6b", [1, 16, 64], True, "fp8"), 30),
         ("e2e-8b-fp8", lambda: engine_section("8b fp8 new", "llama-3.1-8b", [1], True, "fp8"), 30),
         ("attention", attention_section, 15),
+        ("pytest", lambda: subprocess_section("pytest", [
+            sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+            "tests/test_small_m_gemm.py", "tests/test_kernels.py", "-k", "decode or small_m or quantize or linear"],
+            args.budget_s), 30),
+        ("offline-8b-fp8", lambda: subprocess_section("offline-8b-fp8", [
+            sys.executable, "-m", "tandem", "bench", "offline", "--preset", "llama-3.1-8b",
+            "--quantization", "fp8", "--no-overlap-off", "--json", f"{args.out}/offline_8b_fp8.json"],
+            args.budget_s), 60),
     ]
     only = set(args.only.split(",")) if args.only else None
     for name, fn, need_s in sections:

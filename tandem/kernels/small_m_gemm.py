@@ -37,6 +37,7 @@ def _small_m_gemm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, SILU_MUL: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -74,7 +75,7 @@ def _small_m_gemm_kernel(
         if BLOCK_M == 1:
             acc2 += x.to(tl.float32) * w.to(tl.float32)
         else:
-            acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc)
+            acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc, input_precision=DOT_PRECISION)
     if BLOCK_M == 1:
         acc = tl.sum(acc2, axis=1)[None, :]
     if HAS_SCALE:
@@ -139,7 +140,8 @@ def small_m_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         partial.stride(0) if splits > 1 else 0,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=splits > 1,
         HAS_SCALE=scale is not None, HAS_BIAS=bias is not None, EVEN_K=even_k,
-        EVEN_N=n % cfg.block_n == 0, SILU_MUL=silu_mul, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        EVEN_N=n % cfg.block_n == 0, SILU_MUL=silu_mul,
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # fp32 tests: exact num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if splits > 1:
         block = 1024
