@@ -78,7 +78,7 @@ def test_fp8_engine_generates_same_tokens_with_overlap_on_and_off(tmp_path):
     assert all(len(o.token_ids) == 10 for o in runs[0])
 
 
-def test_fp8_option_is_validated():
+def test_fp8_option_is_validated(tmp_path):
     with pytest.raises(ValueError, match="quantization must be"):
-        LLM(device="cpu", dummy_weights=True, quantization="int4")
+        LLM(str(make_tiny_model(tmp_path, "llama")), device="cpu", quantization="int4")
     check_fp8_support(torch.device("cpu"))  # the CPU path dequantizes: always supported

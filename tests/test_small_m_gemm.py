@@ -137,3 +137,13 @@ def test_quantize_rows_fp8_matches_torch():
     # Same value, or one e4m3 step away where the division rounded differently.
     assert (q.float() == ref_q.float()).float().mean() > 0.99
     torch.testing.assert_close(q.float(), ref_q.float(), rtol=0.13, atol=1e-6)
+
+
+def test_small_m_gemm_option_is_validated(tmp_path):
+    from tandem import LLM
+    from tiny_models import make_tiny_model
+    path = str(make_tiny_model(tmp_path, "llama"))
+    with pytest.raises(ValueError, match="small_m_gemm must be"):
+        LLM(path, device="cpu", small_m_gemm="fast")
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        LLM(path, device="cpu", small_m_gemm="on")
