@@ -147,3 +147,12 @@ def test_small_m_gemm_option_is_validated(tmp_path):
         LLM(path, device="cpu", small_m_gemm="fast")
     with pytest.raises(ValueError, match="needs a CUDA device"):
         LLM(path, device="cpu", small_m_gemm="on")
+
+
+def test_linear_reduce_hook_applies_to_the_output():
+    """A row-parallel layer passes its all-reduce; here a doubling stands in for it."""
+    layer = Linear(8, 4, reduce=lambda y: 2 * y)
+    with torch.no_grad():
+        layer.weight.normal_()
+    x = torch.randn(3, 8)
+    torch.testing.assert_close(layer(x), 2 * torch.nn.functional.linear(x, layer.weight))

@@ -7,6 +7,8 @@ weight-streaming kernel for this many rows uses it; otherwise cuBLAS (`F.linear`
 function on their shard. The kernel modules are imported on first CUDA use, so
 CPU-only installs never import Triton.
 """
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -71,18 +73,22 @@ def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 class Linear(nn.Module):
     """A projection: weight [out, in] (16-bit, or FP8 after `quantize_fp8_`), optional bias,
-    and its small-M kernel plan (filled by the startup tuner; empty means cuBLAS)."""
+    and its small-M kernel plan (filled by the startup tuner; empty means cuBLAS).
+    `reduce` is applied to the output: a row-parallel layer passes its all-reduce."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False,
+                 reduce: Callable[[torch.Tensor], torch.Tensor] | None = None):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
         self.register_buffer("weight_scale", None)
         self.plan: dict = {}
+        self.reduce = reduce
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.weight_scale, self.plan)
+        out = linear(x, self.weight, self.bias, self.weight_scale, self.plan)
+        return out if self.reduce is None else self.reduce(out)
 
     def silu_mul_forward(self, gate_up: torch.Tensor) -> torch.Tensor | None:
         """self(silu(gate) * up) in one launch when a small-M kernel is tuned for these rows
@@ -91,7 +97,8 @@ class Linear(nn.Module):
         if cfg is None:
             return None
         from tandem.kernels.small_m_gemm import small_m_gemm
-        return small_m_gemm(gate_up, self.weight, self.bias, self.weight_scale, cfg, silu_mul=True)
+        out = small_m_gemm(gate_up, self.weight, self.bias, self.weight_scale, cfg, silu_mul=True)
+        return out if self.reduce is None else self.reduce(out)
 
     @torch.no_grad()
     def quantize_fp8_(self) -> None:
