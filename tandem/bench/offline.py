@@ -276,6 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cuda-graph", default="auto", choices=["auto", "on", "off"])
     ap.add_argument("--quantization", choices=["fp8"])
     ap.add_argument("--small-m-gemm", default="auto", choices=["auto", "on", "off"])
+    ap.add_argument("--tp", type=int, default=1, help="tensor parallelism: ranks (GPUs)")
     ap.add_argument("--no-overlap-off", action="store_true", help="skip the overlap-off run")
     ap.add_argument("--no-warmup", action="store_true")
     ap.add_argument("--compare-hf", action="store_true",
@@ -291,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
                        device=args.device, dtype=args.dtype, timeline=True,
                        max_total_tokens=args.max_total_tokens, attention_backend=args.attention_backend,
                        max_running_requests=args.max_running_requests)
-    cfg.cuda_graph = args.cuda_graph
+    cfg.cuda_graph, cfg.tensor_parallel_size = args.cuda_graph, args.tp
     cfg.quantization, cfg.small_m_gemm = args.quantization, args.small_m_gemm
     t0 = time.perf_counter()
     engine = Engine(cfg)
@@ -301,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
                        args.seed, args.output_len)
     _log(f"workload: {wl.num_requests} requests, {wl.input_tokens:,} input + {wl.output_tokens:,} output tokens")
     hw = measure_hardware(device, dtype)
-    cost = model_cost(engine.model, engine.model_config, dtype)
+    cost = model_cost(engine.model, engine.model.local_config, dtype)  # this rank's share
     _log(f"measured: {hw.bandwidth / 1e9:,.1f} GB/s copy, {hw.matmul_flops / 1e12:,.2f} TFLOP/s {hw.dtype}")
     if not args.no_warmup:
         warm_up(engine, wl)
@@ -319,6 +320,7 @@ def main(argv: list[str] | None = None) -> int:
                            "min_len": args.min_len, "max_len": args.max_len, "output_len": args.output_len}}
     _write(args.json, report, rows)  # the tandem figures are kept even if transformers fails
     status = 0
+    engine.close()  # tensor-parallel workers
     if args.compare_hf:
         del engine
         _free(device)

@@ -39,6 +39,7 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
                     help="weight-streaming Triton GEMMs for <= 16 rows (tuned at startup)")
     ap.add_argument("--timeline", metavar="PATH", help="write every engine step as a JSON line")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--tp", type=int, default=1, help="tensor parallelism: ranks (GPUs)")
     ap.add_argument("--launch-blocking", action="store_true",
                     help="CUDA_LAUNCH_BLOCKING=1: errors at the failing launch (timings meaningless)")
     ap.add_argument("--sync-audit", action="store_true",
@@ -64,7 +65,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                         max_total_tokens=args.max_total_tokens, max_model_len=args.max_model_len,
                         cuda_graph=args.cuda_graph, timeline_path=args.timeline, seed=args.seed,
                         enable_prefix_caching=args.enable_prefix_caching,
-                        schedule_policy=args.schedule_policy,
+                        schedule_policy=args.schedule_policy, tensor_parallel_size=args.tp,
                         quantization=args.quantization, small_m_gemm=args.small_m_gemm)
 
 

@@ -47,7 +47,7 @@ class LLM:
             self._run(sum(len(g) for g in groups), use_tqdm)
             return [_merge([engine.output(rid) for rid in g], sp) for g, sp in zip(groups, params)]
         finally:
-            if not engine.fatal.dead:  # a dead CUDA context must not be touched again
+            if not engine.dead:  # a dead CUDA context (or worker) must not be touched again
                 engine.cancel([rid for g in groups for rid in g])  # on error too: nothing leaked
 
     def _run(self, num_sequences: int, use_tqdm: bool) -> None:
@@ -66,6 +66,16 @@ class LLM:
     def reset_prefix_cache(self) -> int:
         """Drop every cached prompt prefix no running request uses; returns the KV slots freed."""
         return self.engine.reset_prefix_cache()
+
+    def close(self) -> None:
+        """Stop the engine's worker processes (tensor parallelism); idempotent."""
+        self.engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

@@ -13,7 +13,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tandem.distributed.group import SINGLE, TPGroup
 from tandem.models.linear import Linear
+from tandem.models.parallel import row_parallel_linear
 
 
 # ---- torch references (the CPU path) ----
@@ -117,12 +119,13 @@ class RotaryEmbedding(nn.Module):
 
 
 class GatedMLP(nn.Module):
-    """down(silu(gate(x)) * up(x)) with gate and up packed in one matmul."""
+    """down(silu(gate(x)) * up(x)) with gate and up packed in one matmul; under tensor
+    parallelism gate/up are this rank's rows and down all-reduces."""
 
-    def __init__(self, hidden: int, intermediate: int):
+    def __init__(self, hidden: int, intermediate: int, tp: TPGroup = SINGLE):
         super().__init__()
         self.gate_up_proj = Linear(hidden, 2 * intermediate)
-        self.down_proj = Linear(intermediate, hidden)
+        self.down_proj = row_parallel_linear(intermediate, hidden, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda:
