@@ -157,15 +157,15 @@ def test_invalid_constraints_are_400(client, kw, param):
     assert param in str(err.value)
 
 
-def test_auto_with_a_hermes_template_constrains_started_calls():
-    """tool_choice auto, Qwen/Hermes template: free text is allowed, but a `<tool_call>` block
-    must be a valid call of one of the tools; the calls parse back from the text."""
+def test_auto_with_a_known_template_constrains_started_calls():
+    """tool_choice auto, Qwen/Hermes or Llama 3.1 template: free text is allowed, but a started
+    call must be a valid call of one of the tools; the calls parse back from the text."""
     from xgrammar.testing import _is_grammar_accept_string as accepts
 
     from tandem.server.openai_schemas import Tool
     from tandem.server.structured import ToolCalls, ToolMode
 
-    mode = ToolMode("auto", [Tool.model_validate(t) for t in TOOLS], parallel=True, hermes=True)
+    mode = ToolMode("auto", [Tool.model_validate(t) for t in TOOLS], parallel=True, family="hermes")
     grammar = mode.grammar()
     good = 'Let me check.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Lima", "unit": "C"}}\n</tool_call>'
     assert accepts(grammar, "Just text, no call.")
@@ -176,8 +176,11 @@ def test_auto_with_a_hermes_template_constrains_started_calls():
     assert reason == "tool_calls" and message["content"] == "Let me check."
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message["tool_calls"]] == \
         [("get_weather", {"city": "Lima", "unit": "C"})]
-    llama = ToolCalls(ToolMode("auto", mode.tools, parallel=True))
-    message, reason = llama.message('{"name": "get_time", "parameters": {"zone": 3}}', "stop")
+    llama = ToolMode("auto", mode.tools, parallel=True, family="llama3")
+    call = '{"name": "get_time", "parameters": {"zone": 3}}'
+    assert accepts(llama.grammar(), call) and accepts(llama.grammar(), "No call needed.")
+    assert not accepts(llama.grammar(), '{"name": "get_time", "parameters": {"zone": 30}}')
+    message, reason = ToolCalls(llama).message(call, "stop")
     assert reason == "tool_calls" and json.loads(message["tool_calls"][0]["function"]["arguments"]) == {"zone": 3}
 
 
@@ -185,7 +188,7 @@ def test_auto_streams_text_and_holds_back_a_starting_call():
     from tandem.server.openai_schemas import Tool
     from tandem.server.structured import ToolCalls, ToolMode
 
-    calls = ToolCalls(ToolMode("auto", [Tool.model_validate(t) for t in TOOLS], parallel=True, hermes=True))
+    calls = ToolCalls(ToolMode("auto", [Tool.model_validate(t) for t in TOOLS], parallel=True, family="hermes"))
     pieces = ["Sure", ", checking.", "<tool", '_call>\n{"name": "get_time", ', '"arguments": {"zone": 1}}\n</tool_call>']
     sent = [calls.stream(p, False, None)[0] for p in pieces]
     assert sent[:3] == [[{"content": "Sure"}], [{"content": ", checking."}], []]

@@ -59,6 +59,7 @@ class GrammarRow:
     steps: int
     host_ms_per_step: float
     grammar_ms_per_step: float
+    accept_ms_per_step: float  # of grammar: advancing matchers (the rest fills and copies masks)
     gpu_busy: float | None
     valid: int | None  # constrained outputs that parse and validate
 
@@ -97,7 +98,7 @@ def run(engine: Engine, prompts: list[list[int]], params: list[SamplingParams], 
     engine.reset_prefix_cache()  # runs repeat prompts: each computes its own
     first = len(engine.timeline.records)
     g = engine.grammar
-    grammar0, steps0 = g.fill_s + g.accept_s, engine.step_id
+    grammar0, accept0, steps0 = g.fill_s + g.accept_s, g.accept_s, engine.step_id
     rids = [engine.add_request(p, sp, request_id=f"{tag}-{i}") for i, (p, sp) in enumerate(zip(prompts, params))]
     while engine.grammar.compiling:  # grammars compile before the clock starts (cached after warm-up)
         engine.grammar.compiling[0][1].result()
@@ -121,6 +122,7 @@ def run(engine: Engine, prompts: list[list[int]], params: list[SamplingParams], 
     row = GrammarRow(constrained, overlap, mask_overlap, len(rids), sum(len(o.token_ids) for o in outs), wall,
                      steps, (step_s - wait_s) * 1e3 / max(steps, 1),
                      (g.fill_s + g.accept_s - grammar0) * 1e3 / max(steps, 1),
+                     (g.accept_s - accept0) * 1e3 / max(steps, 1),
                      engine.timeline.summary(skip=first).get("gpu_busy_fraction"), valid)
     return row, [o.token_ids for o in outs]
 
@@ -136,15 +138,16 @@ def _valid(text: str) -> bool:
 
 def format_table(rows: list[GrammarRow]) -> str:
     lines = ["| requests | overlap | output tok | wall s | output tok/s | host ms/step | grammar ms/step | "
-             "other ms/step | GPU busy | steps | valid |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "of which accept | other ms/step | GPU busy | steps | valid |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         busy = "n/a" if r.gpu_busy is None else f"{r.gpu_busy:.1%}"
         valid = "n/a" if r.valid is None else f"{r.valid}/{r.requests}"
         mode = ("on" if r.mask_overlap else "on, masks before forward") if r.overlap else "off"
         lines.append(f"| {'json_schema' if r.constrained else 'unconstrained'} | {mode} | "
                      f"{r.output_tokens:,} | {r.wall_s:.2f} | {r.output_tok_s:,.0f} | {r.host_ms_per_step:.2f} | "
-                     f"{r.grammar_ms_per_step:.2f} | {r.other_ms_per_step:.2f} | {busy} | {r.steps} | {valid} |")
+                     f"{r.grammar_ms_per_step:.2f} | {r.accept_ms_per_step:.2f} | {r.other_ms_per_step:.2f} | "
+                     f"{busy} | {r.steps} | {valid} |")
     out = ["\n".join(lines)]
     by = {(r.constrained, r.overlap): r for r in rows if r.mask_overlap}
     for overlap in (True, False):

@@ -18,6 +18,7 @@ class GrammarManager:
     def __init__(self, tokenizer, vocab_size: int, stop_ids: list[int], streams: StreamSet,
                  max_rows: int, threads: int = 2) -> None:
         self.tokenizer, self.vocab_size, self.stop_ids = tokenizer, vocab_size, stop_ids
+        self._stop_set = frozenset(stop_ids)
         self.streams, self.max_rows, self.threads = streams, max_rows, threads
         self.compiling: list[tuple[Request, Future]] = []
         self._compiler = None  # built on the first constrained request (imports xgrammar)
@@ -59,7 +60,7 @@ class GrammarManager:
             elif fut.exception() is not None:
                 failed.append((req, f"grammar compilation failed: {fut.exception()}"))
             else:
-                req.mask = GrammarMask(fut.result())
+                req.mask = GrammarMask(fut.result(), self._stop_set)
                 ready.append(req)
         self.compiling = still
         return ready, failed

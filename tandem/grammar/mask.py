@@ -23,16 +23,21 @@ class MaskProducer(Protocol):
 class GrammarMask:
     """A MaskProducer backed by an xgrammar matcher (its masks are batch-filled in C++)."""
 
-    def __init__(self, compiled) -> None:
+    def __init__(self, compiled, stop_ids: frozenset[int]) -> None:
         import xgrammar
 
         self.matcher = xgrammar.GrammarMatcher(compiled)
+        self.stop_ids = stop_ids  # the matcher terminates only by accepting one of these
+        self.terminated = False
 
     def fill_next_mask(self, bitmask: torch.Tensor, row: int) -> None:
         self.matcher.fill_next_token_bitmask(bitmask, row)
 
     def accept(self, token: int) -> bool:
-        return self.matcher.accept_token(token)
+        ok = self.matcher.accept_token(token)
+        # One call into the matcher per token, not two, on the host's per-step path.
+        self.terminated = ok and token in self.stop_ids and self.matcher.is_terminated()
+        return ok
 
     def is_terminated(self) -> bool:
-        return self.matcher.is_terminated()
+        return self.terminated

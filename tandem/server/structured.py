@@ -21,6 +21,9 @@ from tandem.server.errors import APIError
 from tandem.server.openai_schemas import ChatCompletionRequest, NamedToolChoice, Tool
 
 _TRIGGER = "<tool_call>"
+# family -> (trigger and start of a call up to the function name, arguments key, end of a call)
+_CALL_FORMATS = {"hermes": ('<tool_call>\n{"name": ', "arguments", "}\n</tool_call>"),
+                 "llama3": ('{"name": ', "parameters", "}")}
 _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 
 
@@ -33,7 +36,7 @@ class ToolMode:
     kind: str  # "named", "required" or "auto"
     tools: list[Tool]
     parallel: bool
-    hermes: bool = False  # the chat template writes Qwen/Hermes <tool_call> blocks
+    family: str | None = None  # the chat template's call format: "hermes" (Qwen), "llama3", or unknown
 
     @property
     def names(self) -> set[str]:
@@ -52,22 +55,25 @@ class ToolMode:
         return None
 
     def grammar(self) -> str | None:
-        """auto with a Hermes/Qwen template: free text, but a started `<tool_call>` block must
-        be a valid call of one of the tools (EBNF from xgrammar's triggered structural tag)."""
-        if self.kind != "auto" or not self.hermes:
+        """auto with a known template: free text, but a started call (`<tool_call>` for
+        Hermes/Qwen, `{"name": ` for Llama 3.1) must be a valid call of one of the tools
+        (EBNF from xgrammar's triggered structural tag)."""
+        if self.kind != "auto" or self.family not in _CALL_FORMATS:
             return None
         import xgrammar as xgr
 
-        tags = [{"begin": '<tool_call>\n{"name": ' + json.dumps(t.function.name) + ', "arguments": ',
-                 "content": {"type": "json_schema", "json_schema": _parameters(t)}, "end": "}\n</tool_call>"}
+        trigger, key, end = _CALL_FORMATS[self.family]
+        tags = [{"begin": trigger + json.dumps(t.function.name) + f', "{key}": ',
+                 "content": {"type": "json_schema", "json_schema": _parameters(t)}, "end": end}
                 for t in self.tools]
-        tag = {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": ["<tool_call>"],
-                                                    "tags": tags, "at_least_one": False,
-                                                    "stop_after_first": not self.parallel}}
+        single = not self.parallel or self.family == "llama3"  # Llama 3.1 makes one call per turn
+        tag = {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": [trigger], "tags": tags,
+                                                    "at_least_one": False, "stop_after_first": single}}
         try:
             return str(xgr.Grammar.from_structural_tag(json.dumps(tag)))
         except (RuntimeError, ValueError) as e:
-            raise APIError(400, f"tools: a function's parameters are not a valid JSON schema: {e}", "tools") from None
+            raise APIError(400, f"tools: a function's parameters are not a valid JSON schema: {e}",
+                           "tools") from None
 
 
 def tool_mode(body: ChatCompletionRequest, chat_template: str | None = None) -> ToolMode | None:
@@ -82,7 +88,15 @@ def tool_mode(body: ChatCompletionRequest, chat_template: str | None = None) -> 
                            "tool_choice")
         return ToolMode("named", match[:1], parallel)
     return ToolMode("required" if choice == "required" else "auto", body.tools, parallel,
-                    hermes="<tool_call>" in (chat_template or ""))
+                    _template_family(chat_template or ""))
+
+
+def _template_family(template: str) -> str | None:
+    if "<tool_call>" in template:
+        return "hermes"
+    if "<|python_tag|>" in template or "Environment: ipython" in template:
+        return "llama3"
+    return None
 
 
 def constraint(body, tools: ToolMode | None = None) -> dict:
