@@ -13,6 +13,7 @@ import logging
 import time
 from time import perf_counter
 
+import numpy as np
 import torch
 
 from tandem.attention import make_attention_backend
@@ -35,6 +36,7 @@ from tandem.overlap.streams import StreamSet
 from tandem.request import Request, Status
 from tandem.runner import ModelRunner, PendingResult
 from tandem.sampling import Sampler, SamplingParams
+from tandem.sampling.params import check_unicode
 from tandem.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from tandem.text import RequestText
 from tandem.warmup import warm_up
@@ -64,7 +66,7 @@ class Engine:
         self._build_loop()
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
-        self._aborted: list[StepOutput] = []
+        self._carried: list[StepOutput] = []  # made outside step() (aborts, cancel): the next step returns them
         self.pending: PendingResult | None = None
         self.timeline = None
         self._previous_forward_end = None
@@ -156,13 +158,17 @@ class Engine:
     # ---- requests ----
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
-        params = params or SamplingParams()
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling params must be a SamplingParams, got {type(params).__name__}; "
+                            "build one with SamplingParams(**...)")
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer: pass prompts as token-id lists")
+            check_unicode(prompt, "prompt")
             ids, text = self.tokenizer.encode(prompt), prompt
         else:
-            ids, text = [int(t) for t in prompt], None
+            ids, text = _token_ids(prompt), None
         self._check_prompt(ids, params)
         self.grammar.check(params)
         rid = request_id if request_id is not None else str(next(self._ids))
@@ -200,11 +206,11 @@ class Engine:
         if req is None or req.finished:
             return
         self._finish(req, "abort")
-        self._aborted.append(StepOutput(request_id, [], req.text.finish() if req.text else "", True, "abort",
+        self._carried.append(StepOutput(request_id, [], req.text.finish() if req.text else "", True, "abort",
                                         num_cached_tokens=req.num_cached_tokens))
 
     def has_unfinished(self) -> bool:
-        return (self.scheduler.has_work() or self.pending is not None or bool(self._aborted)
+        return (self.scheduler.has_work() or self.pending is not None or bool(self._carried)
                 or self.grammar.has_pending())
 
     def output(self, request_id: str) -> RequestOutput:
@@ -215,13 +221,21 @@ class Engine:
                              req.num_preemptions, req.num_cached_tokens)
 
     def cancel(self, request_ids: list[str]) -> None:
-        """Abort these requests, run the loop until nothing is in flight, and forget them."""
+        """Abort exactly these requests and forget them; every other request keeps running.
+
+        The in-flight step is processed here (its results for other requests are kept for the
+        next `step()`), so no launched step can still read the cancelled requests' KV: it is
+        free when this returns.
+        """
+        gone = set(request_ids)
         for rid in request_ids:
             self.abort(rid)
-        while self.has_unfinished():
-            self.step()
+        outputs: list[StepOutput] = []
+        self._drain(outputs)
+        self._carried = [o for o in self._carried + outputs if o.request_id not in gone]
         for rid in request_ids:
-            self.release(rid)
+            if rid in self.requests:
+                self.release(rid)
 
     def release(self, request_id: str) -> None:
         """Forget a finished request's bookkeeping (its KV was already freed or deferred)."""
@@ -240,7 +254,7 @@ class Engine:
             raise
 
     def _step(self) -> list[StepOutput]:
-        outputs, self._aborted = self._aborted, []
+        outputs, self._carried = self._carried, []
         self._admit_compiled(outputs)
         t0 = perf_counter()
         batch = self.scheduler.schedule(self.step_id, drain=lambda: self._drain(outputs))
@@ -385,6 +399,15 @@ def _step_record(batch: ScheduledBatch, t_start: float, t_launch: float, t_end: 
         attn_pairs=sum(r.num_new * r.start + r.num_new * (r.num_new + 1) // 2 for r in rows),
         host_start=t_start, schedule_ms=(t_launch - t_start) * 1e3, launch_ms=(t_end - t_launch) * 1e3,
         num_sampled=len(batch.sample_rows))
+
+
+def _token_ids(prompt) -> list[int]:
+    """Token ids as given: ints only (numpy ints too), never coerced (1.9, "12", True are errors)."""
+    ids = list(prompt)
+    bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, (int, np.integer))]
+    if bad:
+        raise ValueError(f"prompt token ids must be ints; got {bad[0]!r} ({type(bad[0]).__name__})")
+    return [int(t) for t in ids]
 
 
 def _derived_seed(engine_seed: int, request_id: str) -> int:

@@ -179,6 +179,13 @@ BAD_INPUTS = [
     ("completions", '{"prompt": "hi",', 400, None, ["JSON"]),
     ("completions", "[1, 2]", 400, None, ["object"]),
     ("completions", {"prompt": "hi", "model": "gpt-9"}, 404, "model", ["gpt-9"]),
+    ("completions", {"prompt": "abc\ud800def"}, 400, "prompt", ["surrogate"]),
+    ("completions", {"prompt": ["ok", "\udfff"]}, 400, "prompt", ["surrogate"]),
+    ("completions", {"prompt": "hi", "stop": ["\udc00"]}, 400, "stop", ["surrogate"]),
+    ("chat/completions", {"messages": [{"role": "user", "content": "a\ud800"}]}, 400, "messages", ["surrogate"]),
+    ("chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": "\ud800"}]}]},
+     400, "messages", ["surrogate"]),
+    ("completions", {"prompt": "hi", "top_k": 2**40}, 400, "top_k", ["top_k"]),
 ]
 
 

@@ -82,9 +82,15 @@ def _as_prompt_list(prompts) -> list[Prompt]:
 def _as_params_list(params, n: int) -> list[SamplingParams]:
     if params is None or isinstance(params, SamplingParams):
         return [params or SamplingParams()] * n
+    if isinstance(params, dict) or isinstance(params, (str, bytes)):
+        raise TypeError(f"sampling_params must be a SamplingParams or a list of them, got "
+                        f"{type(params).__name__}; build one with SamplingParams(**...)")
     params = list(params)
     if len(params) != n:
         raise ValueError(f"got {len(params)} sampling params for {n} prompts")
+    for p in params:
+        if not isinstance(p, SamplingParams):
+            raise TypeError(f"sampling_params must be SamplingParams, got a {type(p).__name__} in the list")
     return params
 
 

@@ -10,6 +10,7 @@ from typing import Any
 
 from tandem.grammar.compiler import check_spec
 from tandem.sampling import SamplingParams
+from tandem.sampling.params import check_unicode
 from tandem.server import protocol as P
 from tandem.server.errors import APIError
 from tandem.server.openai_schemas import ChatCompletionRequest, CompletionRequest
@@ -145,6 +146,7 @@ def _prompt_ids(prompt: str | list[int], tokenizer: Any, vocab_size: int) -> lis
     if isinstance(prompt, str):
         if tokenizer is None:
             raise APIError(400, "this model has no tokenizer: send prompts as token ids", "prompt")
+        _check_text(prompt, "prompt")
         ids = list(tokenizer.encode(prompt))
     else:
         ids = prompt
@@ -158,8 +160,18 @@ def _prompt_ids(prompt: str | list[int], tokenizer: Any, vocab_size: int) -> lis
 
 def _content(content: str | list | None) -> str:
     if content is None or isinstance(content, str):
-        return content or ""
-    return "".join(part.text for part in content)
+        text = content or ""
+    else:
+        text = "".join(part.text for part in content)
+    _check_text(text, "messages")
+    return text
+
+
+def _check_text(text: str, param: str) -> None:
+    try:
+        check_unicode(text, param)
+    except ValueError as exc:
+        raise APIError(400, str(exc), param) from None
 
 
 def _refuse(condition: bool, param: str, message: str) -> None:
