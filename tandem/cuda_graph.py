@@ -92,6 +92,13 @@ class DecodeGraphs:
                  len(self.graphs), self.max_batch, used / 2**20)
         self.memory_bytes = used
 
+    def close(self) -> None:
+        """Free the graphs; their private memory pool goes back once no graph uses it."""
+        for graph, _ in self.graphs.values():
+            graph.reset()
+        self.graphs.clear()
+        self.input_ids.clear()
+
     def replay(self, bucket: int, ring: int, req_slots: torch.Tensor) -> torch.Tensor:
         """Queue the graph on the current (forward) stream; returns its logits buffer.
         `req_slots` are the staged slots the graph reads (used here only in debug mode)."""

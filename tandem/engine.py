@@ -6,7 +6,6 @@
         process(result of step N)              # the one completion wait
 It is the same code with overlap off: then each step is processed right after its launch.
 """
-import gc
 import hashlib
 import itertools
 import logging
@@ -16,6 +15,7 @@ from time import perf_counter
 import numpy as np
 import torch
 
+from tandem import lifetime
 from tandem.attention import make_attention_backend
 from tandem.diagnostics.errors import FatalErrorGuard
 from tandem.diagnostics.timeline import StepRecord, Timeline
@@ -77,10 +77,8 @@ class Engine:
         self.timeline = (Timeline(cfg.timeline_path, max_records=cfg.timeline_max_records)
                          if cfg.timeline or cfg.timeline_path else None)
         self.runner.timing = self.timeline is not None and self.device.type == "cuda"
-        # Everything built so far (model, tokenizer, buffers) lives as long as the engine:
-        # keep it out of the garbage collector's scans, which otherwise stall steps for ms.
-        gc.collect()
-        gc.freeze()
+        self.closed = False
+        lifetime.freeze(self)  # what was built so far lives as long as the engine: no GC scans
 
     # ---- construction ----
     def _warm_up(self) -> float:
@@ -135,9 +133,7 @@ class Engine:
         self.scheduler = Scheduler(
             SchedulerConfig(rows, cfg.max_prefill_tokens, cfg.chunked_prefill_size, cfg.enable_mixed_batch,
                             cfg.schedule_policy, max_reused_tokens_per_step=reused),
-            self.prefix_cache, self.req_slots,
-            on_admit=lambda r: self.runner.start_request(r.slot, r.prompt_token_ids, r.params,
-                                                         r.output_token_ids))
+            self.prefix_cache, self.req_slots, on_admit=self.runner.admit)
 
     def _capture_graphs(self, backend) -> DecodeGraphs | None:
         cfg = self.cfg
@@ -155,9 +151,36 @@ class Engine:
         graphs.capture()
         return graphs
 
+    # ---- lifetime ----
+    def close(self) -> None:
+        """Release everything the engine holds: device memory goes back to what it was before
+        the engine (once nothing else in the process holds it). Idempotent; afterwards every
+        request or step raises."""
+        if self.closed:
+            return
+        self.closed = True
+        usable = not self.fatal.dead
+        if usable and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # nothing queued may still touch the pool
+        if self.timeline is not None:
+            self.timeline.close()
+        if self.runner.graphs is not None:
+            self.runner.graphs.close()
+        # Drop every reference to device state; the scheduler's admit hook refers back to
+        # the engine, so this also breaks the engine's reference cycles.
+        for name in _DEVICE_STATE:
+            vars(self).pop(name, None)
+        self.requests, self._carried, self.pending = {}, [], None
+        lifetime.release(self, self.device, usable)
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise RuntimeError("the engine is closed (close() was called); create a new one")
+
     # ---- requests ----
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
+        self._check_open()
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be a SamplingParams, got {type(params).__name__}; "
@@ -210,8 +233,8 @@ class Engine:
                                         num_cached_tokens=req.num_cached_tokens))
 
     def has_unfinished(self) -> bool:
-        return (self.scheduler.has_work() or self.pending is not None or bool(self._carried)
-                or self.grammar.has_pending())
+        return not self.closed and (self.scheduler.has_work() or self.pending is not None
+                                    or bool(self._carried) or self.grammar.has_pending())
 
     def output(self, request_id: str) -> RequestOutput:
         req = self.requests[request_id]
@@ -246,6 +269,7 @@ class Engine:
     def step(self) -> list[StepOutput]:
         """One turn of the loop. A sticky CUDA error stops the engine: it is logged once and
         every later call raises EngineDeadError at once, touching no CUDA state."""
+        self._check_open()
         self.fatal.check()
         try:
             return self._step()
@@ -399,6 +423,11 @@ def _step_record(batch: ScheduledBatch, t_start: float, t_launch: float, t_end: 
         attn_pairs=sum(r.num_new * r.start + r.num_new * (r.num_new + 1) // 2 for r in rows),
         host_start=t_start, schedule_ms=(t_launch - t_start) * 1e3, launch_ms=(t_end - t_launch) * 1e3,
         num_sampled=len(batch.sample_rows))
+
+
+# What close() drops: everything that holds device memory or refers back to the engine.
+_DEVICE_STATE = ("model", "kv", "kv_slots", "prefix_cache", "grammar", "req_slots", "table", "streams", "stager", "copier",
+                 "sampler", "future_map", "runner", "scheduler")
 
 
 def _token_ids(prompt) -> list[int]:

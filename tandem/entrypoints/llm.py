@@ -1,5 +1,6 @@
 """The offline API: `LLM(...).generate(prompts, params)` and `.chat(messages, params)`."""
 import logging
+import weakref
 from typing import Sequence
 
 from tqdm import tqdm
@@ -25,13 +26,29 @@ class LLM:
             setattr(cfg, key, value)
         self.engine = Engine(cfg)
         self.tokenizer = self.engine.tokenizer
+        # `del llm` releases the engine too (without waiting for the garbage collector); not
+        # at interpreter exit, where the process gives everything back anyway.
+        self._finalizer = weakref.finalize(self, self.engine.close)
+        self._finalizer.atexit = False
+
+    def close(self) -> None:
+        """Release the engine: its device memory, graphs and buffers. Idempotent."""
+        self._finalizer()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
+        engine = self.engine
+        if engine.closed:
+            raise RuntimeError("this LLM is closed (close() or the end of its with-block); create a new one")
         prompts = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(prompts))
-        engine = self.engine
         rids: list[str] = []
         try:
             for prompt, sp in zip(prompts, params):

@@ -58,6 +58,7 @@ def run_engine(config: bytes, inbound: str, outbound: str, max_waiting: int) -> 
     try:
         _EngineLoop(engine, pull, push, max_waiting, parent).run()
     finally:
+        engine.close()
         pull.close(0)
         push.close()
         ctx.term()
