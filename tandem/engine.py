@@ -25,6 +25,8 @@ from tandem.config import EngineConfig, ModelConfig, resolve_device, resolve_dty
 from tandem.memory.allocator import SlotAllocator
 from tandem.memory.kv_cache import KVCache
 from tandem.memory.prefix_cache import PrefixCache
+from tandem.memory_budget import (MemoryBudget, graph_reserve, measure_activations, plan_kv_pool,
+                                  profile_forward, request_buffers)
 from tandem.memory.req_to_token import ReqToTokenTable
 from tandem.models.checkpoint import builtin_model_path, open_checkpoint
 from tandem.models.loader import load_model
@@ -62,6 +64,7 @@ class Engine:
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
+        self.backend = make_attention_backend(cfg.attention_backend, self.device)
         self._build_memory()
         self._build_loop()
         self.requests: dict[str, Request] = {}
@@ -95,11 +98,13 @@ class Engine:
     def _build_memory(self) -> None:
         mc, cfg = self.model_config, self.cfg
         per_token = KVCache.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype)
+        self.memory: MemoryBudget | None = None
         if cfg.max_total_tokens is not None:
             num_tokens = cfg.max_total_tokens
         elif self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            num_tokens = int(free * cfg.gpu_memory_utilization) // per_token
+            self.memory = self._plan_device_memory(per_token)
+            num_tokens = self.memory.kv_pool // per_token
+            log.info("%s", self.memory.describe(num_tokens))
         else:
             num_tokens = cfg.cpu_kv_cache_bytes // per_token
         num_tokens = min(num_tokens, cfg.max_running_requests * self.max_model_len)
@@ -114,6 +119,42 @@ class Engine:
         self.table = ReqToTokenTable(cfg.max_running_requests, self.max_model_len, self.device)
         log.info("KV pool: %d tokens (%.1f MiB)", num_tokens, num_tokens * per_token / 2**20)
 
+    def _plan_device_memory(self, per_token: int) -> MemoryBudget:
+        """Profile the largest step, then give the pool what is left of total x utilization."""
+        mc, cfg, dev = self.model_config, self.cfg, self.device
+        tokens = cfg.max_prefill_tokens
+        activations = measure_activations(dev, lambda: profile_forward(
+            self.model, self.backend, mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype, dev,
+            tokens, self.max_model_len, mc.vocab_size, cfg.max_running_requests))
+        free, total = torch.cuda.mem_get_info(dev)
+        weights = sum(t.nbytes for t in itertools.chain(self.model.parameters(), self.model.buffers()))
+        graphs = graph_reserve(self._graph_max_batch(), mc.vocab_size, activations, tokens)
+        buffers = request_buffers(cfg.max_running_requests, self.max_model_len, mc.vocab_size)
+        return plan_kv_pool(total, cfg.gpu_memory_utilization, total - free, weights, activations, buffers,
+                            graphs, per_token, min_tokens=self._min_pool_tokens())
+
+    def _min_pool_tokens(self) -> int:
+        """A pool must hold one request of the context the user asked for; without an explicit
+        max_model_len a smaller pool only shortens the context (down to one prefill step)."""
+        if self.cfg.max_model_len is not None:
+            return self.max_model_len
+        return min(self.max_model_len, self.cfg.max_prefill_tokens)
+
+    def _graphs_usable(self) -> bool:
+        cfg = self.cfg
+        if cfg.cuda_graph not in ("auto", "on", "off"):
+            raise ValueError(f"cuda_graph must be auto, on or off; got {cfg.cuda_graph!r}")
+        usable = self.device.type == "cuda" and self.backend.name == "triton"
+        if cfg.cuda_graph == "on" and not usable:
+            raise ValueError("cuda_graph='on' needs a CUDA device and the Triton attention backend")
+        return usable and cfg.cuda_graph != "off"
+
+    def _graph_buckets(self) -> list[int]:
+        return default_buckets(min(self.cfg.cuda_graph_max_batch, self.cfg.max_running_requests))
+
+    def _graph_max_batch(self) -> int:
+        return self._graph_buckets()[-1] if self._graphs_usable() else 0
+
     def _build_loop(self) -> None:
         cfg, rows = self.cfg, self.cfg.max_running_requests
         self.streams = StreamSet.create(self.device)
@@ -126,28 +167,19 @@ class Engine:
         self.future_map = FutureMap(rows, self.device, debug=cfg.debug_future_map)
         self.grammar = GrammarManager(self.tokenizer, self.model_config.vocab_size, sorted(self.eos_token_ids),
                                       self.streams, rows, cfg.grammar_threads)
-        backend = make_attention_backend(cfg.attention_backend, self.device)
-        graphs = self._capture_graphs(backend)
-        self.runner = ModelRunner(self.model, self.kv, self.table, backend, self.sampler,
+        graphs = self._capture_graphs()
+        self.runner = ModelRunner(self.model, self.kv, self.table, self.backend, self.sampler,
                                   self.future_map, self.streams, self.stager, self.copier, graphs)
         self.scheduler = Scheduler(
             SchedulerConfig(rows, cfg.max_prefill_tokens, cfg.chunked_prefill_size, cfg.enable_mixed_batch,
                             cfg.schedule_policy, max_reused_tokens_per_step=reused),
             self.prefix_cache, self.req_slots, on_admit=self.runner.admit)
 
-    def _capture_graphs(self, backend) -> DecodeGraphs | None:
-        cfg = self.cfg
-        if cfg.cuda_graph not in ("auto", "on", "off"):
-            raise ValueError(f"cuda_graph must be auto, on or off; got {cfg.cuda_graph!r}")
-        usable = self.device.type == "cuda" and backend.name == "triton"
-        if cfg.cuda_graph == "on" and not usable:
-            raise ValueError("cuda_graph='on' needs a CUDA device and the Triton attention backend")
-        if cfg.cuda_graph == "off" or not usable:
+    def _capture_graphs(self) -> DecodeGraphs | None:
+        if not self._graphs_usable():
             return None
-        graphs = DecodeGraphs(self.model, self.kv, self.table, backend, self.future_map, self.streams,
-                              self.stager, default_buckets(min(cfg.cuda_graph_max_batch,
-                                                               cfg.max_running_requests)),
-                              self.max_model_len)
+        graphs = DecodeGraphs(self.model, self.kv, self.table, self.backend, self.future_map, self.streams,
+                              self.stager, self._graph_buckets(), self.max_model_len)
         graphs.capture()
         return graphs
 
@@ -411,6 +443,7 @@ class Engine:
                 "cuda_graph_memory_mib": (self.runner.graphs.memory_bytes / 2**20
                                           if self.runner.graphs is not None else 0.0),
                 "num_preemptions": self.scheduler.num_preemptions,
+                "memory": self.memory.as_dict() if self.memory is not None else None,
                 "steps": self.step_id}
 
 
@@ -426,8 +459,8 @@ def _step_record(batch: ScheduledBatch, t_start: float, t_launch: float, t_end: 
 
 
 # What close() drops: everything that holds device memory or refers back to the engine.
-_DEVICE_STATE = ("model", "kv", "kv_slots", "prefix_cache", "grammar", "req_slots", "table", "streams", "stager", "copier",
-                 "sampler", "future_map", "runner", "scheduler")
+_DEVICE_STATE = ("model", "backend", "kv", "kv_slots", "prefix_cache", "grammar", "req_slots", "table",
+                 "streams", "stager", "copier", "sampler", "future_map", "runner", "scheduler")
 
 
 def _token_ids(prompt) -> list[int]:
