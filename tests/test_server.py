@@ -21,6 +21,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 CONTEXT = 128
+MAX_BODY = 200_000
 
 
 def _free_port() -> int:
@@ -62,7 +63,8 @@ def running_server(model: Path, log: Path, *extra: str):
 @pytest.fixture(scope="module")
 def server(tiny_text_model, tmp_path_factory):
     log = tmp_path_factory.mktemp("server") / "server.log"
-    with running_server(tiny_text_model, log, "--max-running-requests", "64") as (url, proc):
+    with running_server(tiny_text_model, log, "--max-running-requests", "64",
+                        "--max-request-bytes", str(MAX_BODY)) as (url, proc):
         yield url
     assert proc.returncode == 0, log.read_text()
 
@@ -200,6 +202,29 @@ def test_bad_input_gets_openai_error(server, path, body, status, param, words):
     assert all(w in err["message"] for w in words), err["message"]
 
 
+def test_oversized_and_costly_requests_are_refused_cheaply(server):
+    big = json.dumps({"prompt": "x" * MAX_BODY})
+    r = httpx.post(f"{server}/v1/completions", content=big, headers={"content-type": "application/json"})
+    assert r.status_code == 413 and "--max-request-bytes" in r.json()["error"]["message"]
+
+    def chunks():  # no Content-Length: counted as it arrives
+        for i in range(0, len(big), 10_000):
+            yield big[i:i + 10_000].encode()
+    r = httpx.post(f"{server}/v1/completions", content=chunks(), headers={"content-type": "application/json"})
+    assert r.status_code == 413
+    # Refused before any prompt is tokenized, however many there are.
+    start = time.monotonic()
+    r = httpx.post(f"{server}/v1/completions", json={"prompt": ["Once upon a time " * 10] * 1000})
+    assert r.status_code == 400 and "exceeds 128 choices" in r.json()["error"]["message"]
+    for stop in (["ab"] * 5000, ["x" * 2000]):
+        r = httpx.post(f"{server}/v1/completions", json={"prompt": "hi " * 30_000, "stop": stop})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "stop"
+    r = httpx.post(f"{server}/v1/completions", json={"prompt": "hi " * 60_000})
+    assert r.status_code == 400 and "characters" in r.json()["error"]["message"]
+    assert time.monotonic() - start < 10
+    assert httpx.get(server + "/health").status_code == 200
+
+
 def test_errors_through_openai_client_and_still_serving(client):
     with pytest.raises(openai.BadRequestError, match="temperature"):
         client.completions.create(model="llama", prompt="hi", temperature=-2)
@@ -308,6 +333,9 @@ def test_api_key_queue_full_and_engine_death(tiny_text_model, tmp_path):
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0).models.list()
         assert httpx.get(url + "/health").status_code == 200  # probes need no key
+        for path in ("/docs", "/openapi.json"):
+            assert httpx.get(url + path).status_code == 401
+            assert httpx.get(url + path, headers={"Authorization": "Bearer sekret"}).status_code == 200
         engine_pid = httpx.get(url + "/health").json()["engine_pid"]
         asyncio.run(_queue_full_then_engine_killed(url, engine_pid))
         r = httpx.get(url + "/health", timeout=5)

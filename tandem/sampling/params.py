@@ -13,6 +13,10 @@ GREEDY_TEMPERATURE = 1e-5
 # top_k travels as int64 and bounds a torch.topk; anything past int32 is "the whole vocab".
 _MAX_TOP_K = 2**31 - 1
 _INT64 = 2**63
+# Stop conditions are matched every step for every request: bound what one request brings.
+MAX_STOP_STRINGS = 128
+MAX_STOP_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 1024
 
 
 def _is_int(x: object) -> bool:
@@ -75,6 +79,8 @@ class SamplingParams:
             ids = self.stop_token_ids
             if not isinstance(ids, (list, tuple)) or not all(_is_int(t) and 0 <= t < _INT64 for t in ids):
                 raise ValueError(f"stop_token_ids must be None or a list of ints in [0, 2**63), got {ids!r}")
+            if len(ids) > MAX_STOP_TOKEN_IDS:
+                raise ValueError(f"stop_token_ids has {len(ids)} ids; at most {MAX_STOP_TOKEN_IDS} are allowed")
             self.stop_token_ids = list(ids)
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
@@ -127,7 +133,11 @@ class SamplingParams:
         items = [stop] if isinstance(stop, str) else stop
         if not isinstance(items, (list, tuple)) or not all(isinstance(s, str) and s for s in items):
             raise ValueError(f"stop must be None, a non-empty str or a list of non-empty str, got {stop!r}")
+        if len(items) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop has {len(items)} strings; at most {MAX_STOP_STRINGS} are allowed")
         for s in items:
+            if len(s) > MAX_STOP_CHARS:
+                raise ValueError(f"stop strings must be at most {MAX_STOP_CHARS} characters, got one of {len(s)}")
             check_unicode(s, "stop")
         return list(items)
 

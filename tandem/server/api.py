@@ -19,7 +19,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from tandem.server.client import EngineClient
 from tandem.server.errors import APIError, EngineDead, error_body
-from tandem.server.errors_http import ApiKeyMiddleware, install_error_handlers
+from tandem.server.errors_http import (DEFAULT_MAX_REQUEST_BYTES, ApiKeyMiddleware, BodySizeLimit,
+                                       install_error_handlers)
 from tandem.server.generation import Generation
 from tandem.server.inputs import chat_inputs, completion_inputs
 from tandem.server.metrics import Metrics
@@ -107,10 +108,12 @@ def _cached_tokens(choices: list[Choice], n: int) -> int:
     return sum(c.cached_tokens for c in choices[::n])  # like the prompt: once per prompt
 
 
-def create_app(state: ServerState, api_key: str | None = None) -> FastAPI:
+def create_app(state: ServerState, api_key: str | None = None,
+               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
     app = FastAPI(title="tandem", version="0.1.0",
                   description="OpenAI-compatible server of the tandem inference engine")
     install_error_handlers(app)
+    app.add_middleware(BodySizeLimit, max_bytes=max_request_bytes)
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
 
@@ -122,8 +125,9 @@ def create_app(state: ServerState, api_key: str | None = None) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         state.check_model(body.model)
-        prompts, params = completion_inputs(body, state.tokenizer, state.max_model_len,
-                                            state.client.ready.vocab_size)
+        # Tokenizing runs in a worker thread: a long prompt must not stall every other stream.
+        prompts, params = await asyncio.to_thread(completion_inputs, body, state.tokenizer, state.max_model_len,
+                                                  state.client.ready.vocab_size)
         gen = await start(prompts, params, "cmpl")
         env, n_prompt = Envelope(gen.request_id, state.model_name), _prompt_tokens(prompts, body.n)
         if body.stream:
@@ -140,7 +144,7 @@ def create_app(state: ServerState, api_key: str | None = None) -> FastAPI:
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         state.check_model(body.model)
         tools = tool_mode(body, getattr(state.tokenizer, "chat_template", None))
-        prompts, params = chat_inputs(body, state.tokenizer, state.max_model_len, tools)
+        prompts, params = await asyncio.to_thread(chat_inputs, body, state.tokenizer, state.max_model_len, tools)
         gen = await start(prompts, params, "chatcmpl")
         env, n_prompt = Envelope(gen.request_id, state.model_name), _prompt_tokens(prompts, body.n)
         if body.stream:

@@ -55,6 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
     p.add_argument("--max-waiting-requests", type=int, default=1024,
                    help="requests queued beyond this get 503 with Retry-After")
+    p.add_argument("--max-request-bytes", type=int, default=16 * 2**20,
+                   help="larger request bodies get 413 (default 16 MiB)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     _engine_options(p)
     return p
@@ -65,6 +67,9 @@ def main(argv: list[str]) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.max_waiting_requests < 1:
         log.error("--max-waiting-requests must be >= 1")
+        return 2
+    if args.max_request_bytes < 1024:
+        log.error("--max-request-bytes must be >= 1024")
         return 2
     cfg = EngineConfig(model=args.model, **{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)
                                             if f.name not in _NOT_OPTIONS})
@@ -102,7 +107,7 @@ async def _serve(args: argparse.Namespace, cfg: EngineConfig) -> int:
         return 1
     name = args.served_model_name or (path.stem if path.is_file() else path.name)
     state = ServerState(client, tokenizer, name, frozenset({str(cfg.model or path), str(path)}), metrics)
-    app = create_app(state, args.api_key)
+    app = create_app(state, args.api_key, args.max_request_bytes)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                            timeout_graceful_shutdown=5))
     log.info("serving %s on http://%s:%d (context %d tokens)", name, args.host, args.port,

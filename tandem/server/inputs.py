@@ -17,6 +17,8 @@ from tandem.server.openai_schemas import ChatCompletionRequest, CompletionReques
 from tandem.server.structured import ToolMode, constraint, constraint_param
 
 MAX_CHOICES = 128  # prompts x n per HTTP request
+# No prompt averages this many characters per token (English text: about 4).
+MAX_CHARS_PER_TOKEN = 64
 _INT64 = 2**63
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
                     "ignore_eos", "presence_penalty", "frequency_penalty", "repetition_penalty")
@@ -27,10 +29,12 @@ def completion_inputs(body: CompletionRequest, tokenizer: Any, max_model_len: in
     _refuse(body.echo, "echo", "echo is not supported")
     _refuse(body.suffix is not None, "suffix", "suffix is not supported")
     _refuse(body.best_of not in (None, body.n), "best_of", "best_of must be null or equal to n")
-    prompts = [_prompt_ids(p, tokenizer, vocab_size) for p in _prompt_list(body.prompt)]
+    raw = _prompt_list(body.prompt)
+    fields = _sampling_fields(body, len(raw), body.max_tokens, "max_tokens", body.logprobs, constraint(body))
+    prompts = [_prompt_ids(p, tokenizer, vocab_size, max_model_len) for p in raw]  # the costly part: last
     explicit = "max_tokens" in body.model_fields_set and body.max_tokens is not None
-    return _choices(body, prompts, body.max_tokens, explicit, "max_tokens", "prompt",
-                    body.logprobs, max_model_len, constraint(body))
+    return _choices(body, prompts, fields, body.max_tokens, explicit, "max_tokens", "prompt",
+                    body.logprobs, max_model_len)
 
 
 def chat_inputs(body: ChatCompletionRequest, tokenizer: Any, max_model_len: int,
@@ -39,6 +43,10 @@ def chat_inputs(body: ChatCompletionRequest, tokenizer: Any, max_model_len: int,
         raise APIError(400, "top_logprobs needs logprobs set to true", "top_logprobs")
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise APIError(400, "this model has no chat template; use /v1/completions", "messages")
+    name = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    fields = _sampling_fields(body, 1, max_tokens, name, logprobs, constraint(body, tools))
     messages = [_message(m) for m in body.messages]
     extra = {"tools": [t.model_dump(exclude_none=True) for t in tools.tools]} if tools is not None else {}
     try:
@@ -46,11 +54,8 @@ def chat_inputs(body: ChatCompletionRequest, tokenizer: Any, max_model_len: int,
                                                  return_dict=False, **extra))
     except Exception as exc:  # jinja raises whatever the template author chose
         raise APIError(400, f"the chat template refused these messages: {exc}", "messages") from None
-    name = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    return _choices(body, [ids], max_tokens, max_tokens is not None, name, "messages", logprobs,
-                    max_model_len, constraint(body, tools))
+    return _choices(body, [ids], fields, max_tokens, max_tokens is not None, name, "messages", logprobs,
+                    max_model_len)
 
 
 def _message(m) -> dict:
@@ -73,17 +78,23 @@ def _arguments(args: Any) -> Any:
     return args
 
 
-def _choices(body, prompts: list[list[int]], max_tokens: int | None, explicit: bool, max_name: str,
-             prompt_name: str, logprobs: int | None, max_model_len: int, constrained: dict):
+def _sampling_fields(body, num_prompts: int, max_tokens: int | None, max_name: str,
+                     logprobs: int | None, constrained: dict) -> dict:
+    """The cheap checks, before any tokenization: choice count, then every sampling field."""
     _refuse(bool(body.logit_bias), "logit_bias", "logit_bias is not supported")
-    if len(prompts) * body.n > MAX_CHOICES:
-        raise APIError(400, f"{len(prompts)} prompts x n={body.n} exceeds {MAX_CHOICES} choices", "n")
+    if num_prompts * body.n > MAX_CHOICES:
+        raise APIError(400, f"{num_prompts} prompts x n={body.n} exceeds {MAX_CHOICES} choices", "n")
     fields = {k: getattr(body, k) for k in _SAMPLING_FIELDS if getattr(body, k) is not None}
     _check_int64(fields)
     _validate({**fields, **constrained}, max_tokens, logprobs, max_name)
     if "json_schema" in constrained:  # JSON text on the wire
         constrained = {**constrained, "json_schema": json.dumps(constrained["json_schema"])}
     fields.update(constrained)
+    return fields
+
+
+def _choices(body, prompts: list[list[int]], fields: dict, max_tokens: int | None, explicit: bool,
+             max_name: str, prompt_name: str, logprobs: int | None, max_model_len: int):
     out_prompts, out_params = [], []
     for ids in prompts:
         room = max_model_len - len(ids)
@@ -142,11 +153,14 @@ def _prompt_list(prompt: str | list) -> list[str | list[int]]:
     return list(prompt)
 
 
-def _prompt_ids(prompt: str | list[int], tokenizer: Any, vocab_size: int) -> list[int]:
+def _prompt_ids(prompt: str | list[int], tokenizer: Any, vocab_size: int, max_model_len: int) -> list[int]:
     if isinstance(prompt, str):
         if tokenizer is None:
             raise APIError(400, "this model has no tokenizer: send prompts as token ids", "prompt")
         _check_text(prompt, "prompt")
+        if len(prompt) > max_model_len * MAX_CHARS_PER_TOKEN:  # certainly too long: not worth tokenizing
+            raise APIError(400, f"the prompt has {len(prompt)} characters, far more than this model's "
+                                f"context of {max_model_len} tokens holds", "prompt")
         ids = list(tokenizer.encode(prompt))
     else:
         ids = prompt
