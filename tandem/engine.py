@@ -49,6 +49,7 @@ log = logging.getLogger("tandem")
 class Engine:
     def __init__(self, cfg: EngineConfig):
         self.cfg = cfg
+        self.closed = False
         self.device = resolve_device(cfg.device)
         path = cfg.model if cfg.model is not None else builtin_model_path()
         ckpt = open_checkpoint(path, allow_pickle=cfg.allow_pickle, config_only=cfg.dummy_weights)
@@ -80,7 +81,6 @@ class Engine:
         self.timeline = (Timeline(cfg.timeline_path, max_records=cfg.timeline_max_records)
                          if cfg.timeline or cfg.timeline_path else None)
         self.runner.timing = self.timeline is not None and self.device.type == "cuda"
-        self.closed = False
         lifetime.freeze(self)  # what was built so far lives as long as the engine: no GC scans
 
     # ---- construction ----
