@@ -36,6 +36,7 @@ class ServerState:
     model_name: str
     model_aliases: frozenset[str]  # other names accepted in "model" (the path it was loaded from)
     metrics: Metrics
+    draining: bool = False  # shutting down: no new generations
 
     def __post_init__(self) -> None:
         self.names = TokenNames(self.tokenizer)
@@ -118,6 +119,8 @@ def create_app(state: ServerState, api_key: str | None = None,
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
 
     async def start(prompts: list[list[int]], params, prefix: str) -> Generation:
+        if state.draining:
+            raise APIError(503, "the server is shutting down", code="shutting_down")
         gen = Generation(state.client, f"{prefix}-{uuid.uuid4().hex}", prompts, params)
         await gen.start()
         return gen

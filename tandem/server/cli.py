@@ -57,6 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests queued beyond this get 503 with Retry-After")
     p.add_argument("--max-request-bytes", type=int, default=16 * 2**20,
                    help="larger request bodies get 413 (default 16 MiB)")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="on SIGTERM, seconds in-flight requests get to finish before they are failed")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     _engine_options(p)
     return p
@@ -67,6 +69,9 @@ def main(argv: list[str]) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.max_waiting_requests < 1:
         log.error("--max-waiting-requests must be >= 1")
+        return 2
+    if args.shutdown_timeout < 0:
+        log.error("--shutdown-timeout must be >= 0")
         return 2
     if args.max_request_bytes < 1024:
         log.error("--max-request-bytes must be >= 1024")
@@ -86,6 +91,7 @@ async def _serve(args: argparse.Namespace, cfg: EngineConfig) -> int:
     import uvicorn
 
     from tandem.models.checkpoint import builtin_model_path, open_checkpoint
+    from tandem.server import drain
     from tandem.server.api import ServerState, create_app
     from tandem.server.client import EngineClient
     from tandem.server.metrics import Metrics
@@ -108,8 +114,10 @@ async def _serve(args: argparse.Namespace, cfg: EngineConfig) -> int:
     name = args.served_model_name or (path.stem if path.is_file() else path.name)
     state = ServerState(client, tokenizer, name, frozenset({str(cfg.model or path), str(path)}), metrics)
     app = create_app(state, args.api_key, args.max_request_bytes)
+    # uvicorn's own deadline is a backstop: the drain fails what is left at --shutdown-timeout.
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                           timeout_graceful_shutdown=5))
+                                           timeout_graceful_shutdown=args.shutdown_timeout + 5))
+    drain.install(server, state, client, args.shutdown_timeout)
     log.info("serving %s on http://%s:%d (context %d tokens)", name, args.host, args.port,
              state.max_model_len)
     try:
