@@ -47,6 +47,11 @@ class DecodeGraphs:
         # pageable host memory), so in debug mode the gather runs eagerly into a static buffer.
         self.resolve_in_graph = not future_map.debug
         self.input_ids = {b: torch.zeros(b, dtype=torch.int64, device=streams.device) for b in buckets}
+        # One logits buffer for every graph (fp32 [bucket, vocab] each would be GiBs at a 152k
+        # vocab). Ordering rule: replays and the sampling that reads their logits all run on
+        # the forward stream, so a replay never overwrites logits still to be read.
+        self.logits = torch.empty(self.max_batch, model.config.vocab_size, dtype=torch.float32,
+                                  device=streams.device)
 
     @property
     def max_batch(self) -> int:
@@ -66,7 +71,7 @@ class DecodeGraphs:
             qo_indptr=views["seq_lens"], req_to_token=self.table.table,
             host_req_slots=[0] * bucket, host_seq_lens=[1] * bucket, host_extend_lens=[1] * bucket,
             is_decode=True, max_seq_len=self.max_seq_len)
-        return self.model.compute_logits(self.model(fb, self.kv, self.backend))
+        return self.model.compute_logits(self.model(fb, self.kv, self.backend), out=self.logits[:bucket])
 
     @torch.no_grad()
     def capture(self) -> None:
@@ -91,6 +96,14 @@ class DecodeGraphs:
         log.info("captured %d decode graphs (buckets up to %d) using %.0f MiB",
                  len(self.graphs), self.max_batch, used / 2**20)
         self.memory_bytes = used
+
+    def close(self) -> None:
+        """Free the graphs; their private memory pool goes back once no graph uses it."""
+        for graph, _ in self.graphs.values():
+            graph.reset()
+        self.graphs.clear()
+        self.input_ids.clear()
+        self.logits = None
 
     def replay(self, bucket: int, ring: int, req_slots: torch.Tensor) -> torch.Tensor:
         """Queue the graph on the current (forward) stream; returns its logits buffer.

@@ -6,15 +6,16 @@
         process(result of step N)              # the one completion wait
 It is the same code with overlap off: then each step is processed right after its launch.
 """
-import gc
 import hashlib
 import itertools
 import logging
 import time
 from time import perf_counter
 
+import numpy as np
 import torch
 
+from tandem import lifetime
 from tandem.attention import make_attention_backend
 from tandem.diagnostics.errors import FatalErrorGuard
 from tandem.distributed import start_parallel
@@ -26,6 +27,8 @@ from tandem.config import EngineConfig, ModelConfig, resolve_device, resolve_dty
 from tandem.memory.allocator import SlotAllocator
 from tandem.memory.kv_cache import KVCache
 from tandem.memory.prefix_cache import PrefixCache
+from tandem.memory_budget import (MemoryBudget, graph_reserve, measure_activations, plan_kv_pool,
+                                  profile_forward, request_buffers)
 from tandem.memory.req_to_token import ReqToTokenTable
 from tandem.models.checkpoint import builtin_model_path, open_checkpoint
 from tandem.models.linear import check_fp8_support, quantize_model_fp8
@@ -39,6 +42,7 @@ from tandem.request import Request, Status
 from tandem.runner import ModelRunner, PendingResult
 from tandem.sampling import Sampler, SamplingParams
 from tandem.sampling.bias import min_tokens_bias, static_bias
+from tandem.sampling.params import check_unicode
 from tandem.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from tandem.text import RequestText
 from tandem.warmup import warm_up
@@ -51,6 +55,7 @@ class Engine:
         """`parallel`: a tensor-parallel worker's runtime; None on rank 0 (which starts the
         workers itself when cfg.tensor_parallel_size > 1)."""
         self.cfg = cfg
+        self.closed = False
         self.device = resolve_device(cfg.device)
         path = cfg.model if cfg.model is not None else builtin_model_path()
         ckpt = open_checkpoint(path, allow_pickle=cfg.allow_pickle, config_only=cfg.dummy_weights)
@@ -76,13 +81,15 @@ class Engine:
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
+        self.backend = make_attention_backend(cfg.attention_backend, self.device,
+                                              cfg.attention_split_by_context)
         self._build_memory()
         self.parallel.connect(self.device)
         self._build_loop()
         self.parallel.ready()
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
-        self._aborted: list[StepOutput] = []
+        self._carried: list[StepOutput] = []  # made outside step() (aborts, cancel): the next step returns them
         self.pending: PendingResult | None = None
         self.timeline = None
         self._previous_forward_end = None
@@ -93,10 +100,7 @@ class Engine:
         self.timeline = (Timeline(cfg.timeline_path, max_records=cfg.timeline_max_records)
                          if cfg.timeline or cfg.timeline_path else None)
         self.runner.timing = self.timeline is not None and self.device.type == "cuda"
-        # Everything built so far (model, tokenizer, buffers) lives as long as the engine:
-        # keep it out of the garbage collector's scans, which otherwise stall steps for ms.
-        gc.collect()
-        gc.freeze()
+        lifetime.freeze(self)  # what was built so far lives as long as the engine: no GC scans
 
     # ---- construction ----
     def _warm_up(self) -> float:
@@ -139,11 +143,13 @@ class Engine:
     def _build_memory(self) -> None:
         mc, cfg = self.model.local_config, self.cfg  # this rank's KV heads
         per_token = KVCache.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype)
+        self.memory: MemoryBudget | None = None
         if cfg.max_total_tokens is not None:
             num_tokens = cfg.max_total_tokens
         elif self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            num_tokens = int(free * cfg.gpu_memory_utilization) // per_token
+            self.memory = self._plan_device_memory(per_token)
+            num_tokens = self.memory.kv_pool // per_token
+            log.info("%s", self.memory.describe(num_tokens))
         else:
             num_tokens = cfg.cpu_kv_cache_bytes // per_token
         num_tokens = min(num_tokens, cfg.max_running_requests * self.max_model_len)
@@ -159,6 +165,42 @@ class Engine:
         self.table = ReqToTokenTable(cfg.max_running_requests, self.max_model_len, self.device)
         log.info("KV pool: %d tokens (%.1f MiB)", num_tokens, num_tokens * per_token / 2**20)
 
+    def _plan_device_memory(self, per_token: int) -> MemoryBudget:
+        """Profile the largest step, then give the pool what is left of total x utilization."""
+        mc, cfg, dev = self.model_config, self.cfg, self.device
+        tokens = cfg.max_prefill_tokens
+        activations = measure_activations(dev, lambda: profile_forward(
+            self.model, self.backend, mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype, dev,
+            tokens, self.max_model_len, mc.vocab_size, cfg.max_running_requests))
+        free, total = torch.cuda.mem_get_info(dev)
+        weights = sum(t.nbytes for t in itertools.chain(self.model.parameters(), self.model.buffers()))
+        graphs = graph_reserve(self._graph_max_batch(), mc.vocab_size, activations, tokens)
+        buffers = request_buffers(cfg.max_running_requests, self.max_model_len, mc.vocab_size)
+        return plan_kv_pool(total, cfg.gpu_memory_utilization, total - free, weights, activations, buffers,
+                            graphs, per_token, min_tokens=self._min_pool_tokens())
+
+    def _min_pool_tokens(self) -> int:
+        """A pool must hold one request of the context the user asked for; without an explicit
+        max_model_len a smaller pool only shortens the context (down to one prefill step)."""
+        if self.cfg.max_model_len is not None:
+            return self.max_model_len
+        return min(self.max_model_len, self.cfg.max_prefill_tokens)
+
+    def _graphs_usable(self) -> bool:
+        cfg = self.cfg
+        if cfg.cuda_graph not in ("auto", "on", "off"):
+            raise ValueError(f"cuda_graph must be auto, on or off; got {cfg.cuda_graph!r}")
+        usable = self.device.type == "cuda" and self.backend.name == "triton"
+        if cfg.cuda_graph == "on" and not usable:
+            raise ValueError("cuda_graph='on' needs a CUDA device and the Triton attention backend")
+        return usable and cfg.cuda_graph != "off"
+
+    def _graph_buckets(self) -> list[int]:
+        return default_buckets(min(self.cfg.cuda_graph_max_batch, self.cfg.max_running_requests))
+
+    def _graph_max_batch(self) -> int:
+        return self._graph_buckets()[-1] if self._graphs_usable() else 0
+
     def _build_loop(self) -> None:
         cfg, rows = self.cfg, self.cfg.max_running_requests
         self.streams = StreamSet.create(self.device)
@@ -171,45 +213,64 @@ class Engine:
         self.future_map = FutureMap(rows, self.device, debug=cfg.debug_future_map)
         self.grammar = GrammarManager(self.tokenizer, self.model_config.vocab_size, sorted(self.eos_token_ids),
                                       self.streams, rows, cfg.grammar_threads)
-        backend = make_attention_backend(cfg.attention_backend, self.device,
-                                         cfg.attention_split_by_context)
-        graphs = self._capture_graphs(backend)
-        self.runner = ModelRunner(self.model, self.kv, self.table, backend, self.sampler,
+        graphs = self._capture_graphs()
+        self.runner = ModelRunner(self.model, self.kv, self.table, self.backend, self.sampler,
                                   self.future_map, self.streams, self.stager, self.copier, graphs,
                                   mirror=self.parallel.sender)
         self.scheduler = Scheduler(
             SchedulerConfig(rows, cfg.max_prefill_tokens, cfg.chunked_prefill_size, cfg.enable_mixed_batch,
                             cfg.schedule_policy, max_reused_tokens_per_step=reused),
-            self.prefix_cache, self.req_slots,
-            on_admit=lambda r: self.runner.start_request(r.slot, r.prompt_token_ids, r.params,
-                                                         r.output_token_ids))
+            self.prefix_cache, self.req_slots, on_admit=self.runner.admit)
 
-    def _capture_graphs(self, backend) -> DecodeGraphs | None:
-        cfg = self.cfg
-        if cfg.cuda_graph not in ("auto", "on", "off"):
-            raise ValueError(f"cuda_graph must be auto, on or off; got {cfg.cuda_graph!r}")
-        usable = self.device.type == "cuda" and backend.name == "triton"
-        if cfg.cuda_graph == "on" and not usable:
-            raise ValueError("cuda_graph='on' needs a CUDA device and the Triton attention backend")
-        if cfg.cuda_graph == "off" or not usable:
+    def _capture_graphs(self) -> DecodeGraphs | None:
+        if not self._graphs_usable():
             return None
-        graphs = DecodeGraphs(self.model, self.kv, self.table, backend, self.future_map, self.streams,
-                              self.stager, default_buckets(min(cfg.cuda_graph_max_batch,
-                                                               cfg.max_running_requests)),
-                              self.max_model_len)
+        graphs = DecodeGraphs(self.model, self.kv, self.table, self.backend, self.future_map, self.streams,
+                              self.stager, self._graph_buckets(), self.max_model_len)
         graphs.capture()
         return graphs
+
+    # ---- lifetime ----
+    def close(self) -> None:
+        """Release everything the engine holds: device memory goes back to what it was before
+        the engine (once nothing else in the process holds it). Idempotent; afterwards every
+        request or step raises."""
+        if self.closed:
+            return
+        self.closed = True
+        usable = not self.fatal.dead
+        if usable and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # nothing queued may still touch the pool
+        if self.timeline is not None:
+            self.timeline.close()
+        if self.runner.graphs is not None:
+            self.runner.graphs.close()
+        # Drop every reference to device state; the scheduler's admit hook refers back to
+        # the engine, so this also breaks the engine's reference cycles.
+        for name in _DEVICE_STATE:
+            vars(self).pop(name, None)
+        self.requests, self._carried, self.pending = {}, [], None
+        lifetime.release(self, self.device, usable)
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise RuntimeError("the engine is closed (close() was called); create a new one")
 
     # ---- requests ----
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
-        params = params or SamplingParams()
+        self._check_open()
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling params must be a SamplingParams, got {type(params).__name__}; "
+                            "build one with SamplingParams(**...)")
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer: pass prompts as token-id lists")
+            check_unicode(prompt, "prompt")
             ids = self.tokenizer.encode(prompt)
         else:
-            ids = [int(t) for t in prompt]
+            ids = _token_ids(prompt)
         self._check_prompt(ids, params)
         self.grammar.check(params)
         if params.constraint is not None and self.parallel.tp.size > 1:
@@ -254,12 +315,12 @@ class Engine:
         if req is None or req.finished:
             return
         self._finish(req, "abort")
-        self._aborted.append(StepOutput(request_id, [], req.text.finish() if req.text else "", True, "abort",
+        self._carried.append(StepOutput(request_id, [], req.text.finish() if req.text else "", True, "abort",
                                         num_cached_tokens=req.num_cached_tokens))
 
     def has_unfinished(self) -> bool:
-        return (self.scheduler.has_work() or self.pending is not None or bool(self._aborted)
-                or self.grammar.has_pending())
+        return not self.closed and (self.scheduler.has_work() or self.pending is not None
+                                    or bool(self._carried) or self.grammar.has_pending())
 
     def output(self, request_id: str) -> RequestOutput:
         req = self.requests[request_id]
@@ -271,13 +332,21 @@ class Engine:
                              num_preemptions=req.num_preemptions, num_cached_tokens=req.num_cached_tokens)
 
     def cancel(self, request_ids: list[str]) -> None:
-        """Abort these requests, run the loop until nothing is in flight, and forget them."""
+        """Abort exactly these requests and forget them; every other request keeps running.
+
+        The in-flight step is processed here (its results for other requests are kept for the
+        next `step()`), so no launched step can still read the cancelled requests' KV: it is
+        free when this returns.
+        """
+        gone = set(request_ids)
         for rid in request_ids:
             self.abort(rid)
-        while self.has_unfinished():
-            self.step()
+        outputs: list[StepOutput] = []
+        self._drain(outputs)
+        self._carried = [o for o in self._carried + outputs if o.request_id not in gone]
         for rid in request_ids:
-            self.release(rid)
+            if rid in self.requests:
+                self.release(rid)
 
     def release(self, request_id: str) -> None:
         """Forget a finished request's bookkeeping (its KV was already freed or deferred)."""
@@ -288,6 +357,7 @@ class Engine:
     def step(self) -> list[StepOutput]:
         """One turn of the loop. A sticky CUDA error stops the engine: it is logged once and
         every later call raises EngineDeadError at once, touching no CUDA state."""
+        self._check_open()
         self.fatal.check()
         self.parallel.check()
         try:
@@ -298,7 +368,7 @@ class Engine:
             raise
 
     def _step(self) -> list[StepOutput]:
-        outputs, self._aborted = self._aborted, []
+        outputs, self._carried = self._carried, []
         self._admit_compiled(outputs)
         t0 = perf_counter()
         batch = self.scheduler.schedule(self.step_id, drain=lambda: self._drain(outputs))
@@ -442,6 +512,7 @@ class Engine:
                 "cuda_graph_memory_mib": (self.runner.graphs.memory_bytes / 2**20
                                           if self.runner.graphs is not None else 0.0),
                 "num_preemptions": self.scheduler.num_preemptions,
+                "memory": self.memory.as_dict() if self.memory is not None else None,
                 "steps": self.step_id}
 
 
@@ -454,6 +525,20 @@ def _step_record(batch: ScheduledBatch, t_start: float, t_launch: float, t_end: 
         attn_pairs=sum(r.num_new * r.start + r.num_new * (r.num_new + 1) // 2 for r in rows),
         host_start=t_start, schedule_ms=(t_launch - t_start) * 1e3, launch_ms=(t_end - t_launch) * 1e3,
         num_sampled=len(batch.sample_rows))
+
+
+# What close() drops: everything that holds device memory or refers back to the engine.
+_DEVICE_STATE = ("model", "backend", "kv", "kv_slots", "prefix_cache", "grammar", "req_slots", "table",
+                 "streams", "stager", "copier", "sampler", "future_map", "runner", "scheduler")
+
+
+def _token_ids(prompt) -> list[int]:
+    """Token ids as given: ints only (numpy ints too), never coerced (1.9, "12", True are errors)."""
+    ids = list(prompt)
+    bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, (int, np.integer))]
+    if bad:
+        raise ValueError(f"prompt token ids must be ints; got {bad[0]!r} ({type(bad[0]).__name__})")
+    return [int(t) for t in ids]
 
 
 def _derived_seed(engine_seed: int, request_id: str) -> int:

@@ -17,6 +17,7 @@ from tandem.overlap.future_map import FutureMap
 from tandem.overlap.results import HostResult, ResultCopier
 from tandem.overlap.staging import InputStager
 from tandem.overlap.streams import StreamSet
+from tandem.request import Request
 from tandem.sampling import Sampler, SamplingInputs, SamplingParams
 from tandem.scheduler.batch import ScheduledBatch
 
@@ -150,6 +151,11 @@ class ModelRunner:
         if len(dev["decode_token_idx"]):
             ids[dev["decode_token_idx"]] = self.future_map.resolve(dev["decode_slots"])
         return ids
+
+    def admit(self, req: Request) -> None:
+        """The scheduler's hook for a (re)admitted request. A method, not a closure over the
+        engine: no reference cycle, so a dropped engine is freed at once, even when frozen."""
+        self.start_request(req.slot, req.prompt_token_ids, req.params, req.output_token_ids)
 
     def start_request(self, slot: int, prompt_ids: list[int], params: SamplingParams,
                       outputs: list[int]) -> None:

@@ -147,44 +147,79 @@ class _IncrementalDecoder:
 
 
 class _StopMatcher:
-    """Cuts text at the first stop string; holds back what may become one."""
+    """Cuts text at the first stop string; holds back what may become one.
+
+    An Aho-Corasick automaton over the stop strings, its state carried across pushes: each
+    character costs amortised O(1) however many stop strings there are. The state is the
+    longest tail of the text seen that is a prefix of some stop string, which is exactly the
+    text to hold back.
+    """
 
     def __init__(self, stop: Sequence[str], include_stop_str_in_output: bool):
-        self._stop = tuple(dict.fromkeys(stop))
         self._include = include_stop_str_in_output
-        # Text received but not released. Released text can never hold the start
-        # of a stop string (it would have been held), so matching only looks here.
+        self._next: list[dict[str, int]] = [{}]  # trie edges per state; state 0 is the root
+        self._depth = [0]
+        self._word: list[str | None] = [None]  # the stop string ending at this state
+        for s in dict.fromkeys(stop):
+            self._insert(s)
+        self._fail, self._out = self._links()
+        self._state = 0
+        # Text received but not released: the last depth[state] characters.
         self._pending = ""
 
+    def _insert(self, word: str) -> None:
+        state = 0
+        for ch in word:
+            nxt = self._next[state].get(ch)
+            if nxt is None:
+                nxt = len(self._next)
+                self._next[state][ch] = nxt
+                self._next.append({})
+                self._depth.append(self._depth[state] + 1)
+                self._word.append(None)
+            state = nxt
+        self._word[state] = word
+
+    def _links(self) -> tuple[list[int], list[int | None]]:
+        """Failure links (longest proper suffix that is a trie state) and output links (the
+        longest stop string ending here: this state's own, else its failure chain's)."""
+        fail, out = [0] * len(self._next), [None] * len(self._next)
+        queue = list(self._next[0].values())
+        for head in queue:  # breadth first: a state's failure state is shallower
+            out[head] = head if self._word[head] is not None else out[fail[head]]
+            for ch, child in self._next[head].items():
+                f = fail[head]
+                while f and ch not in self._next[f]:
+                    f = fail[f]
+                fail[child] = self._next[f].get(ch, 0)
+                queue.append(child)
+        return fail, out
+
+    def _step(self, state: int, ch: str) -> int:
+        while state and ch not in self._next[state]:
+            state = self._fail[state]
+        return self._next[state].get(ch, 0)
+
     def push(self, text: str) -> tuple[str, str | None]:
-        if not self._stop:
+        if len(self._next) == 1:
             return text, None
+        state, base = self._state, len(self._pending)
+        for i, ch in enumerate(text):
+            state = self._step(state, ch)
+            hit = self._out[state]
+            if hit is not None:  # smallest end; the longest stop string ending there
+                s = self._word[hit]
+                pending, end = self._pending + text, base + i + 1
+                self._pending, self._state = "", 0
+                return pending[: end if self._include else end - len(s)], s
+        self._state = state
         pending = self._pending + text
-        best: tuple[int, int, str] | None = None  # (end, -len, stop)
-        for s in self._stop:
-            i = pending.find(s)
-            if i >= 0 and (best is None or (i + len(s), -len(s)) < best[:2]):
-                best = (i + len(s), -len(s), s)
-        if best is not None:
-            end, neg_len, s = best
-            self._pending = ""
-            return pending[: end if self._include else end + neg_len], s
-        cut = len(pending) - self._held_suffix(pending)
+        cut = len(pending) - self._depth[state]
         self._pending = pending[cut:]
         return pending[:cut], None
 
-    def _held_suffix(self, text: str) -> int:
-        """Length of the longest tail of text that is a proper prefix of a stop string."""
-        held = 0
-        for s in self._stop:
-            for k in range(min(len(s) - 1, len(text)), held, -1):
-                if text.endswith(s[:k]):
-                    held = k
-                    break
-        return held
-
     def flush(self) -> str:
-        out, self._pending = self._pending, ""
+        out, self._pending, self._state = self._pending, "", 0
         return out
 
 

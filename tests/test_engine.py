@@ -5,6 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from tandem import LLM, SamplingParams
@@ -197,8 +198,22 @@ def test_bad_inputs_give_clear_errors(tiny_text_model, tmp_path):
         LLM(str(tiny_text_model), dtype="float8")
     with pytest.raises(ValueError, match="device must be one of"):
         LLM(str(tiny_text_model), device="tpu")
+    for bad in (1.9, "12", True, None):  # token ids are never coerced
+        with pytest.raises(ValueError, match="token ids must be ints"):
+            llm.generate([[5, bad]], use_tqdm=False)
+    with pytest.raises(TypeError, match="must be a SamplingParams"):
+        llm.generate("x", {"max_tokens": 4}, use_tqdm=False)
+    with pytest.raises(TypeError, match="must be SamplingParams"):
+        llm.generate(["x"], [{"max_tokens": 4}], use_tqdm=False)
+    with pytest.raises(TypeError, match="must be a SamplingParams"):
+        llm.engine.add_request("x", {"max_tokens": 4})
+    with pytest.raises(ValueError, match="prompt contains a lone surrogate"):
+        llm.generate("abc\ud800def", use_tqdm=False)
+    with pytest.raises(ValueError, match="stop contains a lone surrogate"):
+        SamplingParams(stop=["\udc00"])
     # The engine is still usable after the errors.
     assert llm.generate([[5, 6]], _greedy(2), use_tqdm=False)[0].finish_reason == "length"
+    assert llm.generate([[np.int64(5), 6]], _greedy(2), use_tqdm=False)[0].prompt_token_ids == [5, 6]
     assert_kv_conserved(llm.engine)
 
 
@@ -217,3 +232,27 @@ def test_mixed_steps_bound_the_prefill_share_while_requests_decode(tiny_text_mod
     mixed = [r for r in engine.timeline.records if not r.is_decode and r.num_sampled >= 4]
     assert mixed and all(r.num_tokens <= 24 for r in mixed)
     assert max(r.num_tokens for r in engine.timeline.records) > 24  # alone, prefill takes more
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_cancel_of_one_of_two_leaves_the_other_running(tiny_text_model, overlap):
+    engine = _engine(tiny_text_model, disable_overlap=not overlap)
+    alone = LLM(str(tiny_text_model), device=TEST_DEVICE, dtype="float32").generate(
+        [[7, 8, 9]], _greedy(20), use_tqdm=False)[0].token_ids
+    keep = engine.add_request([7, 8, 9], _greedy(20))
+    drop = engine.add_request([10, 11], _greedy(20))
+    streamed = []
+    for _ in range(5):
+        streamed += [t for o in engine.step() if o.request_id == keep for t in o.new_token_ids]
+    engine.cancel([drop])
+    assert drop not in engine.requests
+    assert not engine.requests[keep].finished  # cancel did not run the other one to completion
+    # Nothing launched can still read the cancelled request's KV: its slots are already released.
+    assert engine.req_slots.num_free == engine.req_slots.count - 1
+    while engine.has_unfinished():
+        outs = engine.step()
+        assert all(o.request_id != drop for o in outs)
+        streamed += [t for o in outs if o.request_id == keep for t in o.new_token_ids]
+    assert streamed == engine.output(keep).token_ids == alone  # no output of the other was lost
+    engine.release(keep)
+    assert_kv_conserved(engine)

@@ -86,6 +86,8 @@ def assert_matches(freq: torch.Tensor, probs: torch.Tensor, n: int) -> None:
         ("top_k", -2),
         ("top_k", 2.0),
         ("top_k", False),
+        ("top_k", 2**31),
+        ("top_k", 2**63),
         ("min_p", -0.1),
         ("min_p", 1.5),
         ("seed", 1.5),
@@ -99,6 +101,12 @@ def assert_matches(freq: torch.Tensor, probs: torch.Tensor, n: int) -> None:
         ("stop_token_ids", [1.0]),
         ("stop_token_ids", 3),
         ("stop_token_ids", [True]),
+        ("stop_token_ids", [2**63]),
+        ("stop", "a\ud800b"),
+        ("stop", ["ok", "\udc00"]),
+        ("stop", ["s"] * 129),
+        ("stop", "x" * 1025),
+        ("stop_token_ids", [1] * 1025),
         ("ignore_eos", 1),
         ("repetition_penalty", 0.0),
         ("repetition_penalty", -1.0),
@@ -286,6 +294,16 @@ def test_greedy_is_argmax():
     out = Sampler(V, 8, "cpu").sample(logits, inp)
     assert torch.equal(out.token_ids, logits.argmax(-1))
     assert out.token_ids.dtype == torch.int64 and out.logprobs is None and out.top_ids is None
+
+
+@pytest.mark.parametrize("temperature", [1e-38, 1e-45, 1e-300, 5e-6])
+def test_tiny_temperature_is_greedy(temperature):
+    """A temperature too small to divide by (logits / 1e-38 overflow) samples greedily."""
+    p = SamplingParams(temperature=temperature)
+    assert p.is_greedy and p.temperature == 0.0
+    logits = torch.stack([fixed_logits(seed=1), fixed_logits(seed=2)])
+    out = Sampler(V, 4, "cpu").sample(logits, make_inputs([p, SamplingParams(temperature=1.0, seed=3)]))
+    assert out.token_ids[0] == logits[0].argmax()
 
 
 def test_greedy_argmax_in_half_precision_logits():

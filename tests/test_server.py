@@ -21,6 +21,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 CONTEXT = 128
+MAX_BODY = 200_000
 
 
 def _free_port() -> int:
@@ -30,11 +31,13 @@ def _free_port() -> int:
 
 
 @contextmanager
-def running_server(model: Path, log: Path, *extra: str):
+def running_server(model: Path, log: Path, *extra: str, tmpdir: Path | None = None):
     port = _free_port()
     cmd = [sys.executable, "-m", "tandem.server", "--model", str(model), "--port", str(port),
            "--device", "cpu", "--max-model-len", str(CONTEXT), "--log-level", "warning", *extra]
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    if tmpdir is not None:  # where the server makes its IPC folder
+        env["TMPDIR"] = str(tmpdir)
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO)
     url = f"http://127.0.0.1:{port}"
@@ -62,7 +65,8 @@ def running_server(model: Path, log: Path, *extra: str):
 @pytest.fixture(scope="module")
 def server(tiny_text_model, tmp_path_factory):
     log = tmp_path_factory.mktemp("server") / "server.log"
-    with running_server(tiny_text_model, log, "--max-running-requests", "64") as (url, proc):
+    with running_server(tiny_text_model, log, "--max-running-requests", "64",
+                        "--max-request-bytes", str(MAX_BODY)) as (url, proc):
         yield url
     assert proc.returncode == 0, log.read_text()
 
@@ -191,6 +195,13 @@ BAD_INPUTS = [
     ("completions", '{"prompt": "hi",', 400, None, ["JSON"]),
     ("completions", "[1, 2]", 400, None, ["object"]),
     ("completions", {"prompt": "hi", "model": "gpt-9"}, 404, "model", ["gpt-9"]),
+    ("completions", {"prompt": "abc\ud800def"}, 400, "prompt", ["surrogate"]),
+    ("completions", {"prompt": ["ok", "\udfff"]}, 400, "prompt", ["surrogate"]),
+    ("completions", {"prompt": "hi", "stop": ["\udc00"]}, 400, "stop", ["surrogate"]),
+    ("chat/completions", {"messages": [{"role": "user", "content": "a\ud800"}]}, 400, "messages", ["surrogate"]),
+    ("chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": "\ud800"}]}]},
+     400, "messages", ["surrogate"]),
+    ("completions", {"prompt": "hi", "top_k": 2**40}, 400, "top_k", ["top_k"]),
 ]
 
 
@@ -203,6 +214,29 @@ def test_bad_input_gets_openai_error(server, path, body, status, param, words):
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["param"] == param
     assert all(w in err["message"] for w in words), err["message"]
+
+
+def test_oversized_and_costly_requests_are_refused_cheaply(server):
+    big = json.dumps({"prompt": "x" * MAX_BODY})
+    r = httpx.post(f"{server}/v1/completions", content=big, headers={"content-type": "application/json"})
+    assert r.status_code == 413 and "--max-request-bytes" in r.json()["error"]["message"]
+
+    def chunks():  # no Content-Length: counted as it arrives
+        for i in range(0, len(big), 10_000):
+            yield big[i:i + 10_000].encode()
+    r = httpx.post(f"{server}/v1/completions", content=chunks(), headers={"content-type": "application/json"})
+    assert r.status_code == 413
+    # Refused before any prompt is tokenized, however many there are.
+    start = time.monotonic()
+    r = httpx.post(f"{server}/v1/completions", json={"prompt": ["Once upon a time " * 10] * 1000})
+    assert r.status_code == 400 and "exceeds 128 choices" in r.json()["error"]["message"]
+    for stop in (["ab"] * 5000, ["x" * 2000]):
+        r = httpx.post(f"{server}/v1/completions", json={"prompt": "hi " * 30_000, "stop": stop})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "stop"
+    r = httpx.post(f"{server}/v1/completions", json={"prompt": "hi " * 60_000})
+    assert r.status_code == 400 and "characters" in r.json()["error"]["message"]
+    assert time.monotonic() - start < 10
+    assert httpx.get(server + "/health").status_code == 200
 
 
 def test_errors_through_openai_client_and_still_serving(client):
@@ -317,6 +351,9 @@ def test_api_key_queue_full_and_engine_death(tiny_text_model, tmp_path):
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0).models.list()
         assert httpx.get(url + "/health").status_code == 200  # probes need no key
+        for path in ("/docs", "/openapi.json"):
+            assert httpx.get(url + path).status_code == 401
+            assert httpx.get(url + path, headers={"Authorization": "Bearer sekret"}).status_code == 200
         engine_pid = httpx.get(url + "/health").json()["engine_pid"]
         asyncio.run(_queue_full_then_engine_killed(url, engine_pid))
         r = httpx.get(url + "/health", timeout=5)
@@ -325,6 +362,9 @@ def test_api_key_queue_full_and_engine_death(tiny_text_model, tmp_path):
                        timeout=5)
         assert r.status_code == 503 and "engine" in r.json()["error"]["message"]
         assert proc.poll() is None  # the front end keeps answering
+        m = _metrics(url)  # a dead engine's last figures do not linger
+        assert m["tandem_engine_up"] == 0 and m["tandem_requests_running"] == 0
+        assert m["tandem_kv_cache_usage"] == 0
     assert "engine process exited" in log.read_text()
 
 
@@ -374,3 +414,75 @@ def test_unloadable_model_fails_fast_with_the_reason(tmp_path):
                        env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
     assert r.returncode == 1
     assert "could not start" in r.stderr and "does not exist" in r.stderr, r.stderr[-3000:]
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"  # a zombie no longer runs
+    except FileNotFoundError:
+        return True
+
+
+def test_sigterm_drains_in_flight_streams_then_exits_cleanly(tiny_text_model, tmp_path):
+    """One running stream finishes; queued ones still generating at --shutdown-timeout get an
+    error event; new requests are refused; exit status 0, engine and IPC folder gone."""
+    log, ipc = tmp_path / "server.log", tmp_path / "ipc"
+    ipc.mkdir()
+    with running_server(tiny_text_model, log, "--max-model-len", "512", "--max-running-requests", "1",
+                        "--shutdown-timeout", "3", tmpdir=ipc) as (url, proc):
+        engine_pid = httpx.get(url + "/health").json()["engine_pid"]
+        assert _metrics(url)["tandem_engine_up"] == 1
+        finished, failed, refused, took = asyncio.run(_drain_scenario(url, proc))
+        assert proc.wait(20) == 0, log.read_text()[-3000:]
+    assert finished >= 1 and failed >= 1 and refused
+    assert all(2.5 <= t < 12 for t in took), took  # failed at the 3 s deadline, not at once
+    deadline = time.monotonic() + 5
+    while not _gone(engine_pid):
+        assert time.monotonic() < deadline, "the engine outlived the front end"
+        time.sleep(0.1)
+    assert list(ipc.iterdir()) == []
+    assert "Traceback" not in log.read_text()
+
+
+async def _drain_scenario(url: str, proc) -> tuple[int, int, bool, list[float]]:
+    c = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+    short = await c.completions.create(model="llama", prompt="hi", max_tokens=20, stream=True, **GREEDY)
+    await short.__anext__()  # running: it holds the only running slot
+    queued = [await c.completions.create(model="llama", prompt="hi", max_tokens=480, stream=True, **GREEDY)
+              for _ in range(6)]  # each needs the slot in turn: seconds of work in all
+    proc.send_signal(signal.SIGTERM)
+    start = time.monotonic()
+
+    async def outcome(stream) -> float | None:
+        try:
+            async for _ in stream:
+                pass
+            return None
+        except openai.APIError as exc:
+            assert "shutting down" in str(exc), exc
+            return time.monotonic() - start
+
+    results = await asyncio.gather(outcome(short), *(outcome(s) for s in queued))
+    await asyncio.sleep(0.3)
+    try:  # a new request after the signal: refused, one way or the other
+        r = httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=5)
+        refused = r.status_code == 503
+    except httpx.HTTPError:
+        refused = True
+    await c.close()
+    took = [t for t in results if t is not None]
+    return results.count(None), len(took), refused, took
+
+
+def test_engine_exits_when_the_front_end_is_killed(tiny_text_model, tmp_path):
+    with running_server(tiny_text_model, tmp_path / "server.log", "--max-model-len", "512") as (url, proc):
+        engine_pid = httpx.get(url + "/health").json()["engine_pid"]
+        with httpx.stream("POST", url + "/v1/completions", timeout=30,
+                          json={"prompt": "hi", "max_tokens": 480, "stream": True, "ignore_eos": True}) as r:
+            next(r.iter_lines())  # the engine is busy generating
+            proc.kill()
+            killed = time.monotonic()
+        while not _gone(engine_pid):
+            assert time.monotonic() - killed < 5, "the engine outlived the front end"
+            time.sleep(0.05)

@@ -5,12 +5,13 @@ import codecs
 import importlib.util
 import json
 import random
+import time
 
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from tandem.text import RequestText, TextDelta
+from tandem.text import RequestText, TextDelta, _StopMatcher
 
 REPL = "\ufffd"
 
@@ -355,3 +356,41 @@ def test_randomized_against_reference(tok, seed):
             shown += d.text
             assert want.startswith(shown)  # nothing shown is ever taken back
             assert REPL in want or REPL not in d.text
+
+
+def _reference_stop(text: str, stops: list[str]) -> tuple[str, str | None]:
+    """Earliest end, longest on ties: by brute force over the whole text."""
+    best = None
+    for s in stops:
+        i = text.find(s)
+        if i >= 0 and (best is None or (i + len(s), -len(s)) < best[:2]):
+            best = (i + len(s), -len(s), s)
+    return (text, None) if best is None else (text[:best[0] + best[1]], best[2])
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_stop_matcher_fuzzed_against_brute_force(seed):
+    """Overlapping stop strings over a tiny alphabet, the text pushed in random pieces."""
+    rng = random.Random(seed)
+    stops = ["".join(rng.choice("ab") for _ in range(rng.randint(1, 4))) for _ in range(rng.randint(1, 6))]
+    text = "".join(rng.choice("abc") for _ in range(rng.randint(0, 40)))
+    matcher, out, stop, i = _StopMatcher(stops, False), "", None, 0
+    while i < len(text) and stop is None:
+        n = rng.randint(1, 5)
+        piece, stop = matcher.push(text[i:i + n])
+        out, i = out + piece, i + n
+    if stop is None:
+        out += matcher.flush()
+    assert (out, stop) == _reference_stop(text, stops), (stops, text)
+
+
+def test_stop_matching_cost_does_not_grow_with_the_number_of_stop_strings():
+    """20,000 stop strings: per character the automaton does O(1) work (a scan per string
+    per token took seconds for this)."""
+    rng = random.Random(0)
+    stops = ["".join(rng.choice("abcdefgh") for _ in range(12)) for _ in range(20_000)]
+    matcher = _StopMatcher(stops, False)
+    start = time.perf_counter()
+    for _ in range(2000):
+        assert matcher.push("xy")[1] is None
+    assert time.perf_counter() - start < 0.5

@@ -2,6 +2,7 @@
 import dataclasses
 import logging
 import time
+import weakref
 from typing import Sequence
 
 from tqdm import tqdm
@@ -27,6 +28,20 @@ class LLM:
             setattr(cfg, key, value)
         self.engine = Engine(cfg)
         self.tokenizer = self.engine.tokenizer
+        # `del llm` releases the engine too (without waiting for the garbage collector); not
+        # at interpreter exit, where the process gives everything back anyway.
+        self._finalizer = weakref.finalize(self, self.engine.close)
+        self._finalizer.atexit = False
+
+    def close(self) -> None:
+        """Release the engine: its device memory, graphs and buffers. Idempotent."""
+        self._finalizer()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -35,9 +50,11 @@ class LLM:
 
         n (and best_of) run as separate engine requests of the same prompt, admitted
         together, so a prefix cache serves the prompt's KV to all of them."""
+        engine = self.engine
+        if engine.closed:
+            raise RuntimeError("this LLM is closed (close() or the end of its with-block); create a new one")
         prompts = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(prompts))
-        engine = self.engine
         groups: list[list[str]] = []
         try:
             for prompt, sp in zip(prompts, params):
@@ -123,9 +140,15 @@ def _as_prompt_list(prompts) -> list[Prompt]:
 def _as_params_list(params, n: int) -> list[SamplingParams]:
     if params is None or isinstance(params, SamplingParams):
         return [params or SamplingParams()] * n
+    if isinstance(params, dict) or isinstance(params, (str, bytes)):
+        raise TypeError(f"sampling_params must be a SamplingParams or a list of them, got "
+                        f"{type(params).__name__}; build one with SamplingParams(**...)")
     params = list(params)
     if len(params) != n:
         raise ValueError(f"got {len(params)} sampling params for {n} prompts")
+    for p in params:
+        if not isinstance(p, SamplingParams):
+            raise TypeError(f"sampling_params must be SamplingParams, got a {type(p).__name__} in the list")
     return params
 
 

@@ -8,11 +8,31 @@ from dataclasses import dataclass, fields
 MAX_LOGPROBS = 20
 _CONSTRAINTS = ("json_schema", "regex", "grammar", "choice")
 MAX_LOGIT_BIAS = 100.0  # OpenAI's bound on a logit_bias value
+# Below this a temperature is greedy: logits / 1e-38 overflow float32 (and sampling that
+# cold is argmax anyway). vLLM draws the same line.
+GREEDY_TEMPERATURE = 1e-5
+# top_k travels as int64 and bounds a torch.topk; anything past int32 is "the whole vocab".
+_MAX_TOP_K = 2**31 - 1
+_INT64 = 2**63
+# Stop conditions are matched every step for every request: bound what one request brings.
+MAX_STOP_STRINGS = 128
+MAX_STOP_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 1024
 
 
 def _is_int(x: object) -> bool:
     # bool is an int subclass; True as max_tokens is a caller bug, not 1.
     return isinstance(x, int) and not isinstance(x, bool)
+
+
+def check_unicode(text: str, name: str) -> None:
+    """Text must be encodable: a lone surrogate ("\\ud800", legal in JSON escapes and Python
+    str) is not, and would fail later inside the tokenizer or the wire encoder."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"{name} contains a lone surrogate {text[exc.start]!r} at index {exc.start}; "
+                         "text must be valid Unicode") from None
 
 
 def _is_real(x: object) -> bool:
@@ -56,11 +76,13 @@ class SamplingParams:
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
             raise ValueError(f"max_tokens must be None or an int >= 1, got {self.max_tokens!r}")
         self._real("temperature", lo=0.0, rule=">= 0 (0 means greedy)")
+        if self.temperature < GREEDY_TEMPERATURE:
+            self.temperature = 0.0
         self._real("top_p", lo=0.0, lo_open=True, hi=1.0, rule="in (0, 1]")
-        if not _is_int(self.top_k) or not (self.top_k == -1 or self.top_k >= 1):
+        if not _is_int(self.top_k) or not (self.top_k == -1 or 1 <= self.top_k <= _MAX_TOP_K):
             raise ValueError(
-                f"top_k must be -1 (disabled) or an int >= 1 (0 is not accepted as 'disabled'), "
-                f"got {self.top_k!r}"
+                f"top_k must be -1 (disabled) or an int in [1, 2**31) (0 is not accepted as "
+                f"'disabled'), got {self.top_k!r}"
             )
         self._real("min_p", lo=0.0, hi=1.0, rule="in [0, 1]")
         if self.seed is not None and not _is_int(self.seed):
@@ -68,8 +90,10 @@ class SamplingParams:
         self.stop = self._stop_strings(self.stop)
         if self.stop_token_ids is not None:
             ids = self.stop_token_ids
-            if not isinstance(ids, (list, tuple)) or not all(_is_int(t) and t >= 0 for t in ids):
-                raise ValueError(f"stop_token_ids must be None or a list of ints >= 0, got {ids!r}")
+            if not isinstance(ids, (list, tuple)) or not all(_is_int(t) and 0 <= t < _INT64 for t in ids):
+                raise ValueError(f"stop_token_ids must be None or a list of ints in [0, 2**63), got {ids!r}")
+            if len(ids) > MAX_STOP_TOKEN_IDS:
+                raise ValueError(f"stop_token_ids has {len(ids)} ids; at most {MAX_STOP_TOKEN_IDS} are allowed")
             self.stop_token_ids = list(ids)
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
@@ -164,6 +188,12 @@ class SamplingParams:
         items = [stop] if isinstance(stop, str) else stop
         if not isinstance(items, (list, tuple)) or not all(isinstance(s, str) and s for s in items):
             raise ValueError(f"stop must be None, a non-empty str or a list of non-empty str, got {stop!r}")
+        if len(items) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop has {len(items)} strings; at most {MAX_STOP_STRINGS} are allowed")
+        for s in items:
+            if len(s) > MAX_STOP_CHARS:
+                raise ValueError(f"stop strings must be at most {MAX_STOP_CHARS} characters, got one of {len(s)}")
+            check_unicode(s, "stop")
         return list(items)
 
     # Host-side facts the scheduler uses to pick which batch-wide operations run.

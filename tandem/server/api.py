@@ -21,7 +21,8 @@ from tandem import __version__
 from tandem.server import protocol as P
 from tandem.server.client import EngineClient
 from tandem.server.errors import APIError, EngineDead, error_body
-from tandem.server.errors_http import ApiKeyMiddleware, install_error_handlers
+from tandem.server.errors_http import (DEFAULT_MAX_REQUEST_BYTES, ApiKeyMiddleware, BodySizeLimit,
+                                       install_error_handlers)
 from tandem.server.fields import FieldPolicy
 from tandem.server.generation import Generation
 from tandem.server.inputs import EngineInputs, chat_inputs, completion_inputs
@@ -40,6 +41,7 @@ class ServerState:
     model_aliases: frozenset[str]  # other names accepted in "model" (the path it was loaded from)
     metrics: Metrics
     fields: FieldPolicy = field(default_factory=FieldPolicy)  # unknown / ignored request fields
+    draining: bool = False  # shutting down: no new generations
 
     def __post_init__(self) -> None:
         self.names = TokenNames(self.tokenizer)
@@ -148,14 +150,18 @@ def _echo_texts(body: CompletionRequest, inputs: EngineInputs, tokenizer: Any) -
             for p in prompts]
 
 
-def create_app(state: ServerState, api_key: str | None = None) -> FastAPI:
+def create_app(state: ServerState, api_key: str | None = None,
+               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
     app = FastAPI(title="tandem", version=__version__,
                   description="OpenAI-compatible server of the tandem inference engine")
     install_error_handlers(app)
+    app.add_middleware(BodySizeLimit, max_bytes=max_request_bytes)
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
 
     async def start(inputs: EngineInputs, prefix: str) -> Generation:
+        if state.draining:
+            raise APIError(503, "the server is shutting down", code="shutting_down")
         gen = Generation(state.client, f"{prefix}-{uuid.uuid4().hex}", inputs.prompts, inputs.params)
         await gen.start()
         return gen
@@ -171,7 +177,9 @@ def create_app(state: ServerState, api_key: str | None = None) -> FastAPI:
     async def completions(body: CompletionRequest, request: Request) -> Response:
         state.check_model(body.model)
         state.fields.check(body)
-        inputs = completion_inputs(body, state.tokenizer, state.max_model_len, state.client.ready.vocab_size)
+        # Tokenizing runs in a worker thread: a long prompt must not stall every other stream.
+        inputs = await asyncio.to_thread(completion_inputs, body, state.tokenizer, state.max_model_len,
+                                         state.client.ready.vocab_size)
         echo = _echo_texts(body, inputs, state.tokenizer) if body.echo else None
         gen = await start(inputs, "cmpl")
         env, stream_usage = Envelope(gen.request_id, state.model_name), _StreamUsage.of(
@@ -192,7 +200,8 @@ def create_app(state: ServerState, api_key: str | None = None) -> FastAPI:
         state.check_model(body.model)
         state.fields.check(body)
         tools = tool_mode(body, getattr(state.tokenizer, "chat_template", None))
-        inputs = chat_inputs(body, state.tokenizer, state.max_model_len, state.client.ready.vocab_size, tools)
+        inputs = await asyncio.to_thread(chat_inputs, body, state.tokenizer, state.max_model_len,
+                                         state.client.ready.vocab_size, tools)
         gen = await start(inputs, "chatcmpl")
         env, stream_usage = Envelope(gen.request_id, state.model_name), _StreamUsage.of(
             body.stream_options, inputs)

@@ -58,6 +58,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--strict-api", action="store_true",
                    help="refuse requests with fields no OpenAI or vLLM schema has (default: ignore "
                         "them with a warning)")
+    p.add_argument("--max-request-bytes", type=int, default=16 * 2**20,
+                   help="larger request bodies get 413 (default 16 MiB)")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="on SIGTERM, seconds in-flight requests get to finish before they are failed")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--dp", type=int, default=1, metavar="N",
                    help="data parallelism: N engine replicas (each with --tp GPUs), one front end")
@@ -75,6 +79,12 @@ def main(argv: list[str]) -> int:
         return 2
     if args.dp < 1:
         log.error("--dp must be >= 1")
+        return 2
+    if args.shutdown_timeout < 0:
+        log.error("--shutdown-timeout must be >= 0")
+        return 2
+    if args.max_request_bytes < 1024:
+        log.error("--max-request-bytes must be >= 1024")
         return 2
     cfg = EngineConfig(model=args.model, **{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)
                                             if f.name not in _NOT_OPTIONS})
@@ -94,6 +104,7 @@ async def _serve(args: argparse.Namespace, cfg: EngineConfig) -> int:
     import uvicorn
 
     from tandem.models.checkpoint import builtin_model_path, open_checkpoint
+    from tandem.server import drain
     from tandem.server.api import ServerState, create_app
     from tandem.server.client import EngineClient
     from tandem.server.fields import FieldPolicy
@@ -121,9 +132,11 @@ async def _serve(args: argparse.Namespace, cfg: EngineConfig) -> int:
     name = args.served_model_name or (path.stem if path.is_file() else path.name)
     state = ServerState(client, tokenizer, name, frozenset({str(cfg.model or path), str(path)}), metrics,
                         FieldPolicy(args.strict_api))
-    app = create_app(state, args.api_key)
+    app = create_app(state, args.api_key, args.max_request_bytes)
+    # uvicorn's own deadline is a backstop: the drain fails what is left at --shutdown-timeout.
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                           timeout_graceful_shutdown=5))
+                                           timeout_graceful_shutdown=args.shutdown_timeout + 5))
+    drain.install(server, state, client, args.shutdown_timeout)
     log.info("serving %s on http://%s:%d (context %d tokens)", name, args.host, args.port,
              state.max_model_len)
     try:

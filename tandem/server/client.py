@@ -79,6 +79,7 @@ class EngineClient:
         assert isinstance(msg, P.Ready), msg
         self.ready = msg
         self.metrics.set_stats(msg.stats)
+        self.metrics.set_engine_up(True)
         loop = asyncio.get_running_loop()
         loop.add_reader(self.proc.sentinel, self._on_engine_exit)
         self._reader = asyncio.create_task(self._read_loop())
@@ -108,12 +109,29 @@ class EngineClient:
         asyncio.get_running_loop().remove_reader(self.proc.sentinel)
         self.proc.join(1)  # the sentinel fires as it exits; reaping (for the code) follows at once
         self.dead = self._failure or f"the engine process exited (code {self.proc.exitcode})"
+        self.metrics.set_engine_up(False)
         if not self._closing:
             log.error("%s; failing %d in-flight requests", self.dead, len(self._tracked))
+        self._fail_tracked(self.dead)
+
+    def fail_all(self, reason: str) -> None:
+        """Fail every in-flight request now (the drain timed out): the engine stops them, their
+        clients get `reason` as a 503 (an error event when streaming)."""
+        if not self._tracked:
+            return
+        log.warning("%s: failing %d in-flight requests", reason, len(self._tracked))
+        if not self.dead:
+            try:
+                self._send(P.Abort(list(self._tracked)))
+            except EngineDead:
+                pass
+        self._fail_tracked(reason)
+
+    def _fail_tracked(self, reason: str) -> None:
         for t in self._tracked.values():
             if not t.accepted.done():
-                t.accepted.set_exception(EngineDead(self.dead))
-            t.queue.put_nowait(EngineDead(self.dead))
+                t.accepted.set_exception(EngineDead(reason))
+            t.queue.put_nowait(EngineDead(reason))
         self._tracked.clear()
 
     # ---- requests ----

@@ -63,18 +63,19 @@ def install_error_handlers(app: FastAPI) -> None:
         return _json(error_body(500, f"internal error: {type(exc).__name__}"), 500)
 
 
-_ADMIN_PATHS = frozenset({"/reset_prefix_cache"})
+DEFAULT_MAX_REQUEST_BYTES = 16 * 2**20
+_OPEN_PATHS = frozenset({"/health", "/metrics"})  # probes need no key
 
 
 class ApiKeyMiddleware:
-    """Requires `Authorization: Bearer <key>` on /v1/* and admin routes; health and metrics stay
-    open for probes."""
+    """Requires `Authorization: Bearer <key>` everywhere (the API, admin routes, /docs,
+    /openapi.json) but on health and metrics, which stay open for probes."""
 
     def __init__(self, app, api_key: str):
         self.app, self._key = app, api_key.encode()
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and (scope["path"].startswith("/v1") or scope["path"] in _ADMIN_PATHS):
+        if scope["type"] == "http" and scope["path"] not in _OPEN_PATHS:
             auth = dict(scope["headers"]).get(b"authorization", b"")
             scheme, _, token = auth.partition(b" ")
             if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self._key):
@@ -83,3 +84,39 @@ class ApiKeyMiddleware:
                 await _json(body, 401, {"WWW-Authenticate": "Bearer"})(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+class _TooLarge(HTTPException):
+    def __init__(self, limit: int):
+        super().__init__(413, f"the request body is larger than the server's limit of {limit} bytes "
+                              "(--max-request-bytes)")
+
+
+class BodySizeLimit:
+    """413 for a body over `max_bytes`: at once by its Content-Length, else counted as it
+    arrives (chunked uploads), before anything parses or keeps it."""
+
+    def __init__(self, app, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = dict(scope["headers"]).get(b"content-length", b"0")
+        if not length.isdigit() or int(length) > self.max_bytes:
+            status = 413 if length.isdigit() else 400
+            message = str(_TooLarge(self.max_bytes).detail) if status == 413 else "invalid Content-Length"
+            await _json(error_body(status, message), status)(scope, receive, send)
+            return
+        received = 0
+
+        async def limited_receive():
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > self.max_bytes:
+                raise _TooLarge(self.max_bytes)  # FastAPI passes HTTPExceptions from body reading on
+            return message
+
+        await self.app(scope, limited_receive, send)

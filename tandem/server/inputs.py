@@ -13,12 +13,15 @@ from tandem.grammar.compiler import check_spec
 from tandem.limits import context_error
 from tandem.sampling import SamplingParams
 from tandem.sampling.bias import static_bias
+from tandem.sampling.params import check_unicode
 from tandem.server import protocol as P
 from tandem.server.errors import APIError
 from tandem.server.openai_schemas import ChatCompletionRequest, ChatMessage, CompletionRequest
 from tandem.server.structured import ToolMode, constraint, constraint_param
 
 MAX_CHOICES = 128  # prompts x sequences per HTTP request
+# No prompt averages this many characters per token (English text: about 4).
+MAX_CHARS_PER_TOKEN = 64
 _INT64 = 2**63
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
                     "ignore_eos", "presence_penalty", "frequency_penalty", "repetition_penalty",
@@ -52,10 +55,13 @@ def completion_inputs(body: CompletionRequest, tokenizer: Any, max_model_len: in
     _refuse(body.suffix is not None, "suffix", "suffix is not supported")
     _refuse(bool(body.echo) and body.logprobs is not None, "echo",
             "echo with logprobs needs prompt logprobs, which tandem does not compute yet")
-    prompts = [_prompt_ids(p, tokenizer, vocab_size) for p in _prompt_list(body.prompt)]
+    raw = _prompt_list(body.prompt)
+    sp = _sampling_params(body, len(raw), body.max_tokens, "max_tokens", body.logprobs, tokenizer, vocab_size,
+                          constraint(body))
+    prompts = [_prompt_ids(p, tokenizer, vocab_size, max_model_len) for p in raw]  # the costly part: last
     explicit = "max_tokens" in body.model_fields_set and body.max_tokens is not None
-    return _choices(body, prompts, body.max_tokens, explicit, "max_tokens", "prompt",
-                    body.logprobs, max_model_len, tokenizer, vocab_size, constraint(body))
+    return _choices(prompts, sp, body.max_tokens, explicit, "max_tokens", "prompt", body.logprobs,
+                    max_model_len)
 
 
 def chat_inputs(body: ChatCompletionRequest, tokenizer: Any, max_model_len: int, vocab_size: int,
@@ -66,13 +72,13 @@ def chat_inputs(body: ChatCompletionRequest, tokenizer: Any, max_model_len: int,
             "this model accepts and produces text only")
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs set to true", "top_logprobs")
-    ids = render_chat(tokenizer, body.messages, body.add_generation_prompt, body.continue_final_message,
-                      body.chat_template_kwargs, tools)
     name = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    return _choices(body, [ids], max_tokens, max_tokens is not None, name, "messages", logprobs,
-                    max_model_len, tokenizer, vocab_size, constraint(body, tools))
+    sp = _sampling_params(body, 1, max_tokens, name, logprobs, tokenizer, vocab_size, constraint(body, tools))
+    ids = render_chat(tokenizer, body.messages, body.add_generation_prompt, body.continue_final_message,
+                      body.chat_template_kwargs, tools)  # the costly part: after the cheap checks
+    return _choices([ids], sp, max_tokens, max_tokens is not None, name, "messages", logprobs, max_model_len)
 
 
 def render_chat(tokenizer: Any, messages: list[ChatMessage], add_generation_prompt: bool | None,
@@ -115,21 +121,26 @@ def _arguments(args: Any) -> Any:
     return args
 
 
-def _choices(body, prompts: list[list[int]], max_tokens: int | None, explicit: bool, max_name: str,
-             prompt_name: str, logprobs: int | None, max_model_len: int, tokenizer: Any,
-             vocab_size: int, constrained: dict) -> EngineInputs:
+def _sampling_params(body, num_prompts: int, max_tokens: int | None, max_name: str, logprobs: int | None,
+                     tokenizer: Any, vocab_size: int, constrained: dict) -> SamplingParams:
+    """The cheap checks, before any tokenization: every sampling field, then the choice count."""
     fields = {k: getattr(body, k) for k in _SAMPLING_FIELDS if getattr(body, k) is not None}
     _check_int64(fields)
     sp = _validate({**fields, **constrained}, max_tokens, logprobs, max_name)
     if sp.best_of is not None and sp.best_of > sp.n and body.stream:
         raise APIError(400, "best_of greater than n cannot be streamed", "best_of")
-    if len(prompts) * sp.num_samples > MAX_CHOICES:
-        raise APIError(400, f"{len(prompts)} prompts x {sp.num_samples} sequences exceeds "
+    if num_prompts * sp.num_samples > MAX_CHOICES:
+        raise APIError(400, f"{num_prompts} prompts x {sp.num_samples} sequences exceeds "
                             f"{MAX_CHOICES}", "best_of" if sp.best_of else "n")
     try:
         static_bias(sp, tokenizer, vocab_size)  # the engine's check, here to name the field
     except ValueError as exc:
         raise APIError(400, str(exc), "bad_words" if str(exc).startswith("bad_words") else "logit_bias") from None
+    return sp
+
+
+def _choices(prompts: list[list[int]], sp: SamplingParams, max_tokens: int | None, explicit: bool,
+             max_name: str, prompt_name: str, logprobs: int | None, max_model_len: int) -> EngineInputs:
     out_prompts, out_params = [], []
     for ids in prompts:
         too_long = context_error(max_model_len, len(ids), max_tokens if explicit else None)
@@ -183,10 +194,14 @@ def _prompt_list(prompt: str | list) -> list[str | list[int]]:
     return list(prompt)
 
 
-def _prompt_ids(prompt: str | list[int], tokenizer: Any, vocab_size: int) -> list[int]:
+def _prompt_ids(prompt: str | list[int], tokenizer: Any, vocab_size: int, max_model_len: int) -> list[int]:
     if isinstance(prompt, str):
         if tokenizer is None:
             raise APIError(400, "this model has no tokenizer: send prompts as token ids", "prompt")
+        _check_text(prompt, "prompt")
+        if len(prompt) > max_model_len * MAX_CHARS_PER_TOKEN:  # certainly too long: not worth tokenizing
+            raise APIError(400, f"the prompt has {len(prompt)} characters, far more than this model's "
+                                f"context of {max_model_len} tokens holds", "prompt")
         ids = list(tokenizer.encode(prompt))
     else:
         ids = prompt
@@ -200,6 +215,7 @@ def _prompt_ids(prompt: str | list[int], tokenizer: Any, vocab_size: int) -> lis
 
 def _content(content: str | list | None) -> str:
     if content is None or isinstance(content, str):
+        _check_text(content or "", "messages")
         return content or ""
     texts = []
     for part in content:
@@ -210,7 +226,16 @@ def _content(content: str | list | None) -> str:
         else:
             raise APIError(400, f"this model accepts text only; remove the {part.type!r} content part",
                            "messages")
-    return "".join(texts)
+    text = "".join(texts)
+    _check_text(text, "messages")
+    return text
+
+
+def _check_text(text: str, param: str) -> None:
+    try:
+        check_unicode(text, param)
+    except ValueError as exc:
+        raise APIError(400, str(exc), param) from None
 
 
 def _refuse(condition: bool, param: str, message: str) -> None:

@@ -22,6 +22,8 @@ class Metrics:
                               "between forwards), recent steps (CUDA)", registry=r)
         self.cpu_lead = Gauge("tandem_cpu_lead_ms", "How far ahead of the GPU the host queued each "
                               "step, recent steps (CUDA)", registry=r)
+        self.engine_up = Gauge("tandem_engine_up", "1 while the engine process serves, 0 once it is gone",
+                               registry=r)
         self.kv_cache_usage = Gauge("tandem_kv_cache_usage", "Fraction of KV cache slots in use (0..1)",
                                     registry=r)
         self.prompt_tokens = Counter("tandem_prompt_tokens", "Prompt tokens of accepted requests",
@@ -83,6 +85,14 @@ class Metrics:
             self.cache_hits.inc(hits - seen_hits)
         self._cache_totals = (queried, hits)
         self.cache_tokens.set(stats.prefix_cache_tokens)
+
+    def set_engine_up(self, up: bool) -> None:
+        """A dead engine runs nothing and holds nothing: its last figures must not linger."""
+        self.engine_up.set(1 if up else 0)
+        if not up:
+            for gauge in (self.running, self.waiting, self.kv_cache_usage, self.host_ms, self.gpu_busy,
+                          self.cpu_lead):
+                gauge.set(0)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
