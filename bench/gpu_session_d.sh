@@ -25,10 +25,17 @@ for part in "$@"; do
       done
       timeout 240 python3 -m tandem.bench.prefix --preset llama-3.1-8b --workload shared --compare --max-running-requests 512 \
         --json "$OUT/prefix-llama8b-shared.json" 2>&1 | tail -4 ;;
+    final)  # the merged tree: GPU tests of every issue, then decode latency (kernels + warm start)
+      TANDEM_TEST_DEVICE=cuda timeout 300 python3 -m pytest -q tests/test_gpu.py tests/test_gpu_memory.py \
+        tests/test_gpu_grammar.py tests/test_small_m_gemm.py tests/test_prefix_cache.py \
+        "tests/test_engine.py::test_overlap_on_and_off_are_token_identical" -m "gpu or not gpu" -s -p no:cacheprovider \
+        > "$OUT/gpu_final_tests.log" 2>&1; echo "rc=$?"; grep -E "passed|failed|^FAILED|^memory:" "$OUT/gpu_final_tests.log" | tail -12
+      timeout 120 python3 -m tandem.bench.latency --preset qwen3-0.6b --batch-sizes 1,16,64 --steps 40 \
+        --json "$OUT/latency-final.json" 2>&1 | tail -8 ;;
     serve)
       D=$(python3 -c "from tandem.bench.presets import preset_dir; print(preset_dir('qwen3-0.6b'))")
-      for cfg in "off 4096" "on 4096" "on 2048"; do
-        set -- $cfg; mixed=$1; chunk=$2; flag=""; [ "$mixed" = on ] && flag="--enable-mixed-batch"
+      for cfg in ${SERVE_CONFIGS:-off:4096 on:4096 on:2048}; do
+        mixed=${cfg%%:*}; chunk=${cfg##*:}; flag=""; [ "$mixed" = on ] && flag="--enable-mixed-batch"
         t0=$(date +%s.%N)
         python3 -m tandem.server --model "$D" --dummy-weights --device cuda --max-model-len 2048 --port 8000 \
           --chunked-prefill-size "$chunk" $flag > "$OUT/serve-$mixed-$chunk.log" 2>&1 &
