@@ -127,6 +127,14 @@ class EngineConfig:
     warm_up: str = "auto"  # auto (on with CUDA), on, off: run every kernel shape class at start
     max_model_len: int | None = None
     seed: int = 0
+    # Tensor parallelism: one process per rank (rank 0 is this one). Several nodes: start the
+    # same command on each with its node_rank; rank 0's node hosts the rendezvous.
+    tensor_parallel_size: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None  # None: a free port (one node only)
+    dist_timeout_s: float = 600.0  # start-up rendezvous and collective timeout
     # FutureMap read-before-write check on the device; the test suite turns it on via the env.
     debug_future_map: bool = field(default_factory=lambda: os.environ.get("TANDEM_DEBUG_FUTURE_MAP") == "1")
     # Prefix-cache books checked after every step (reference counts, slot owners); tests' env.

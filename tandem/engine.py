@@ -17,6 +17,7 @@ import torch
 
 from tandem.attention import make_attention_backend
 from tandem.diagnostics.errors import FatalErrorGuard
+from tandem.distributed import start_parallel
 from tandem.diagnostics.timeline import StepRecord, Timeline
 from tandem.grammar import GrammarManager
 from tandem.cuda_graph import DecodeGraphs, default_buckets
@@ -43,25 +44,37 @@ log = logging.getLogger("tandem")
 
 
 class Engine:
-    def __init__(self, cfg: EngineConfig):
+    def __init__(self, cfg: EngineConfig, parallel=None):
+        """`parallel`: a tensor-parallel worker's runtime; None on rank 0 (which starts the
+        workers itself when cfg.tensor_parallel_size > 1)."""
         self.cfg = cfg
         self.device = resolve_device(cfg.device)
         path = cfg.model if cfg.model is not None else builtin_model_path()
         ckpt = open_checkpoint(path, allow_pickle=cfg.allow_pickle, config_only=cfg.dummy_weights)
         self.model_config = ModelConfig.from_hf(ckpt.config)
+        self.parallel = parallel if parallel is not None else start_parallel(cfg, self.model_config, self.device)
+        try:
+            self._build(cfg, ckpt, path)
+        except BaseException:
+            self.parallel.close()  # no worker outlives a failed start
+            raise
+
+    def _build(self, cfg: EngineConfig, ckpt, path) -> None:
         self.dtype = resolve_dtype(cfg.dtype, self.device, self.model_config.dtype)
         self.tokenizer = ckpt.load_tokenizer()
         self.max_model_len = min(cfg.max_model_len or self.model_config.max_position_embeddings,
                                  self.model_config.max_position_embeddings)
         started = time.monotonic()
         self.model = load_model(ckpt, self.model_config, self.dtype, self.device,
-                                self.max_model_len, cfg.dummy_weights)
+                                self.max_model_len, cfg.dummy_weights, self.parallel.tp)
         log.info("loaded %s in %.1fs", path, time.monotonic() - started)
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
         self._build_memory()
+        self.parallel.connect(self.device)
         self._build_loop()
+        self.parallel.ready()
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self._aborted: list[StepOutput] = []
@@ -93,7 +106,7 @@ class Engine:
         return seconds
 
     def _build_memory(self) -> None:
-        mc, cfg = self.model_config, self.cfg
+        mc, cfg = self.model.local_config, self.cfg  # this rank's KV heads
         per_token = KVCache.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype)
         if cfg.max_total_tokens is not None:
             num_tokens = cfg.max_total_tokens
@@ -103,6 +116,7 @@ class Engine:
         else:
             num_tokens = cfg.cpu_kv_cache_bytes // per_token
         num_tokens = min(num_tokens, cfg.max_running_requests * self.max_model_len)
+        num_tokens = self.parallel.agree_min("kv_tokens", num_tokens)  # every rank the same pool
         if num_tokens < 2:
             raise ValueError(f"KV pool of {num_tokens} tokens is too small")
         self.max_model_len = min(self.max_model_len, num_tokens)
@@ -129,7 +143,8 @@ class Engine:
         backend = make_attention_backend(cfg.attention_backend, self.device)
         graphs = self._capture_graphs(backend)
         self.runner = ModelRunner(self.model, self.kv, self.table, backend, self.sampler,
-                                  self.future_map, self.streams, self.stager, self.copier, graphs)
+                                  self.future_map, self.streams, self.stager, self.copier, graphs,
+                                  mirror=self.parallel.sender)
         self.scheduler = Scheduler(
             SchedulerConfig(rows, cfg.max_prefill_tokens, cfg.chunked_prefill_size, cfg.enable_mixed_batch,
                             cfg.schedule_policy, max_reused_tokens_per_step=reused),
@@ -233,9 +248,11 @@ class Engine:
         """One turn of the loop. A sticky CUDA error stops the engine: it is logged once and
         every later call raises EngineDeadError at once, touching no CUDA state."""
         self.fatal.check()
+        self.parallel.check()
         try:
             return self._step()
         except Exception as exc:
+            self.parallel.check(grace_s=2.0)  # a dead worker explains a failed collective: say that
             self.fatal.observe(exc)
             raise
 
@@ -357,6 +374,15 @@ class Engine:
     def reset_prefix_cache(self) -> int:
         """Drop every cached prefix that no running request uses; returns the KV slots freed."""
         return self.prefix_cache.reset()
+
+    @property
+    def dead(self) -> bool:
+        """Stopped for good (a sticky CUDA error, a dead worker): touch nothing but close()."""
+        return self.fatal.dead or self.parallel.failure is not None
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers, if any; idempotent."""
+        self.parallel.close()
 
     # ---- introspection ----
     def stats(self) -> dict:

@@ -42,14 +42,21 @@ class ModelRunner:
     def __init__(self, model: DecoderModel, kv: KVCache, table: ReqToTokenTable, backend,
                  sampler: Sampler, future_map: FutureMap, streams: StreamSet,
                  stager: InputStager, copier: ResultCopier, graphs: DecodeGraphs | None = None,
-                 timing: bool = False):
+                 timing: bool = False, mirror=None):
         self.model, self.kv, self.table, self.backend = model, kv, table, backend
         self.sampler, self.future_map, self.streams = sampler, future_map, streams
         self.stager, self.copier, self.graphs, self.timing = stager, copier, graphs, timing
+        # Tensor parallelism, rank 0: the same admits and steps go to the workers (StepSender).
+        self.mirror = mirror
 
     def launch(self, batch: ScheduledBatch, defer_sampling: bool = False) -> PendingResult:
         """Queue the step. With `defer_sampling` only the forward is queued; `sample` queues the
         rest once the host has the step's token masks (they need the previous step's tokens)."""
+        if self.mirror is not None:
+            # Workers sample at once: masks do not travel to them (the engine refuses constrained
+            # requests under tensor parallelism).
+            assert not defer_sampling, "token masks under tensor parallelism"
+            self.mirror.launch(batch)  # first: the workers start while this rank stages
         rows, sample_rows = batch.rows, batch.sample_rows
         bucket = self._graph_bucket(batch)
         fields = _metadata(batch) if bucket is None else _decode_metadata(batch, bucket)
@@ -147,6 +154,8 @@ class ModelRunner:
     def start_request(self, slot: int, prompt_ids: list[int], params: SamplingParams,
                       outputs: list[int]) -> None:
         """Reset per-slot sampling state; on the forward stream so it orders before sampling."""
+        if self.mirror is not None:
+            self.mirror.admit(slot, prompt_ids, params, outputs)
         if not params.uses_penalties:
             return
         with self.streams.use(self.streams.forward):

@@ -44,12 +44,22 @@ class LLM:
             bar.close()
             return [engine.output(rid) for rid in rids]
         finally:
-            if not engine.fatal.dead:  # a dead CUDA context must not be touched again
+            if not engine.dead:  # a dead CUDA context (or worker) must not be touched again
                 engine.cancel(rids)  # on error too: nothing left running, nothing leaked
 
     def reset_prefix_cache(self) -> int:
         """Drop every cached prompt prefix no running request uses; returns the KV slots freed."""
         return self.engine.reset_prefix_cache()
+
+    def close(self) -> None:
+        """Stop the engine's worker processes (tensor parallelism); idempotent."""
+        self.engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

@@ -29,6 +29,12 @@ class Checkpoint:
     config: dict[str, Any]
     _tensors: Callable[[], Iterator[tuple[str, torch.Tensor]]] | None = field(default=None, repr=False)
     _tokenizer: Callable[[], Any] = field(default=lambda: None, repr=False)
+    _slices: Callable[[], Iterator[tuple[str, Any]]] | None = field(default=None, repr=False)
+
+    def tensor_slices(self) -> Iterator[tuple[str, Any]]:
+        """Like `tensors()`, but safetensors entries come as lazy slices (`[a:b]`, `[:, a:b]`
+        read only that part from disk): a tensor-parallel rank reads only its share."""
+        return self._slices() if self._slices is not None else self.tensors()
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, CPU tensor) pairs, read one at a time."""
@@ -101,7 +107,9 @@ def _open_hf_dir(path: Path, *, allow_pickle: bool, config_only: bool) -> Checkp
     if "tie_word_embeddings" not in config and reader is _iter_safetensors:
         # Families disagree on the default; the checkpoint itself says whether lm_head exists.
         config["tie_word_embeddings"] = "lm_head.weight" not in _safetensors_names(files)
-    return Checkpoint(path=path, config=config, _tensors=lambda: reader(files), _tokenizer=tokenizer)
+    slices = (lambda: _iter_safetensors(files, lazy=True)) if reader is _iter_safetensors else None
+    return Checkpoint(path=path, config=config, _tensors=lambda: reader(files), _tokenizer=tokenizer,
+                      _slices=slices)
 
 
 def normalize_config(config: dict[str, Any]) -> dict[str, Any]:
@@ -178,7 +186,7 @@ def _skip(name: str) -> bool:
     return name.endswith("rotary_emb.inv_freq")
 
 
-def _iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+def _iter_safetensors(files: list[Path], lazy: bool = False) -> Iterator[tuple[str, Any]]:
     from safetensors import safe_open
 
     for f in files:
@@ -189,7 +197,7 @@ def _iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
         with st:
             for name in st.keys():
                 if not _skip(name):
-                    yield name, st.get_tensor(name)
+                    yield name, (st.get_slice(name) if lazy else st.get_tensor(name))
 
 
 def _iter_pickle(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:

@@ -1,7 +1,9 @@
 """One decoder for the Llama family: Llama, Mistral, Qwen2 (qkv bias), Qwen3 (q/k norm).
 
 Read top to bottom: attention, layer, model, then weight loading. Parameter names follow
-transformers, except that q/k/v and gate/up are packed into one matmul each.
+transformers, except that q/k/v and gate/up are packed into one matmul each. Under tensor
+parallelism (`tp`) each rank builds the same modules with its share of heads, intermediate
+size and vocab (`Shard`), and reads only its slices of the checkpoint.
 """
 from typing import Iterable
 
@@ -9,13 +11,16 @@ import torch
 from torch import nn
 
 from tandem.config import ModelConfig
+from tandem.distributed.group import SINGLE, TPGroup
+from tandem.distributed.sharding import Shard
 from tandem.forward_batch import ForwardBatch
 from tandem.memory.kv_cache import KVCache
 from tandem.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, qkv_norm_rope_torch
+from tandem.models.parallel import RowParallelLinear, VocabParallelEmbedding, parallel_logits
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding):
+    def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding, tp: TPGroup):
         super().__init__()
         self.layer_id = layer_id
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -23,7 +28,7 @@ class Attention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim ** -0.5
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.o_proj = RowParallelLinear(self.q_size, cfg.hidden_size, tp)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
@@ -47,10 +52,10 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding):
+    def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding, tp: TPGroup):
         super().__init__()
-        self.self_attn = Attention(cfg, layer_id, rotary)
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
+        self.self_attn = Attention(cfg, layer_id, rotary, tp)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -66,14 +71,17 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, max_positions: int):
+    def __init__(self, cfg: ModelConfig, max_positions: int, tp: TPGroup = SINGLE):
         super().__init__()
-        self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.config, self.tp = cfg, tp
+        self.shard = Shard(cfg, tp.rank, tp.size)
+        self.local_config = local = self.shard.local_config()
+        vocab_rows, vocab_start = self.shard.vocab_per_rank, self.shard.vocab_start
+        self.embed_tokens = VocabParallelEmbedding(vocab_rows, cfg.hidden_size, vocab_start, tp)
         rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rotary) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(local, i, rotary, tp) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, vocab_rows, bias=False)
 
     def forward(self, batch: ForwardBatch, kv: KVCache, backend) -> torch.Tensor:
         """Hidden states [T, hidden] of every new token in the batch."""
@@ -86,29 +94,34 @@ class DecoderModel(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return (hidden @ weight.t()).float()
+        return parallel_logits(hidden, weight, self.config.vocab_size, self.tp)
 
     # ---- weights ----
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy HF-named tensors into the packed parameters; every parameter must be filled."""
+        """Copy HF-named tensors (or lazy safetensors slices) into the packed parameters, this
+        rank's slice of each; every parameter must be filled."""
         params = dict(self.named_parameters())
         filled: set[str] = set()
-        for name, tensor in tensors:
+        for name, source in tensors:
             if name == "lm_head.weight" and self.lm_head is None:
                 continue  # tied checkpoints sometimes store the copy anyway
             if "rotary_emb" in name:
                 continue
-            target, rows = _packed_target(name, self.config)
+            target, rows = _packed_target(name, self.local_config)
             if target not in params:
                 raise ValueError(f"unknown tensor {name!r} for {self.config.architecture}")
+            tensor = _take(source, self.shard.source_range(name))
             param = params[target]
             dest = param.data if rows is None else param.data[rows[0]:rows[1]]
+            if target in ("embed_tokens.weight", "lm_head.weight") and self.tp.size > 1:
+                dest[tensor.shape[0]:].zero_()  # vocab padding rows: never looked up, logits cut
+                dest = dest[:tensor.shape[0]]
             if tuple(dest.shape) != tuple(tensor.shape):
                 raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)}, "
                                  f"expected {tuple(dest.shape)}")
             dest.copy_(tensor)
             filled.add(target if rows is None else f"{target}:{rows[0]}")
-        missing = [n for n, p in params.items() if not _is_filled(n, p, filled, self.config)]
+        missing = [n for n, p in params.items() if not _is_filled(n, p, filled, self.local_config)]
         if missing:
             raise ValueError(f"checkpoint is missing tensors for: {', '.join(missing[:8])}"
                              + (" ..." if len(missing) > 8 else ""))
@@ -138,3 +151,24 @@ def _is_filled(name: str, param: torch.Tensor, filled: set[str], cfg: ModelConfi
         if f".{packed}." in name:
             return all(f"{name}:{start}" in filled for start, _ in _shard_rows(cfg, packed).values())
     return name in filled
+
+
+def _take(source, part: tuple[int, int, int] | None) -> torch.Tensor:
+    """This rank's part of a checkpoint tensor: a torch tensor or a lazy safetensors slice
+    (which reads only the part from disk)."""
+    if part is None:
+        return source if isinstance(source, torch.Tensor) else source[:]
+    dim, start, stop = part
+    return source[start:stop] if dim == 0 else source[:, start:stop]
+
+
+def hf_pieces(name: str, tensor: torch.Tensor, cfg: ModelConfig) -> Iterable[tuple[str, torch.Tensor]]:
+    """A full (unsharded) packed parameter as the HF tensors it packs: the inverse of load."""
+    for packed, shards in (("qkv_proj", ("q_proj", "k_proj", "v_proj")),
+                           ("gate_up_proj", ("gate_proj", "up_proj"))):
+        if f".{packed}." in name:
+            for shard in shards:
+                start, stop = _shard_rows(cfg, packed)[shard]
+                yield name.replace(f".{packed}.", f".{shard}."), tensor[start:stop]
+            return
+    yield name, tensor

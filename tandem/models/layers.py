@@ -13,6 +13,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tandem.distributed.group import SINGLE, TPGroup
+from tandem.models.parallel import RowParallelLinear
+
 
 # ---- torch references (the CPU path) ----
 def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -115,12 +118,13 @@ class RotaryEmbedding(nn.Module):
 
 
 class GatedMLP(nn.Module):
-    """down(silu(gate(x)) * up(x)) with gate and up packed in one matmul."""
+    """down(silu(gate(x)) * up(x)) with gate and up packed in one matmul; under tensor
+    parallelism gate/up are this rank's rows and down all-reduces."""
 
-    def __init__(self, hidden: int, intermediate: int):
+    def __init__(self, hidden: int, intermediate: int, tp: TPGroup = SINGLE):
         super().__init__()
         self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.down_proj = RowParallelLinear(intermediate, hidden, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda:

@@ -1,0 +1,167 @@
+"""Rank 0: starts the workers of its node, supervises them, and sends them each step.
+
+Workers are plain subprocesses (`python -m tandem.distributed.worker`): they work from a
+daemonic parent too (the server's engine process) and die with their parent (PDEATHSIG).
+A watchdog thread polls them; when one exits unexpectedly it records why, aborts the
+NCCL communicator (so a rank-0 wait inside a collective returns instead of hanging) and
+stops the other workers; the engine's next step (or the failing one) raises
+WorkerDiedError with that reason.
+"""
+from __future__ import annotations
+
+import atexit
+import base64
+import datetime
+import json
+import logging
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import msgspec
+import torch
+import torch.distributed as dist
+
+from tandem.config import EngineConfig
+from tandem.distributed.channel import StepSender
+from tandem.distributed.group import TPGroup
+from tandem.distributed.runtime import (RankInfo, Rendezvous, WorkerDiedError, init_collectives,
+                                        parallel_env)
+
+log = logging.getLogger("tandem")
+
+_WATCH_S = 0.1
+
+
+class Leader:
+    def __init__(self, cfg: EngineConfig, device: torch.device):
+        n, nnodes = cfg.tensor_parallel_size, cfg.nnodes
+        if n % nnodes:
+            raise ValueError(f"tensor_parallel_size={n} must be a multiple of nnodes={nnodes}")
+        per_node = n // nnodes
+        if device.type == "cuda" and torch.cuda.device_count() < per_node:
+            raise ValueError(f"tensor_parallel_size={n} over {nnodes} node(s) needs {per_node} GPUs "
+                             f"per node; this node has {torch.cuda.device_count()}")
+        parallel_env()
+        self.cfg, self.device, self.timeout_s = cfg, device, cfg.dist_timeout_s
+        self.tp = TPGroup(0, n)
+        self.failure: str | None = None
+        self._closing = False
+        self.procs: dict[int, subprocess.Popen] = {}
+        if device.type == "cuda":
+            torch.cuda.set_device(0)
+        host = cfg.master_addr if nnodes > 1 else "127.0.0.1"
+        self.store = dist.TCPStore(host, cfg.master_port or 0, n, is_master=True, wait_for_workers=False,
+                                   timeout=datetime.timedelta(seconds=self.timeout_s))
+        self.info = RankInfo(0, n, 0, host, self.store.port)
+        self.sender = StepSender("*" if nnodes > 1 else host, n - 1)
+        for rank, address in enumerate(self.sender.addresses, start=1):
+            self.store.set(f"steps/{rank}", address.replace("*", host))
+        self.rdv = Rendezvous(self.store, self.info, self.timeout_s, watch=self._watch_startup)
+        for rank in range(1, per_node):
+            self.procs[rank] = start_worker(cfg, RankInfo(rank, n, rank, host, self.store.port))
+        atexit.register(self.close)  # a forgotten close() still stops the workers
+        log.info("tensor parallel: %d ranks (%d started here), rendezvous at %s:%d",
+                 n, len(self.procs), host, self.store.port)
+
+    # ---- start-up ----
+    def agree_min(self, key: str, value: int) -> int:
+        self.rdv.publish(key, str(value))
+        return min(int(v) for v in self.rdv.gather(key))
+
+    def connect(self, device: torch.device) -> None:
+        init_collectives(self.info, self.store, device, self.timeout_s)
+
+    def ready(self) -> None:
+        self.rdv.publish("ready", "1")
+        self.rdv.gather("ready")
+        threading.Thread(target=self._watchdog, name="tandem-tp-watchdog", daemon=True).start()
+
+    def _watch_startup(self) -> None:
+        for rank, proc in self.procs.items():
+            if proc.poll() is not None:
+                raise RuntimeError(f"tensor-parallel rank {rank} exited during start-up "
+                                   f"({_describe(proc.returncode)}); its log is above")
+
+    # ---- running ----
+    def check(self, grace_s: float = 0.0) -> None:
+        """Raise WorkerDiedError if a worker is gone. `grace_s`: after a failed collective,
+        give a dying worker that long to be seen dead (the peer's socket closes first)."""
+        deadline = time.monotonic() + grace_s
+        while self.failure is None and not self._poll() and time.monotonic() < deadline:
+            time.sleep(_WATCH_S / 2)
+        if self.failure is not None:
+            raise WorkerDiedError(self.failure)
+
+    def _poll(self) -> bool:
+        """Record the first worker found dead; True if one is."""
+        if self.failure is not None:
+            return True
+        for rank, proc in self.procs.items():
+            if proc.poll() is not None and not self._closing:
+                self.failure = (f"tensor-parallel worker rank {rank} (pid {proc.pid}) died "
+                                f"({_describe(proc.returncode)}); the engine is stopped")
+                log.error("%s", self.failure)
+                self._abort()
+                return True
+        return False
+
+    def _watchdog(self) -> None:
+        while not self._closing and not self._poll():
+            time.sleep(_WATCH_S)
+
+    def _abort(self) -> None:
+        """Unblock rank 0 (a collective waiting for the dead rank) and stop the other workers."""
+        if self.device.type == "cuda" and dist.is_initialized():
+            try:
+                dist.distributed_c10d._abort_process_group()
+            except Exception as exc:  # best effort: the error is already recorded
+                log.warning("aborting the NCCL communicator failed: %s", exc)
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.kill()
+
+    # ---- shutdown ----
+    def close(self) -> None:
+        """Stop every worker (politely, then by force) and leave the process group."""
+        if self._closing:
+            return
+        self._closing = True
+        atexit.unregister(self.close)
+        if self.failure is None:
+            try:
+                self.sender.stop()
+            except Exception:
+                pass
+        deadline = time.monotonic() + 10
+        for proc in self.procs.values():
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self.sender.close()
+        if dist.is_initialized():
+            if self.failure is None:
+                dist.destroy_process_group()
+            else:  # a dead peer: a polite destroy could wait for it
+                dist.distributed_c10d._abort_process_group()
+        self.store = None
+
+
+def start_worker(cfg: EngineConfig, info: RankInfo) -> subprocess.Popen:
+    spec = {"rank": info.rank, "size": info.size, "local_rank": info.local_rank,
+            "store_host": info.store_host, "store_port": info.store_port,
+            "config": base64.b64encode(msgspec.msgpack.encode(cfg)).decode()}
+    return subprocess.Popen([sys.executable, "-m", "tandem.distributed.worker", json.dumps(spec)])
+
+
+def _describe(code: int | None) -> str:
+    if code is not None and code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"

@@ -1,0 +1,111 @@
+"""Tensor parallelism on the CPU (gloo): two ranks give the one-rank model's tokens and
+logprobs; overlap on == off; a dead worker fails the engine at once; nothing is left behind."""
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from tandem import LLM, SamplingParams
+from tandem.distributed.runtime import WorkerDiedError
+from tandem.engine import Engine
+from tandem.config import EngineConfig
+from tiny_models import make_tiny_model
+from workload import random_specs, run_workload
+
+# One rank's share of the CPU each: the tests run on small shared machines.
+OPTS = dict(device="cpu", dtype="float32", max_total_tokens=4096, max_running_requests=16)
+
+
+def _children() -> list[int]:
+    """Live child processes of this process (from /proc; zombies are reaped by Popen.wait)."""
+    me, kids = str(os.getpid()), []
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if fields[1] == me and fields[0] != "Z":
+                kids.append(int(pid))
+    return kids
+
+
+def _run(path, tp: int, prompts, params) -> list:
+    with LLM(str(path), tensor_parallel_size=tp, **OPTS) as llm:
+        return llm.generate(prompts, params, use_tqdm=False)
+
+
+# A single KV head (replicated on both ranks), an odd vocab (padded), qkv bias + tied
+# embeddings, q/k norm: the shapes sharding has to get right.
+@pytest.mark.parametrize("variant,overrides", [
+    ("llama-mqa-headdim-llama3rope-tied", dict(vocab_size=251)),
+    ("qwen2", {}),
+    ("qwen3", dict(vocab_size=255)),
+])
+def test_tp2_matches_tp1(tmp_path, variant, overrides):
+    path = make_tiny_model(tmp_path, variant, **overrides)
+    prompts = [[5, 6, 7, 8, 9], list(range(3, 60)), [200, 3, 17]]
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=5)
+    one, two = _run(path, 1, prompts, params), _run(path, 2, prompts, params)
+    for a, b in zip(one, two):
+        assert a.token_ids == b.token_ids
+        for la, lb in zip(a.logprobs, b.logprobs):
+            assert [t for t, _ in la.top] == [t for t, _ in lb.top]
+            for (_, x), (_, y) in zip(la.top, lb.top):
+                assert abs(x - y) <= 1e-4 * max(1.0, abs(x))
+    assert not _children()
+
+
+def test_tp2_overlap_on_equals_off(tmp_path):
+    """Preemption (small pool), chunked prefill, aborts, seeded sampling: same either way."""
+    path = make_tiny_model(tmp_path, "llama", vocab_size=1000)
+    specs = random_specs(40, 1000, seed=3)
+    runs = {}
+    for overlap in (True, False):
+        engine = Engine(EngineConfig(model=str(path), tensor_parallel_size=2, disable_overlap=not overlap,
+                                     chunked_prefill_size=16, **{**OPTS, "max_total_tokens": 500}))
+        try:
+            runs[overlap] = run_workload(engine, specs)
+            assert engine.scheduler.num_preemptions > 0
+        finally:
+            engine.close()
+    assert runs[True] == runs[False]
+    assert not _children()
+
+
+def test_killed_worker_fails_generate_fast_and_close_leaves_nothing(tmp_path):
+    path = make_tiny_model(tmp_path, "llama")
+    llm = LLM(str(path), tensor_parallel_size=2, **OPTS)
+    worker = llm.engine.parallel.procs[1]
+    killer = threading.Timer(1.0, os.kill, (worker.pid, signal.SIGKILL))
+    killer.start()
+    started = time.monotonic()
+    with pytest.raises(WorkerDiedError, match="rank 1 .* died .*SIGKILL"):
+        llm.generate([[5, 6, 7]] * 8, SamplingParams(max_tokens=100_000 // 8, temperature=0, ignore_eos=True),
+                     use_tqdm=False)
+    assert time.monotonic() - started < 10
+    with pytest.raises(WorkerDiedError):  # later calls fail at once, too
+        llm.generate([[5]], SamplingParams(max_tokens=2), use_tqdm=False)
+    llm.close()
+    assert not _children()
+
+
+def test_close_stops_workers(tmp_path):
+    path = make_tiny_model(tmp_path, "llama")
+    llm = LLM(str(path), tensor_parallel_size=2, **OPTS)
+    assert len(_children()) == 1
+    llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3), use_tqdm=False)
+    llm.close()
+    llm.close()  # idempotent
+    assert not _children()
+
+
+def test_bad_shapes_are_clear_errors(tmp_path):
+    path = make_tiny_model(tmp_path, "llama")  # 4 heads, 2 KV heads
+    with pytest.raises(ValueError, match="tensor_parallel_size=3 does not divide the model's 4 attention heads"):
+        LLM(str(path), tensor_parallel_size=3, **OPTS)
+    with pytest.raises(ValueError, match="tensor_parallel_size=8 does not divide"):
+        LLM(str(path), tensor_parallel_size=8, **OPTS)
+    assert not _children()
