@@ -298,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
                        args.seed, args.output_len)
     _log(f"workload: {wl.num_requests} requests, {wl.input_tokens:,} input + {wl.output_tokens:,} output tokens")
     hw = measure_hardware(device, dtype)
-    cost = model_cost(engine.model, engine.model_config, dtype)
+    cost = model_cost(engine.model, engine.model.local_config, dtype)  # this rank's share
     _log(f"measured: {hw.bandwidth / 1e9:,.1f} GB/s copy, {hw.matmul_flops / 1e12:,.2f} TFLOP/s {hw.dtype}")
     if not args.no_warmup:
         warm_up(engine, wl)

@@ -20,6 +20,15 @@ PRESETS = {
                          "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
         "torch_dtype": "bfloat16", "eos_token_id": 128001,
     },
+    "llama-3.1-70b": {  # too big for one H200 in bf16: tensor_parallel_size >= 2
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256,
+        "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
+        "num_attention_heads": 64, "num_key_value_heads": 8, "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "tie_word_embeddings": False,
+        "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+        "torch_dtype": "bfloat16", "eos_token_id": 128001,
+    },
     "tiny": {  # for CPU runs of the harness
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 512,
         "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,

@@ -4,15 +4,17 @@ Why broadcast and not a replayed scheduler: the scheduler, the prefix cache and 
 detokenizer (stop strings end requests) then live on rank 0 only, and workers need no
 tokenizer and no request state beyond a slot's sampling parameters. The message is the
 step's rows (slot, seed, start, KV slots, prefill ids, sample index) plus the requests
-admitted since the last step; rank 0 sends it (one non-blocking ZMQ push per worker, no
-reply) before queueing its own forward, so no rank waits on a host round trip; the GPUs
-meet in the step's first collective. Sampled ids never travel: every rank samples the same
+admitted since the last step; rank 0 sends it (one socket write per worker, no reply)
+before queueing its own forward, so no rank waits on a host round trip: the GPUs meet in
+the step's first collective. Sampled ids never travel: every rank samples the same
 gathered logits with the same seeded sampler and stashes them in its own FutureMap.
+
+Transport: plain TCP sockets from the standard library (`multiprocessing.connection`), so
+the engine needs nothing beyond torch; it works across nodes and leaves no files behind.
 """
 import pickle
 from dataclasses import dataclass, field
-
-import zmq
+from multiprocessing.connection import Client, Connection, Listener
 
 from tandem.request import Request
 from tandem.sampling import SamplingParams
@@ -28,19 +30,22 @@ class StepMessage:
 
 
 class StepSender:
-    """Rank 0's side: one PUSH socket per worker (TCP: works across nodes, leaves no files)."""
+    """Rank 0's side: a listener the workers connect to; `accept` once all said ready."""
 
-    def __init__(self, host: str, num_workers: int):
-        self.ctx = zmq.Context()
-        self.sockets, self.addresses = [], []
-        for _ in range(num_workers):
-            sock = self.ctx.socket(zmq.PUSH)
-            sock.setsockopt(zmq.SNDHWM, 0)  # never block rank 0 (a dead worker is the watchdog's)
-            sock.setsockopt(zmq.LINGER, 0)
-            port = sock.bind_to_random_port(f"tcp://{host}")
-            self.sockets.append(sock)
-            self.addresses.append(f"tcp://{host}:{port}")
+    def __init__(self, host: str):
+        self.listener = Listener((host, 0), backlog=1024)
+        self.port = self.listener.address[1]
+        self.conns: list[Connection] = []
         self.pending = StepMessage()
+
+    def accept(self, num_workers: int, ranks: set[int]) -> None:
+        """Take the workers' connections (each sent its rank first: strangers are refused)."""
+        while len(self.conns) < num_workers:
+            conn = self.listener.accept()
+            if conn.poll(5) and pickle.loads(conn.recv_bytes()) in ranks:
+                self.conns.append(conn)
+            else:
+                conn.close()
 
     def admit(self, slot: int, prompt_ids: list[int], params: SamplingParams, outputs: list[int]) -> None:
         # Workers need a slot's params for sampling; its history only when penalties read it.
@@ -60,30 +65,28 @@ class StepSender:
 
     def _send(self, msg: StepMessage) -> None:
         data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
-        for sock in self.sockets:
-            sock.send(data, copy=False)
+        for conn in self.conns:
+            conn.send_bytes(data)
 
     def close(self) -> None:
-        for sock in self.sockets:
-            sock.close(0)
-        self.ctx.term()
+        for conn in self.conns:
+            conn.close()
+        self.listener.close()
 
 
 class StepReceiver:
     """A worker's side: turns messages back into start_request calls and ScheduledBatches."""
 
-    def __init__(self, address: str):
-        self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(zmq.PULL)
-        self.sock.setsockopt(zmq.RCVHWM, 0)
-        self.sock.connect(address)
+    def __init__(self, host: str, port: int, rank: int):
+        self.conn = Client((host, port))
+        self.conn.send_bytes(pickle.dumps(rank))
         self.params: dict[int, SamplingParams] = {}
 
-    def recv(self, timeout_ms: int) -> StepMessage | None:
-        """The next message, or None after `timeout_ms` without one."""
-        if not self.sock.poll(timeout_ms):
+    def recv(self, timeout_s: float) -> StepMessage | None:
+        """The next message, or None after `timeout_s` without one."""
+        if not self.conn.poll(timeout_s):
             return None
-        return pickle.loads(self.sock.recv())
+        return pickle.loads(self.conn.recv_bytes())
 
     def batch(self, msg: StepMessage) -> ScheduledBatch:
         rows = []
@@ -93,5 +96,4 @@ class StepReceiver:
         return ScheduledBatch(msg.step, rows)
 
     def close(self) -> None:
-        self.sock.close(0)
-        self.ctx.term()
+        self.conn.close()

@@ -14,13 +14,13 @@ import base64
 import datetime
 import json
 import logging
+import pickle
 import signal
 import subprocess
 import sys
 import threading
 import time
 
-import msgspec
 import torch
 import torch.distributed as dist
 
@@ -56,9 +56,8 @@ class Leader:
         self.store = dist.TCPStore(host, cfg.master_port or 0, n, is_master=True, wait_for_workers=False,
                                    timeout=datetime.timedelta(seconds=self.timeout_s))
         self.info = RankInfo(0, n, 0, host, self.store.port)
-        self.sender = StepSender("*" if nnodes > 1 else host, n - 1)
-        for rank, address in enumerate(self.sender.addresses, start=1):
-            self.store.set(f"steps/{rank}", address.replace("*", host))
+        self.sender = StepSender(host)
+        self.store.set("steps", f"{host}:{self.sender.port}")
         self.rdv = Rendezvous(self.store, self.info, self.timeout_s, watch=self._watch_startup)
         for rank in range(1, per_node):
             self.procs[rank] = start_worker(cfg, RankInfo(rank, n, rank, host, self.store.port))
@@ -76,7 +75,8 @@ class Leader:
 
     def ready(self) -> None:
         self.rdv.publish("ready", "1")
-        self.rdv.gather("ready")
+        self.rdv.gather("ready")  # every worker connected to the sender before saying ready
+        self.sender.accept(self.info.size - 1, set(range(1, self.info.size)))
         threading.Thread(target=self._watchdog, name="tandem-tp-watchdog", daemon=True).start()
 
     def _watch_startup(self) -> None:
@@ -154,7 +154,7 @@ class Leader:
 def start_worker(cfg: EngineConfig, info: RankInfo) -> subprocess.Popen:
     spec = {"rank": info.rank, "size": info.size, "local_rank": info.local_rank,
             "store_host": info.store_host, "store_port": info.store_port,
-            "config": base64.b64encode(msgspec.msgpack.encode(cfg)).decode()}
+            "config": base64.b64encode(pickle.dumps(cfg)).decode()}
     return subprocess.Popen([sys.executable, "-m", "tandem.distributed.worker", json.dumps(spec)])
 
 

@@ -9,10 +9,10 @@ import datetime
 import json
 import logging
 import os
+import pickle
 import signal
 import sys
 
-import msgspec
 import torch
 import torch.distributed as dist
 
@@ -24,7 +24,7 @@ from tandem.distributed.runtime import RankInfo, Rendezvous, init_collectives
 log = logging.getLogger("tandem")
 
 # While no step comes, check this often that rank 0 is still there.
-_IDLE_POLL_MS = 1000
+_IDLE_POLL_S = 1.0
 
 
 class WorkerRuntime:
@@ -46,7 +46,8 @@ class WorkerRuntime:
         init_collectives(self.info, self.store, device, self.timeout_s)
 
     def ready(self) -> None:
-        self.receiver = StepReceiver(self.store.get(f"steps/{self.info.rank}").decode())
+        host, _, port = self.store.get("steps").decode().rpartition(":")
+        self.receiver = StepReceiver(host, int(port), self.info.rank)  # connected before "ready"
         self.rdv.publish("ready", "1")
 
     def check(self, grace_s: float = 0.0) -> None:
@@ -64,7 +65,7 @@ def serve(engine, receiver: StepReceiver, parent: int) -> None:
     (lifetime rule of the staging and result rings: step N - 2 is complete before step N)."""
     runner, pending = engine.runner, None
     while True:
-        msg = receiver.recv(_IDLE_POLL_MS)
+        msg = receiver.recv(_IDLE_POLL_S)
         if msg is None:
             if os.getppid() != parent:
                 log.warning("rank %d: rank 0 is gone; exiting", engine.parallel.info.rank)
@@ -91,7 +92,7 @@ def main(argv: list[str]) -> int:
                         format=f"%(asctime)s tp-rank{spec['rank']} %(levelname)s %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the group; rank 0 stops us
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 PID` prints where a worker is stuck
-    cfg = msgspec.msgpack.decode(base64.b64decode(spec["config"]), type=EngineConfig)
+    cfg: EngineConfig = pickle.loads(base64.b64decode(spec["config"]))  # from our own parent
     info = RankInfo(spec["rank"], spec["size"], spec["local_rank"], spec["store_host"], spec["store_port"])
     from tandem.config import resolve_device
     from tandem.engine import Engine

@@ -56,7 +56,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-waiting-requests", type=int, default=1024,
                    help="requests queued beyond this get 503 with Retry-After")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--dp", type=int, default=1, metavar="N",
+                   help="data parallelism: N engine replicas (each with --tp GPUs), one front end")
     _engine_options(p)
+    p.add_argument("--tp", type=int, dest="tensor_parallel_size", metavar="N", default=argparse.SUPPRESS,
+                   help="tensor parallelism: N ranks per engine (= --tensor-parallel-size)")
     return p
 
 
@@ -65,6 +69,9 @@ def main(argv: list[str]) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.max_waiting_requests < 1:
         log.error("--max-waiting-requests must be >= 1")
+        return 2
+    if args.dp < 1:
+        log.error("--dp must be >= 1")
         return 2
     cfg = EngineConfig(model=args.model, **{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)
                                             if f.name not in _NOT_OPTIONS})
@@ -86,8 +93,12 @@ async def _serve(args: argparse.Namespace, cfg: EngineConfig) -> int:
     from tandem.server.metrics import Metrics
 
     path = Path(cfg.model).expanduser() if cfg.model is not None else builtin_model_path()
-    metrics = Metrics()
-    client = EngineClient(cfg, args.max_waiting_requests, metrics)
+    metrics = Metrics(replicas=args.dp)
+    try:
+        client = _engine_client(cfg, args, metrics, EngineClient)
+    except ValueError as exc:
+        log.error("%s", exc)
+        return 2
     try:
         # The front end tokenizes: load the tokenizer while the engine loads the model.
         tokenizer_task = asyncio.create_task(asyncio.to_thread(
@@ -112,3 +123,24 @@ async def _serve(args: argparse.Namespace, cfg: EngineConfig) -> int:
     finally:
         await client.close()
     return 0 if server.started else 1
+
+
+def _engine_client(cfg: EngineConfig, args: argparse.Namespace, metrics, client_cls):
+    """One engine, or `--dp` of them behind a router; on CUDA replica i gets the visible GPUs
+    [i * tp, (i + 1) * tp)."""
+    if args.dp == 1:
+        return client_cls(cfg, args.max_waiting_requests, metrics)
+    import os
+
+    import torch
+
+    from tandem.server.router import ReplicaMetrics, ReplicaRouter
+    tp, count = cfg.tensor_parallel_size, torch.cuda.device_count()
+    cuda = cfg.device == "cuda" or (cfg.device == "auto" and count > 0)
+    pool = (os.environ.get("CUDA_VISIBLE_DEVICES") or ",".join(map(str, range(count)))).split(",")
+    if cuda and args.dp * tp > count:
+        raise ValueError(f"--dp {args.dp} x --tp {tp} needs {args.dp * tp} GPUs; {count} visible")
+    replicas = [client_cls(cfg, args.max_waiting_requests, ReplicaMetrics(metrics, i),
+                           ",".join(pool[i * tp:(i + 1) * tp]) if cuda else None)
+                for i in range(args.dp)]
+    return ReplicaRouter(replicas, metrics)

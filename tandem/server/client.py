@@ -42,8 +42,8 @@ class _Tracked:
 
 
 class EngineClient:
-    def __init__(self, config: EngineConfig, max_waiting: int, metrics: Metrics):
-        self.config, self.max_waiting, self.metrics = config, max_waiting, metrics
+    def __init__(self, config: EngineConfig, max_waiting: int, metrics: Metrics, gpus: str | None = None):
+        self.config, self.max_waiting, self.metrics, self.gpus = config, max_waiting, metrics, gpus
         self.ready: P.Ready | None = None
         self.dead: str | None = None  # why the engine is gone, once it is
         self._failure: str | None = None  # the engine's own last word (its first fatal error)
@@ -67,7 +67,7 @@ class EngineClient:
         self._enc, self._dec = P.encoder(), P.from_engine_decoder()
         self.proc = multiprocessing.get_context("spawn").Process(
             target=run_engine, name="tandem-engine", daemon=True,
-            args=(msgspec.msgpack.encode(self.config), inbound, outbound, self.max_waiting))
+            args=(msgspec.msgpack.encode(self.config), inbound, outbound, self.max_waiting, self.gpus))
         self.proc.start()
         log.info("engine process started (pid %d)", self.proc.pid)
         while not await self._pull.poll(200):

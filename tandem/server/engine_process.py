@@ -32,8 +32,11 @@ log = logging.getLogger("tandem.server")
 _IDLE_POLL_MS = 500
 
 
-def run_engine(config: bytes, inbound: str, outbound: str, max_waiting: int) -> None:
-    """Process entry point: `config` is a msgpack-encoded EngineConfig."""
+def run_engine(config: bytes, inbound: str, outbound: str, max_waiting: int, gpus: str | None = None) -> None:
+    """Process entry point: `config` is a msgpack-encoded EngineConfig; `gpus` the
+    CUDA_VISIBLE_DEVICES of this engine (a data-parallel replica's share), set before CUDA starts."""
+    if gpus is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = gpus
     logging.basicConfig(level=logging.INFO, format="%(asctime)s engine %(levelname)s %(message)s")
     # Ctrl-C reaches the whole process group; the front end stops the engine with Shutdown.
     signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -12,7 +12,7 @@ _ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.
 
 
 class Metrics:
-    def __init__(self) -> None:
+    def __init__(self, replicas: int = 1) -> None:
         r = self.registry = CollectorRegistry()
         self.running = Gauge("tandem_requests_running", "Requests in the running batch", registry=r)
         self.waiting = Gauge("tandem_requests_waiting", "Requests in the waiting queue", registry=r)
@@ -42,6 +42,30 @@ class Metrics:
         self._cache_totals = (0, 0)  # the engine's running totals last seen (counters take deltas)
         self.e2e = Histogram("tandem_e2e_request_latency_seconds", "Arrival to last token",
                              buckets=_LATENCY_BUCKETS, registry=r)
+        self._replica_stats: dict[int, Stats] = {}
+        if replicas > 1:  # data parallelism: the load of each replica, beside the sums above
+            self.routed = Counter("tandem_replica_requests", "Engine requests routed to each replica",
+                                  ["replica"], registry=r)
+            self.replica_running = Gauge("tandem_replica_requests_running", "Running requests per "
+                                         "replica", ["replica"], registry=r)
+            self.replica_waiting = Gauge("tandem_replica_requests_waiting", "Waiting requests per "
+                                         "replica", ["replica"], registry=r)
+            self.replica_kv = Gauge("tandem_replica_kv_cache_usage", "KV cache usage per replica",
+                                    ["replica"], registry=r)
+
+    def set_replica_stats(self, replica: int, stats: Stats) -> None:
+        """One replica's load; the unlabelled gauges become sums (requests) and means (rest)."""
+        self._replica_stats[replica] = stats
+        label = str(replica)
+        self.replica_running.labels(label).set(stats.running)
+        self.replica_waiting.labels(label).set(stats.waiting)
+        self.replica_kv.labels(label).set(stats.kv_cache_usage)
+        every = list(self._replica_stats.values())
+        self.set_stats(Stats(sum(s.running for s in every), sum(s.waiting for s in every),
+                             _mean([s.kv_cache_usage for s in every]),
+                             _mean([s.gpu_busy_fraction for s in every]),
+                             _mean([s.mean_cpu_lead_ms for s in every]),
+                             _mean([s.mean_host_ms for s in every])))
 
     def set_stats(self, stats: Stats) -> None:
         self.running.set(stats.running)
@@ -62,3 +86,8 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def _mean(values: list) -> float | None:
+    values = [v for v in values if v is not None]
+    return sum(values) / len(values) if values else None
