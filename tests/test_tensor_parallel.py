@@ -2,10 +2,15 @@
 logprobs; overlap on == off; a dead worker fails the engine at once; nothing is left behind."""
 import os
 import signal
+import socket
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
+import torch
 
 from tandem import LLM, SamplingParams
 from tandem.distributed.runtime import WorkerDiedError
@@ -108,4 +113,45 @@ def test_bad_shapes_are_clear_errors(tmp_path):
         LLM(str(path), tensor_parallel_size=3, **OPTS)
     with pytest.raises(ValueError, match="tensor_parallel_size=8 does not divide"):
         LLM(str(path), tensor_parallel_size=8, **OPTS)
+    assert not _children()
+
+
+def test_two_nodes_on_localhost(tmp_path):
+    """--nnodes 2: node 1 runs `tandem serve --node-rank 1` (its ranks only), rank 0 the engine."""
+    path = make_tiny_model(tmp_path, "qwen2")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    node1 = subprocess.Popen(
+        [sys.executable, "-m", "tandem.server", "--model", str(path), "--device", "cpu", "--dtype", "float32",
+         "--tp", "2", "--nnodes", "2", "--node-rank", "1", "--master-addr", "127.0.0.1", "--master-port",
+         str(port), "--max-total-tokens", "4096", "--max-running-requests", "16"],
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    try:
+        prompts, params = [[5, 6, 7, 8, 9], [200, 3, 17]], SamplingParams(max_tokens=8, temperature=0)
+        with LLM(str(path), tensor_parallel_size=2, nnodes=2, master_port=port, **OPTS) as llm:
+            assert _children() == [node1.pid]  # rank 1 lives on the other "node"
+            two = llm.generate(prompts, params, use_tqdm=False)
+        assert node1.wait(30) == 0
+    finally:
+        if node1.poll() is None:
+            node1.kill()
+    one = _run(path, 1, prompts, params)
+    assert [o.token_ids for o in one] == [o.token_ids for o in two]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_tp2_on_cuda_with_graphs_matches_tp1(tmp_path):
+    """NCCL, the all-reduces and the logits all-gather captured in the decode graphs."""
+    path = make_tiny_model(tmp_path, "qwen3")
+    opts = dict(device="cuda", dtype="float32", max_total_tokens=4096, max_running_requests=16)
+    prompts = [[5, 6, 7, 8, 9], list(range(3, 60)), [200, 3, 17]]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    runs = {}
+    for tp in (1, 2):
+        with LLM(str(path), tensor_parallel_size=tp, **opts) as llm:
+            assert llm.engine.runner.graphs is not None
+            runs[tp] = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert runs[1] == runs[2]
     assert not _children()

@@ -117,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-total-tokens", type=int)
     ap.add_argument("--attention-backend", default="auto")
     ap.add_argument("--cuda-graph", default="auto", choices=["auto", "on", "off"])
+    ap.add_argument("--tp", type=int, default=1, help="tensor parallelism: ranks (GPUs)")
     ap.add_argument("--ttft-burst", type=int, default=32, help="prompts in the TTFT burst")
     ap.add_argument("--json", help="write results here")
     args = ap.parse_args(argv)
@@ -125,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
                        device=args.device, dtype=args.dtype, timeline=True,
                        max_total_tokens=args.max_total_tokens, attention_backend=args.attention_backend,
                        max_running_requests=max(256, max(sizes)))
-    cfg.cuda_graph = args.cuda_graph
+    cfg.cuda_graph, cfg.tensor_parallel_size = args.cuda_graph, args.tp
     engine = Engine(cfg)
     rows = []
     for b in sizes:
@@ -144,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
           f"first {switch[False]['first_ms']:.1f} / {switch[True]['first_ms']:.1f} ms, "
           f"mean {switch[False]['mean_ms']:.1f} / {switch[True]['mean_ms']:.1f} ms, "
           f"last {switch[False]['last_ms']:.1f} / {switch[True]['last_ms']:.1f} ms")
+    engine.close()  # tensor-parallel workers
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "rows": [{**asdict(r), "overhead_ratio": r.overhead_ratio}

@@ -274,6 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-running-requests", type=int, default=256)
     ap.add_argument("--attention-backend", default="auto")
     ap.add_argument("--cuda-graph", default="auto", choices=["auto", "on", "off"])
+    ap.add_argument("--tp", type=int, default=1, help="tensor parallelism: ranks (GPUs)")
     ap.add_argument("--no-overlap-off", action="store_true", help="skip the overlap-off run")
     ap.add_argument("--no-warmup", action="store_true")
     ap.add_argument("--compare-hf", action="store_true",
@@ -289,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
                        device=args.device, dtype=args.dtype, timeline=True,
                        max_total_tokens=args.max_total_tokens, attention_backend=args.attention_backend,
                        max_running_requests=args.max_running_requests)
-    cfg.cuda_graph = args.cuda_graph
+    cfg.cuda_graph, cfg.tensor_parallel_size = args.cuda_graph, args.tp
     t0 = time.perf_counter()
     engine = Engine(cfg)
     device, dtype = engine.device, engine.dtype
@@ -316,6 +317,7 @@ def main(argv: list[str] | None = None) -> int:
                            "min_len": args.min_len, "max_len": args.max_len, "output_len": args.output_len}}
     _write(args.json, report, rows)  # the tandem figures are kept even if transformers fails
     status = 0
+    engine.close()  # tensor-parallel workers
     if args.compare_hf:
         del engine
         _free(device)

@@ -41,6 +41,8 @@ class Leader:
         if n % nnodes:
             raise ValueError(f"tensor_parallel_size={n} must be a multiple of nnodes={nnodes}")
         per_node = n // nnodes
+        if nnodes > 1 and cfg.master_port is None:
+            raise ValueError("a multi-node group needs master_port (the rendezvous port on this node)")
         if device.type == "cuda" and torch.cuda.device_count() < per_node:
             raise ValueError(f"tensor_parallel_size={n} over {nnodes} node(s) needs {per_node} GPUs "
                              f"per node; this node has {torch.cuda.device_count()}")

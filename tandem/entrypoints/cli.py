@@ -22,6 +22,7 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
                     help="admission order: first come first served, or longest cached prefix first")
     ap.add_argument("--timeline", metavar="PATH", help="write every engine step as a JSON line")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--tp", type=int, default=1, help="tensor parallelism: ranks (GPUs)")
     ap.add_argument("--launch-blocking", action="store_true",
                     help="CUDA_LAUNCH_BLOCKING=1: errors at the failing launch (timings meaningless)")
     ap.add_argument("--sync-audit", action="store_true",
@@ -38,7 +39,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                         max_total_tokens=args.max_total_tokens, max_model_len=args.max_model_len,
                         cuda_graph=args.cuda_graph, timeline_path=args.timeline, seed=args.seed,
                         enable_prefix_caching=args.enable_prefix_caching,
-                        schedule_policy=args.schedule_policy)
+                        schedule_policy=args.schedule_policy, tensor_parallel_size=args.tp)
 
 
 def add_sampling_args(ap: argparse.ArgumentParser) -> None:

@@ -75,6 +75,9 @@ def main(argv: list[str]) -> int:
         return 2
     cfg = EngineConfig(model=args.model, **{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)
                                             if f.name not in _NOT_OPTIONS})
+    if cfg.node_rank > 0:  # a multi-node group's other node: its ranks only, no HTTP
+        from tandem.distributed.node import run_node
+        return run_node(cfg)
     # The step timeline feeds /metrics (GPU busy, CPU lead, host ms); a bounded window of it.
     cfg.timeline = True
     cfg.timeline_max_records = cfg.timeline_max_records or 4096
