@@ -38,8 +38,13 @@ def _children() -> list[int]:
 
 
 def _run(path, tp: int, prompts, params) -> list:
+    """Outputs of the prompts run twice: the second time their prefixes come from the cache."""
     with LLM(str(path), tensor_parallel_size=tp, **OPTS) as llm:
-        return llm.generate(prompts, params, use_tqdm=False)
+        fresh = llm.generate(prompts, params, use_tqdm=False)
+        cached = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.token_ids for o in cached] == [o.token_ids for o in fresh]
+    assert sum(o.num_cached_tokens for o in cached) > 0
+    return cached
 
 
 # A single KV head (replicated on both ranks), an odd vocab (padded), qkv bias + tied

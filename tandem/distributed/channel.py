@@ -3,7 +3,7 @@
 Why broadcast and not a replayed scheduler: the scheduler, the prefix cache and the
 detokenizer (stop strings end requests) then live on rank 0 only, and workers need no
 tokenizer and no request state beyond a slot's sampling parameters. The message is the
-step's rows (slot, seed, start, KV slots, prefill ids, sample index) plus the requests
+step's rows (slot, seed, start, KV slots, prefill ids, sample index, cached prefix) plus the requests
 admitted since the last step; rank 0 sends it (one socket write per worker, no reply)
 before queueing its own forward, so no rank waits on a host round trip: the GPUs meet in
 the step's first collective. Sampled ids never travel: every rank samples the same
@@ -12,6 +12,7 @@ gathered logits with the same seeded sampler and stashes them in its own FutureM
 Transport: plain TCP sockets from the standard library (`multiprocessing.connection`), so
 the engine needs nothing beyond torch; it works across nodes and leaves no files behind.
 """
+import dataclasses
 import pickle
 from dataclasses import dataclass, field
 from multiprocessing.connection import Client, Connection, Listener
@@ -25,8 +26,12 @@ from tandem.scheduler.batch import Row, ScheduledBatch
 class StepMessage:
     admits: list[tuple] = field(default_factory=list)  # start_request arguments, in order
     step: int = -1
-    rows: list[tuple] = field(default_factory=list)  # (slot, seed, start, kv_slots, prefill_ids, sample_index)
+    rows: list[tuple] = field(default_factory=list)  # (slot, seed, *ROW_FIELDS)
     stop: bool = False
+
+
+# Every Row field but the request travels as is (new fields travel without edits here).
+ROW_FIELDS = tuple(f.name for f in dataclasses.fields(Row) if f.name != "req")
 
 
 class StepSender:
@@ -56,8 +61,7 @@ class StepSender:
     def launch(self, batch: ScheduledBatch) -> None:
         msg, self.pending = self.pending, StepMessage()
         msg.step = batch.step
-        msg.rows = [(r.req.slot, r.req.seed, r.start, r.kv_slots, r.prefill_ids, r.sample_index)
-                    for r in batch.rows]
+        msg.rows = [(r.req.slot, r.req.seed, *(getattr(r, f) for f in ROW_FIELDS)) for r in batch.rows]
         self._send(msg)
 
     def stop(self) -> None:
@@ -90,9 +94,9 @@ class StepReceiver:
 
     def batch(self, msg: StepMessage) -> ScheduledBatch:
         rows = []
-        for slot, seed, start, kv_slots, prefill_ids, sample_index in msg.rows:
+        for slot, seed, *values in msg.rows:
             req = Request("", [], self.params[slot], seed, max_samples=0, slot=slot)
-            rows.append(Row(req, start, kv_slots, prefill_ids, sample_index))
+            rows.append(Row(req, **dict(zip(ROW_FIELDS, values))))
         return ScheduledBatch(msg.step, rows)
 
     def close(self) -> None:
