@@ -22,6 +22,7 @@ import zmq
 
 from tandem.config import EngineConfig
 from tandem.diagnostics.errors import EngineDeadError
+from tandem.distributed.runtime import WorkerDiedError
 from tandem.outputs import StepOutput
 from tandem.sampling import SamplingParams
 from tandem.server import protocol as P
@@ -61,6 +62,7 @@ def run_engine(config: bytes, inbound: str, outbound: str, max_waiting: int, gpu
     try:
         _EngineLoop(engine, pull, push, max_waiting, parent).run()
     finally:
+        engine.close()  # tensor-parallel workers (atexit does not run in this process)
         pull.close(0)
         push.close()
         ctx.term()
@@ -88,7 +90,7 @@ class _EngineLoop:
                 return
             try:
                 deltas = self._step() if self.engine.has_unfinished() else []
-            except EngineDeadError as exc:  # logged once by the engine; report it, then go
+            except (EngineDeadError, WorkerDiedError) as exc:  # logged once; report it, then go
                 self.push.send(self.enc.encode(P.Failed(str(exc))))
                 self.push.close()  # LINGER delivers Failed before the hard exit
                 os._exit(3)  # no destructors on a dead CUDA context
