@@ -101,6 +101,8 @@ class Engine:
             raise ValueError(f"warm_up must be auto, on or off; got {mode!r}")
         if mode == "off" or (mode == "auto" and self.device.type != "cuda"):
             return 0.0
+        if self.parallel.tp.rank > 0:  # a tensor-parallel worker runs rank 0's warm-up steps
+            return 0.0
         seconds = warm_up(self)
         log.info("warm-up: %.1fs", seconds)
         return seconds
