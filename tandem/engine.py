@@ -182,6 +182,8 @@ class Engine:
             ids, text = [int(t) for t in prompt], None
         self._check_prompt(ids, params)
         self.grammar.check(params)
+        if params.constraint is not None and self.parallel.tp.size > 1:
+            raise ValueError("structured output (constraint) is not supported with tensor_parallel_size > 1 yet")
         rid = request_id if request_id is not None else str(next(self._ids))
         if rid in self.requests:
             raise ValueError(f"request id {rid!r} is already in use")

@@ -102,11 +102,12 @@ def test_killed_worker_fails_generate_fast_and_close_leaves_nothing(tmp_path):
     assert not _children()
 
 
-def test_close_stops_workers(tmp_path):
-    path = make_tiny_model(tmp_path, "llama")
-    llm = LLM(str(path), tensor_parallel_size=2, **OPTS)
+def test_close_stops_workers(tiny_text_model):
+    llm = LLM(str(tiny_text_model), tensor_parallel_size=2, **OPTS)
     assert len(_children()) == 1
     llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3), use_tqdm=False)
+    with pytest.raises(ValueError, match="constraint.*tensor_parallel_size"):
+        llm.generate(["a"], SamplingParams(max_tokens=3, regex="[ab]+"), use_tqdm=False)
     llm.close()
     llm.close()  # idempotent
     assert not _children()
