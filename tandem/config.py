@@ -122,9 +122,16 @@ class EngineConfig:
     process_before_consecutive_prefill: bool = False  # better first-batch TTFT, lower throughput
     coarse_war_barrier: bool = False  # wait_stream(forward) instead of the fine-grained event
     attention_backend: str = "auto"
+    # Split-K decode attention: each row picks its split count from its own length (on the
+    # device); off spreads every row over the grid's splits, sized for the longest context.
+    attention_split_by_context: bool = True
     cuda_graph: str = "auto"  # auto (on with CUDA + Triton), on, off: decode steps replay graphs
     cuda_graph_max_batch: int = 256
     warm_up: str = "auto"  # auto (on with CUDA), on, off: run every kernel shape class at start
+    # Weight-streaming Triton GEMMs for <= 16 rows, tuned per shape at startup (CUDA only):
+    # auto (on with CUDA), off (cuBLAS everywhere).
+    small_m_gemm: str = "auto"
+    quantization: str | None = None  # "fp8": per-channel e4m3 weights, quantized at load
     max_model_len: int | None = None
     seed: int = 0
     # Tensor parallelism: one process per rank (rank 0 is this one). Several nodes: start the

@@ -27,6 +27,7 @@ from tandem.memory.kv_cache import KVCache
 from tandem.memory.prefix_cache import PrefixCache
 from tandem.memory.req_to_token import ReqToTokenTable
 from tandem.models.checkpoint import builtin_model_path, open_checkpoint
+from tandem.models.linear import check_fp8_support, quantize_model_fp8
 from tandem.models.loader import load_model
 from tandem.outputs import RequestOutput, StepOutput, TokenLogprob
 from tandem.overlap.future_map import FutureMap
@@ -68,6 +69,8 @@ class Engine:
         self.model = load_model(ckpt, self.model_config, self.dtype, self.device,
                                 self.max_model_len, cfg.dummy_weights, self.parallel.tp)
         log.info("loaded %s in %.1fs", path, time.monotonic() - started)
+        self._quantize()
+        self.gemm_tuning = self._tune_gemms()
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
@@ -107,6 +110,30 @@ class Engine:
         log.info("warm-up: %.1fs", seconds)
         return seconds
 
+    def _quantize(self) -> None:
+        if self.cfg.quantization is None:
+            return
+        if self.cfg.quantization != "fp8":
+            raise ValueError(f"quantization must be None or 'fp8'; got {self.cfg.quantization!r}")
+        check_fp8_support(self.device)
+        if self.device.type == "cuda" and self.dtype != torch.bfloat16:
+            raise ValueError(f"quantization='fp8' on CUDA needs dtype bfloat16, got {self.dtype}")
+        n = quantize_model_fp8(self.model)
+        log.info("quantized %d linear layers to fp8 (e4m3, per output channel)", n)
+
+    def _tune_gemms(self) -> dict:
+        """Before graph capture: the captured forward uses each layer's tuned plan."""
+        mode = self.cfg.small_m_gemm
+        if mode not in ("auto", "on", "off"):
+            raise ValueError(f"small_m_gemm must be auto, on or off; got {mode!r}")
+        if mode == "on" and self.device.type != "cuda":
+            raise ValueError("small_m_gemm='on' needs a CUDA device")
+        # float32 models keep cuBLAS: the kernels' tl.dot would round inputs to tf32.
+        if mode == "off" or self.device.type != "cuda" or self.dtype == torch.float32:
+            return {}
+        from tandem.kernels.gemm_tuner import tune_model
+        return tune_model(self.model, self.dtype)
+
     def _build_memory(self) -> None:
         mc, cfg = self.model.local_config, self.cfg  # this rank's KV heads
         per_token = KVCache.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype)
@@ -142,7 +169,8 @@ class Engine:
         self.future_map = FutureMap(rows, self.device, debug=cfg.debug_future_map)
         self.grammar = GrammarManager(self.tokenizer, self.model_config.vocab_size, sorted(self.eos_token_ids),
                                       self.streams, rows, cfg.grammar_threads)
-        backend = make_attention_backend(cfg.attention_backend, self.device)
+        backend = make_attention_backend(cfg.attention_backend, self.device,
+                                         cfg.attention_split_by_context)
         graphs = self._capture_graphs(backend)
         self.runner = ModelRunner(self.model, self.kv, self.table, backend, self.sampler,
                                   self.future_map, self.streams, self.stager, self.copier, graphs,

@@ -84,9 +84,13 @@ def test_decode_matches_reference(heads, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("num_splits", [2, 5, 12])
-def test_decode_splits(num_splits, dtype):
+@pytest.mark.parametrize("min_split", [1, 100])
+def test_decode_splits(num_splits, min_split, dtype):
     # 12 splits over a 3-token sequence leaves most splits empty; the merge must skip them.
-    _decode_case((8, 2, 64), dtype, [700, 1, 3], num_splits=num_splits, block_n=32)
+    # With a minimum split length each row uses only the splits it needs (700 tokens: 7 at
+    # most, rounded to key blocks) and the rest of the grid writes nothing.
+    _decode_case((8, 2, 64), dtype, [700, 1, 3], num_splits=num_splits, block_n=32,
+                 min_split_tokens=min_split)
 
 
 def test_decode_auto_splits_long_context():

@@ -18,7 +18,8 @@ class AttentionBackend(Protocol):
                 v_cache: torch.Tensor, batch: ForwardBatch, scale: float) -> torch.Tensor: ...
 
 
-def make_attention_backend(name: str, device: torch.device) -> AttentionBackend:
+def make_attention_backend(name: str, device: torch.device,
+                           split_by_context: bool = True) -> AttentionBackend:
     """`auto` picks Triton on CUDA when it is importable, the torch reference otherwise."""
     if name == "torch" or (name == "auto" and device.type != "cuda"):
         return TorchAttention()
@@ -29,5 +30,5 @@ def make_attention_backend(name: str, device: torch.device) -> AttentionBackend:
             if name == "triton":
                 raise
             return TorchAttention()
-        return TritonAttention()
+        return TritonAttention(split_by_context)
     raise ValueError(f"attention backend must be one of auto, torch, triton; got {name!r}")

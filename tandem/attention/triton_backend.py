@@ -7,6 +7,7 @@ import torch
 
 from tandem.forward_batch import ForwardBatch
 from tandem.kernels import decode_attention, extend_attention, write_kv
+from tandem.kernels.decode_attention import MIN_ROW_SPLIT_TOKENS
 
 
 class TritonAttention:
@@ -14,13 +15,20 @@ class TritonAttention:
 
     name = "triton"
 
+    def __init__(self, split_by_context: bool = True):
+        # On: each decode row uses only the splits its own length needs (device-side), so a
+        # graph captured for the longest context runs short rows with few splits. Off: every
+        # row spreads over all splits of the grid (the behaviour before, for comparison).
+        self.min_split_tokens = MIN_ROW_SPLIT_TOKENS if split_by_context else 1
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch,
                 scale: float) -> torch.Tensor:
         write_kv(k_cache, v_cache, batch.out_cache_loc, k, v)
         if batch.is_decode:
             return decode_attention(q, k_cache, v_cache, batch.req_to_token, batch.req_slots,
-                                    batch.seq_lens, scale, batch.max_seq_len)
+                                    batch.seq_lens, scale, batch.max_seq_len,
+                                    min_split_tokens=self.min_split_tokens)
         return extend_attention(q, k_cache, v_cache, batch.req_to_token, batch.req_slots,
                                 batch.seq_lens, batch.prefix_lens, batch.qo_indptr, scale,
                                 max(batch.host_extend_lens, default=0))

@@ -118,6 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--attention-backend", default="auto")
     ap.add_argument("--cuda-graph", default="auto", choices=["auto", "on", "off"])
     ap.add_argument("--tp", type=int, default=1, help="tensor parallelism: ranks (GPUs)")
+    ap.add_argument("--quantization", choices=["fp8"])
+    ap.add_argument("--small-m-gemm", default="auto", choices=["auto", "on", "off"])
     ap.add_argument("--ttft-burst", type=int, default=32, help="prompts in the TTFT burst")
     ap.add_argument("--json", help="write results here")
     args = ap.parse_args(argv)
@@ -127,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
                        max_total_tokens=args.max_total_tokens, attention_backend=args.attention_backend,
                        max_running_requests=max(256, max(sizes)))
     cfg.cuda_graph, cfg.tensor_parallel_size = args.cuda_graph, args.tp
+    cfg.quantization, cfg.small_m_gemm = args.quantization, args.small_m_gemm
     engine = Engine(cfg)
     rows = []
     for b in sizes:

@@ -275,6 +275,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--attention-backend", default="auto")
     ap.add_argument("--cuda-graph", default="auto", choices=["auto", "on", "off"])
     ap.add_argument("--tp", type=int, default=1, help="tensor parallelism: ranks (GPUs)")
+    ap.add_argument("--quantization", choices=["fp8"])
+    ap.add_argument("--small-m-gemm", default="auto", choices=["auto", "on", "off"])
     ap.add_argument("--no-overlap-off", action="store_true", help="skip the overlap-off run")
     ap.add_argument("--no-warmup", action="store_true")
     ap.add_argument("--compare-hf", action="store_true",
@@ -291,6 +293,7 @@ def main(argv: list[str] | None = None) -> int:
                        max_total_tokens=args.max_total_tokens, attention_backend=args.attention_backend,
                        max_running_requests=args.max_running_requests)
     cfg.cuda_graph, cfg.tensor_parallel_size = args.cuda_graph, args.tp
+    cfg.quantization, cfg.small_m_gemm = args.quantization, args.small_m_gemm
     t0 = time.perf_counter()
     engine = Engine(cfg)
     device, dtype = engine.device, engine.dtype

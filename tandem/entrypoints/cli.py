@@ -20,6 +20,9 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
                     help="recompute every prompt (no KV reuse across requests)")
     ap.add_argument("--schedule-policy", default="fcfs", choices=["fcfs", "lpm"],
                     help="admission order: first come first served, or longest cached prefix first")
+    ap.add_argument("--quantization", choices=["fp8"], help="fp8: per-channel e4m3 weights, quantized at load")
+    ap.add_argument("--small-m-gemm", default="auto", choices=["auto", "on", "off"],
+                    help="weight-streaming Triton GEMMs for <= 16 rows (tuned at startup)")
     ap.add_argument("--timeline", metavar="PATH", help="write every engine step as a JSON line")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tp", type=int, default=1, help="tensor parallelism: ranks (GPUs)")
@@ -39,7 +42,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                         max_total_tokens=args.max_total_tokens, max_model_len=args.max_model_len,
                         cuda_graph=args.cuda_graph, timeline_path=args.timeline, seed=args.seed,
                         enable_prefix_caching=args.enable_prefix_caching,
-                        schedule_policy=args.schedule_policy, tensor_parallel_size=args.tp)
+                        schedule_policy=args.schedule_policy, tensor_parallel_size=args.tp,
+                        quantization=args.quantization, small_m_gemm=args.small_m_gemm)
 
 
 def add_sampling_args(ap: argparse.ArgumentParser) -> None:

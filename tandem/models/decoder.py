@@ -16,7 +16,8 @@ from tandem.distributed.sharding import Shard
 from tandem.forward_batch import ForwardBatch
 from tandem.memory.kv_cache import KVCache
 from tandem.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, qkv_norm_rope_torch
-from tandem.models.parallel import RowParallelLinear, VocabParallelEmbedding, parallel_logits
+from tandem.models.linear import Linear
+from tandem.models.parallel import VocabParallelEmbedding, parallel_logits
 
 
 class Attention(nn.Module):
@@ -27,8 +28,9 @@ class Attention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim ** -0.5
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
-        self.o_proj = RowParallelLinear(self.q_size, cfg.hidden_size, tp)
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        # Row-parallel: this rank's input columns, then the all-reduce.
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, reduce=tp.all_reduce if tp.size > 1 else None)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem.distributed.group import SINGLE, TPGroup
-from tandem.models.parallel import RowParallelLinear
+from tandem.models.linear import Linear
 
 
 # ---- torch references (the CPU path) ----
@@ -123,11 +123,15 @@ class GatedMLP(nn.Module):
 
     def __init__(self, hidden: int, intermediate: int, tp: TPGroup = SINGLE):
         super().__init__()
-        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)
-        self.down_proj = RowParallelLinear(intermediate, hidden, tp)
+        self.gate_up_proj = Linear(hidden, 2 * intermediate)
+        self.down_proj = Linear(intermediate, hidden, reduce=tp.all_reduce if tp.size > 1 else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda:
+            gate_up = self.gate_up_proj(x)
+            fused = self.down_proj.silu_mul_forward(gate_up)  # small batch: one launch
+            if fused is not None:
+                return fused
             from tandem.kernels.activation import silu_mul
-            return self.down_proj(silu_mul(self.gate_up_proj(x)))
+            return self.down_proj(silu_mul(gate_up))
         return self.down_proj(silu_mul_torch(self.gate_up_proj(x)))

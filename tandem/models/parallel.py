@@ -1,4 +1,5 @@
-"""Tensor-parallel layers: the vocab-parallel embedding and lm head, the row-parallel linear.
+"""Tensor-parallel layers: the vocab-parallel embedding and lm head (row-parallel linears are
+`tandem.models.linear.Linear` with the all-reduce as their `reduce`).
 
 Column-parallel layers (packed qkv, packed gate/up) need no class of their own: they are
 plain linears over this rank's output rows (see `tandem.distributed.sharding`). With one
@@ -27,18 +28,6 @@ class VocabParallelEmbedding(nn.Module):
         outside = (local < 0) | (local >= self.rows)
         x = F.embedding(local.masked_fill(outside, 0), self.weight)
         return self.tp.all_reduce(x.masked_fill(outside.unsqueeze(-1), 0.0))
-
-
-class RowParallelLinear(nn.Module):
-    """y = sum over ranks of x_r @ W_r^T: this rank's input columns, one all-reduce."""
-
-    def __init__(self, in_features: int, out_features: int, tp: TPGroup):
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(out_features, in_features))
-        self.tp = tp
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(F.linear(x, self.weight))
 
 
 def parallel_logits(hidden: torch.Tensor, weight: torch.Tensor, vocab_size: int, tp: TPGroup) -> torch.Tensor:

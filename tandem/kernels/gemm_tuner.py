@@ -1,0 +1,108 @@
+"""Startup autotune of the small-M GEMM: per (N, K, M bucket, dtypes), the fastest of a few
+weight-streaming configs and cuBLAS, measured on the device.
+
+It runs once, before CUDA-graph capture (it synchronizes; the serving loop never tunes).
+Results are written into each layer's `plan`; layers of the same shape share one
+measurement. Each candidate is timed the way decode runs it: back-to-back launches inside
+a CUDA graph, each on a different copy of the weight so the copies together exceed L2
+(a decode step streams ~1 GB of weights; a layer's weight is never cache-resident).
+Timing launches from Python instead measures the host, not the kernel.
+"""
+import logging
+import time
+
+import torch
+import triton
+
+from tandem.kernels.small_m_gemm import GemmConfig, k_per_split, small_m_gemm
+from tandem.models.linear import MAX_SMALL_M, Linear, linear
+
+log = logging.getLogger("tandem")
+
+M_BUCKETS = (1, 2, 4, 8, 16)
+STREAM_BYTES = 192 << 20  # weight copies per timing: well past the H200's 50 MB of L2
+REPLAYS = 5
+# (block_n, block_k, num_warps). M=1 accumulates products per lane, so the tile is the
+# bytes in flight per program; M>1 feeds tl.dot with M padded to 16.
+_TILES_M1 = ((4, 1024, 4), (8, 512, 4), (8, 1024, 4), (16, 256, 4), (16, 512, 4), (32, 256, 4),
+             (16, 512, 8))
+_TILES_DOT = ((16, 256, 4), (32, 256, 4), (64, 128, 4), (32, 128, 4))
+
+
+def candidates(n: int, k: int, m: int, num_sms: int) -> list[GemmConfig]:
+    """Each tile with no split and with the splits that fill ~2 and ~4 waves of SMs."""
+    out: list[GemmConfig] = []
+    for block_n, block_k, warps in (_TILES_M1 if m == 1 else _TILES_DOT):
+        if block_k > triton.next_power_of_2(k):
+            continue
+        blocks = triton.cdiv(n, block_n)
+        max_split = max(1, k // block_k)
+        for waves in (0, 2, 4):
+            split = min(max_split, triton.next_power_of_2(triton.cdiv(waves * num_sms, blocks))) if waves else 1
+            cfg = GemmConfig(block_n, block_k, max(split, 1), warps)
+            if cfg not in out and triton.cdiv(k, k_per_split(k, cfg)) == cfg.split_k:
+                out.append(cfg)
+    return out
+
+
+def graph_time_ms(run, copies: int) -> float:
+    """Mean device ms of `run(i)` over `copies` back-to-back launches captured in a graph."""
+    for i in range(copies):  # compile and warm outside the capture
+        run(i)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(copies):
+            run(i)
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(REPLAYS):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / (REPLAYS * copies)
+
+
+@torch.no_grad()
+def tune_shape(weight: torch.Tensor, scale: torch.Tensor | None, x_dtype: torch.dtype,
+               m: int) -> tuple[GemmConfig | None, float, float]:
+    """(best config or None for cuBLAS, its ms, cuBLAS ms) for one shape and M."""
+    n, k = weight.shape
+    copies = max(2, min(64, STREAM_BYTES // (weight.numel() * weight.element_size())))
+    weights = [weight] + [weight.clone() for _ in range(copies - 1)]
+    x = torch.randn(m, k, device=weight.device, dtype=x_dtype)
+    try:  # cuBLAS (or its scaled FP8 GEMM) is the baseline to beat
+        cublas_ms = graph_time_ms(lambda i: linear(x, weights[i], None, scale, None), copies)
+    except RuntimeError as e:  # e.g. a shape cuBLASLt's FP8 kernels refuse
+        log.warning("cuBLAS failed for N=%d K=%d M=%d: %s", n, k, m, e)
+        cublas_ms = float("inf")
+    best, best_ms = None, cublas_ms
+    sms = torch.cuda.get_device_properties(weight.device).multi_processor_count
+    for cfg in candidates(n, k, m, sms):
+        ms = graph_time_ms(lambda i: small_m_gemm(x, weights[i], None, scale, cfg), copies)
+        if ms < best_ms:
+            best, best_ms = cfg, ms
+    return best, best_ms, cublas_ms
+
+
+def tune_model(model: torch.nn.Module, dtype: torch.dtype, max_m: int = MAX_SMALL_M) -> dict:
+    """Fill every `Linear`'s plan for M buckets up to `max_m`; returns the results by shape
+    {(N, K, weight dtype, M): (config, ms, cuBLAS ms)} for logging and benchmarks."""
+    started = time.monotonic()
+    results: dict = {}
+    layers = [mod for mod in model.modules() if isinstance(mod, Linear)]
+    for layer in layers:
+        w = layer.weight
+        for m in (b for b in M_BUCKETS if b <= max_m):
+            key = (w.shape[0], w.shape[1], w.dtype, m)
+            if key not in results:
+                results[key] = tune_shape(w, layer.weight_scale, dtype, m)
+            if results[key][0] is not None:
+                layer.plan[m] = results[key][0]
+    torch.cuda.empty_cache()  # the timing copies
+    log.info("small-M GEMM tuning: %d shapes in %.1fs", len(results), time.monotonic() - started)
+    for (n, k, wdt, m), (cfg, ms, cublas_ms) in results.items():
+        log.debug("N=%d K=%d %s M=%d: %s %.1f us (cuBLAS %.1f us)", n, k, wdt, m, cfg,
+                  ms * 1e3, cublas_ms * 1e3)
+    return results

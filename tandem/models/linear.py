@@ -1,0 +1,128 @@
+"""Every projection of the model goes through `linear()`: the one dispatch point.
+
+On the CPU it is `F.linear` (FP8 weights are dequantized first, so CI runs that path).
+On CUDA, a layer whose startup tuning (`tandem.kernels.gemm_tuner`) found a faster
+weight-streaming kernel for this many rows uses it; otherwise cuBLAS (`F.linear`, or
+`torch._scaled_mm` for FP8 weights). Parallel (tensor-parallel) layers call the same
+function on their shard. The kernel modules are imported on first CUDA use, so
+CPU-only installs never import Triton.
+"""
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0  # largest finite e4m3fn value
+MAX_SMALL_M = 16  # rows up to which the weight-streaming kernels are considered
+
+
+def m_bucket(m: int) -> int:
+    """Tuning buckets: 1, 2, 4, 8, 16 (the CUDA-graph batch sizes up to 16)."""
+    return 1 << max(m - 1, 0).bit_length()
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           weight_scale: torch.Tensor | None = None, plan: dict | None = None) -> torch.Tensor:
+    """x [..., K] @ weight[N, K]^T (+ bias). `weight_scale` [N] (fp32) marks an FP8 weight;
+    `plan` maps an M bucket to the tuned small-M kernel config (absent: cuBLAS)."""
+    if not x.is_cuda:
+        if weight_scale is not None:
+            weight = (weight.float() * weight_scale[:, None]).to(x.dtype)
+        return F.linear(x, weight, bias)
+    cfg = _small_m_config(x, plan)
+    if cfg is not None:
+        from tandem.kernels.small_m_gemm import small_m_gemm
+        return small_m_gemm(x, weight, bias, weight_scale, cfg)
+    if weight_scale is not None:
+        return fp8_linear_cublas(x, weight, bias, weight_scale)
+    return F.linear(x, weight, bias)
+
+
+def _small_m_config(x: torch.Tensor, plan: dict | None):
+    """The tuned small-M kernel config for x's row count (CUDA), or None: cuBLAS."""
+    if not plan or not x.is_cuda:
+        return None
+    m = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    return plan.get(m_bucket(m)) if 0 < m <= MAX_SMALL_M else None
+
+
+def fp8_linear_cublas(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                      weight_scale: torch.Tensor) -> torch.Tensor:
+    """Per-token dynamic activation quantization, then cuBLAS's row-wise scaled FP8 GEMM."""
+    from tandem.kernels.fp8_quant import quantize_rows_fp8
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    xq, x_scale = quantize_rows_fp8(x2)
+    out = torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=weight_scale.view(1, -1),
+                           out_dtype=x.dtype)
+    if bias is not None:
+        out = out + bias
+    return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-output-channel e4m3: returns (fp8 weight [N, K], fp32 scale [N])."""
+    w = weight.float()
+    scale = w.abs().amax(dim=1).clamp(min=1e-12) / FP8_MAX
+    q = (w / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q, scale
+
+
+class Linear(nn.Module):
+    """A projection: weight [out, in] (16-bit, or FP8 after `quantize_fp8_`), optional bias,
+    and its small-M kernel plan (filled by the startup tuner; empty means cuBLAS).
+    `reduce` is applied to the output: a row-parallel layer passes its all-reduce."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False,
+                 reduce: Callable[[torch.Tensor], torch.Tensor] | None = None):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
+        self.register_buffer("weight_scale", None)
+        self.plan: dict = {}
+        self.reduce = reduce
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = linear(x, self.weight, self.bias, self.weight_scale, self.plan)
+        return out if self.reduce is None else self.reduce(out)
+
+    def silu_mul_forward(self, gate_up: torch.Tensor) -> torch.Tensor | None:
+        """self(silu(gate) * up) in one launch when a small-M kernel is tuned for these rows
+        (CUDA); None otherwise, and the caller runs the two steps."""
+        cfg = _small_m_config(gate_up, self.plan)
+        if cfg is None:
+            return None
+        from tandem.kernels.small_m_gemm import small_m_gemm
+        out = small_m_gemm(gate_up, self.weight, self.bias, self.weight_scale, cfg, silu_mul=True)
+        return out if self.reduce is None else self.reduce(out)
+
+    @torch.no_grad()
+    def quantize_fp8_(self) -> None:
+        q, scale = quantize_fp8(self.weight)
+        self.weight = nn.Parameter(q, requires_grad=False)
+        self.weight_scale = scale
+        self.plan = {}  # tuned for the 16-bit weight; retune after quantizing
+
+
+def quantize_model_fp8(model: nn.Module) -> int:
+    """Quantize every `Linear` in place (embeddings, norms and the LM head stay 16-bit);
+    returns how many were quantized."""
+    layers = [m for m in model.modules() if isinstance(m, Linear)]
+    for layer in layers:
+        layer.quantize_fp8_()
+    return len(layers)
+
+
+def check_fp8_support(device: torch.device) -> None:
+    """FP8 GEMMs need compute capability 8.9 (Ada) or 9.0+ (Hopper); the CPU dequantizes."""
+    if device.type != "cuda":
+        return
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) < (8, 9):
+        name = torch.cuda.get_device_name(device)
+        raise ValueError(f"quantization='fp8' needs a GPU with FP8 support (compute capability "
+                         f">= 8.9, e.g. Ada or Hopper); {name} has {major}.{minor}")
