@@ -17,7 +17,7 @@ from tandem.forward_batch import ForwardBatch
 from tandem.memory.kv_cache import KVCache
 from tandem.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, qkv_norm_rope_torch
 from tandem.models.linear import Linear
-from tandem.models.parallel import VocabParallelEmbedding, parallel_logits, row_parallel_linear
+from tandem.models.parallel import VocabParallelEmbedding, parallel_logits
 
 
 class Attention(nn.Module):
@@ -29,7 +29,8 @@ class Attention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim ** -0.5
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
-        self.o_proj = row_parallel_linear(self.q_size, cfg.hidden_size, tp)
+        # Row-parallel: this rank's input columns, then the all-reduce.
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, reduce=tp.all_reduce if tp.size > 1 else None)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
@@ -93,11 +94,9 @@ class DecoderModel(nn.Module):
         x, _ = self.norm.add_forward(x, residual)
         return x
 
-    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """fp32 logits; into `out` when given (CUDA graphs share one output buffer)."""
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = parallel_logits(hidden, weight, self.config.vocab_size, self.tp)
-        return logits if out is None else out.copy_(logits)
+        return parallel_logits(hidden, weight, self.config.vocab_size, self.tp)
 
     # ---- weights ----
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -15,7 +15,6 @@ from torch import nn
 
 from tandem.distributed.group import SINGLE, TPGroup
 from tandem.models.linear import Linear
-from tandem.models.parallel import row_parallel_linear
 
 
 # ---- torch references (the CPU path) ----
@@ -125,7 +124,7 @@ class GatedMLP(nn.Module):
     def __init__(self, hidden: int, intermediate: int, tp: TPGroup = SINGLE):
         super().__init__()
         self.gate_up_proj = Linear(hidden, 2 * intermediate)
-        self.down_proj = row_parallel_linear(intermediate, hidden, tp)
+        self.down_proj = Linear(intermediate, hidden, reduce=tp.all_reduce if tp.size > 1 else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda:

@@ -1,4 +1,5 @@
-"""Tensor-parallel layers: the vocab-parallel embedding and lm head, the row-parallel linear.
+"""Tensor-parallel layers: the vocab-parallel embedding and lm head (row-parallel linears are
+`tandem.models.linear.Linear` with the all-reduce as their `reduce`).
 
 Column-parallel layers (packed qkv, packed gate/up) need no class of their own: they are
 plain linears over this rank's output rows (see `tandem.distributed.sharding`). With one
@@ -9,7 +10,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem.distributed.group import TPGroup
-from tandem.models.linear import Linear
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -28,12 +28,6 @@ class VocabParallelEmbedding(nn.Module):
         outside = (local < 0) | (local >= self.rows)
         x = F.embedding(local.masked_fill(outside, 0), self.weight)
         return self.tp.all_reduce(x.masked_fill(outside.unsqueeze(-1), 0.0))
-
-
-def row_parallel_linear(in_features: int, out_features: int, tp: TPGroup) -> Linear:
-    """y = sum over ranks of x_r @ W_r^T: this rank's input columns, one all-reduce (applied to
-    the small-M kernel's output too, so both paths communicate the same way)."""
-    return Linear(in_features, out_features, reduce=tp.all_reduce if tp.size > 1 else None)
 
 
 def parallel_logits(hidden: torch.Tensor, weight: torch.Tensor, vocab_size: int, tp: TPGroup) -> torch.Tensor:
