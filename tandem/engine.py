@@ -238,7 +238,8 @@ class Engine:
         if self.closed:
             return
         self.closed = True
-        usable = not self.fatal.dead
+        usable = not self.dead
+        self.parallel.close()  # tensor-parallel workers first: they stop stepping with rank 0
         if usable and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # nothing queued may still touch the pool
         if self.timeline is not None:
@@ -498,10 +499,6 @@ class Engine:
     def dead(self) -> bool:
         """Stopped for good (a sticky CUDA error, a dead worker): touch nothing but close()."""
         return self.fatal.dead or self.parallel.failure is not None
-
-    def close(self) -> None:
-        """Stop the tensor-parallel workers, if any; idempotent."""
-        self.parallel.close()
 
     # ---- introspection ----
     def stats(self) -> dict:
