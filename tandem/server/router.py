@@ -57,6 +57,10 @@ class ReplicaRouter:
         for r in self.replicas:  # each aborts only the ids it tracks
             r.abort(request_ids)
 
+    def fail_all(self, reason: str) -> None:
+        for r in self.replicas:
+            r.fail_all(reason)
+
 
 class ReplicaMetrics:
     """One replica's handle on the server's metrics: counters and histograms are shared
