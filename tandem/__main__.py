@@ -1,3 +1,3 @@
-from tandem.entrypoints.cli import main
+from tandem.entrypoints.cli import console_main
 
-raise SystemExit(main())
+raise SystemExit(console_main())

@@ -20,6 +20,7 @@ from tandem.diagnostics.errors import FatalErrorGuard
 from tandem.distributed import start_parallel
 from tandem.diagnostics.timeline import StepRecord, Timeline
 from tandem.grammar import GrammarManager
+from tandem.limits import context_error
 from tandem.cuda_graph import DecodeGraphs, default_buckets
 from tandem.config import EngineConfig, ModelConfig, resolve_device, resolve_dtype
 from tandem.memory.allocator import SlotAllocator
@@ -29,7 +30,7 @@ from tandem.memory.req_to_token import ReqToTokenTable
 from tandem.models.checkpoint import builtin_model_path, open_checkpoint
 from tandem.models.linear import check_fp8_support, quantize_model_fp8
 from tandem.models.loader import load_model
-from tandem.outputs import RequestOutput, StepOutput, TokenLogprob
+from tandem.outputs import CompletionOutput, RequestOutput, StepOutput, TokenLogprob
 from tandem.overlap.future_map import FutureMap
 from tandem.overlap.results import ResultCopier
 from tandem.overlap.staging import InputStager
@@ -37,6 +38,7 @@ from tandem.overlap.streams import StreamSet
 from tandem.request import Request, Status
 from tandem.runner import ModelRunner, PendingResult
 from tandem.sampling import Sampler, SamplingParams
+from tandem.sampling.bias import min_tokens_bias, static_bias
 from tandem.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from tandem.text import RequestText
 from tandem.warmup import warm_up
@@ -205,23 +207,25 @@ class Engine:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer: pass prompts as token-id lists")
-            ids, text = self.tokenizer.encode(prompt), prompt
+            ids = self.tokenizer.encode(prompt)
         else:
-            ids, text = [int(t) for t in prompt], None
+            ids = [int(t) for t in prompt]
         self._check_prompt(ids, params)
         self.grammar.check(params)
         if params.constraint is not None and self.parallel.tp.size > 1:
             raise ValueError("structured output (constraint) is not supported with tensor_parallel_size > 1 yet")
+        bias = static_bias(params, self.tokenizer, self.model_config.vocab_size)
         rid = request_id if request_id is not None else str(next(self._ids))
         if rid in self.requests:
             raise ValueError(f"request id {rid!r} is already in use")
         seed = params.seed if params.seed is not None else _derived_seed(self.cfg.seed, rid)
-        room = self.max_model_len - len(ids)
         stop_ids = frozenset(params.stop_token_ids or ()) | (
             frozenset() if params.ignore_eos else frozenset(self.eos_token_ids))
-        req = Request(rid, ids, params, seed, max_samples=min(params.max_tokens, room), stop_ids=stop_ids,
-                      prompt=text,
-                      text=RequestText(self.tokenizer, ids, params.stop) if self.tokenizer is not None else None)
+        text = (RequestText(self.tokenizer, ids, params.stop, params.skip_special_tokens,
+                            params.include_stop_str_in_output) if self.tokenizer is not None else None)
+        req = Request(rid, ids, params, seed, max_samples=params.max_tokens or self.max_model_len - len(ids),
+                      stop_ids=stop_ids, prompt=prompt if isinstance(prompt, str) else None, text=text,
+                      bias=bias, min_tokens_bias=min_tokens_bias(params, stop_ids))
         self.requests[rid] = req
         if params.constraint is not None:
             self.grammar.add(req)  # scheduled once its grammar compiled (off the loop)
@@ -236,9 +240,12 @@ class Engine:
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token ids must be in [0, {vocab}); got {bad[:5]}")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(f"prompt has {len(ids)} tokens; the context holds {self.max_model_len} "
-                             "and at least one must be left to generate")
+        too_long = context_error(self.max_model_len, len(ids), params.max_tokens)
+        if too_long:
+            raise ValueError(too_long)
+        if params.num_samples != 1:
+            raise ValueError("Engine.add_request runs one sequence: expand n / best_of into "
+                             "separate requests (LLM.generate and the server do)")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this model has none")
 
@@ -256,10 +263,12 @@ class Engine:
 
     def output(self, request_id: str) -> RequestOutput:
         req = self.requests[request_id]
-        return RequestOutput(request_id, req.prompt, req.prompt_token_ids,
-                             req.text.text if req.text else "", list(req.output_token_ids), req.finish_reason,
-                             req.stop_reason, req.output_logprobs if req.params.logprobs is not None else None,
-                             req.num_preemptions, req.num_cached_tokens)
+        lps = req.output_logprobs if req.params.logprobs is not None else None
+        seq = CompletionOutput(0, req.text.text if req.text else "", list(req.output_token_ids),
+                               sum(lp.logprob for lp in lps) if lps is not None else None, lps,
+                               req.finish_reason, req.stop_reason)
+        return RequestOutput(request_id, req.prompt, req.prompt_token_ids, [seq],
+                             num_preemptions=req.num_preemptions, num_cached_tokens=req.num_cached_tokens)
 
     def cancel(self, request_ids: list[str]) -> None:
         """Abort these requests, run the loop until nothing is in flight, and forget them."""
@@ -383,6 +392,8 @@ class Engine:
         if token in req.stop_ids:
             reason = "stop"
             req.stop_reason = token if token in (req.params.stop_token_ids or ()) else None
+            if text is not None and req.params.include_stop_str_in_output:
+                new_text = text.append([token]).text
         elif text is not None:
             delta = text.append([token])
             new_text = delta.text

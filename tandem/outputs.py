@@ -23,16 +23,37 @@ class StepOutput:
 
 
 @dataclass
+class CompletionOutput:
+    """One sampled sequence of a prompt (vLLM's shape)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None  # sum of the chosen tokens' logprobs; None unless computed
+    logprobs: list[TokenLogprob] | None
+    finish_reason: str | None
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it
+
+
+@dataclass
 class RequestOutput:
-    """A request's whole result."""
+    """A prompt's whole result: `outputs` holds its n sequences. `.text`, `.token_ids`,
+    `.finish_reason`, `.stop_reason` and `.logprobs` read `outputs[0]`."""
 
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None
-    stop_reason: str | int | None = None
-    logprobs: list[TokenLogprob] | None = None
+    outputs: list[CompletionOutput]
+    prompt_logprobs: list | None = None
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+
+    @property
+    def finished(self) -> bool:
+        return all(o.finish_reason is not None for o in self.outputs)
+
+    text = property(lambda self: self.outputs[0].text)
+    token_ids = property(lambda self: self.outputs[0].token_ids)
+    finish_reason = property(lambda self: self.outputs[0].finish_reason)
+    stop_reason = property(lambda self: self.outputs[0].stop_reason)
+    logprobs = property(lambda self: self.outputs[0].logprobs)

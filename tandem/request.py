@@ -5,6 +5,7 @@ import time
 from dataclasses import dataclass, field
 
 from tandem.sampling import SamplingParams
+from tandem.sampling.bias import Bias
 from tandem.text import RequestText
 
 
@@ -27,6 +28,8 @@ class Request:
     stop_ids: frozenset[int] = frozenset()  # token ids that finish it (EOS unless ignored, stop ids)
     prompt: str | None = None  # the prompt text, when it came as text
     text: RequestText | None = None  # incremental detokenizer; None for a model without tokenizer
+    bias: Bias = ()  # (token id, added logit) on every sample: logit_bias, bad words
+    min_tokens_bias: Bias = ()  # bans on stop ids while fewer than params.min_tokens exist
     arrival_time: float = field(default_factory=time.monotonic)
     status: Status = Status.WAITING
     output_token_ids: list[int] = field(default_factory=list)  # processed (known to the host)
@@ -50,6 +53,12 @@ class Request:
     first_token_time: float | None = None
     num_preemptions: int = 0
     mask: object | None = None  # a grammar.MaskProducer (structured output), set once compiled
+
+    def bias_at(self, sample_index: int) -> Bias:
+        """The logit bias of sample `sample_index`, known at schedule time (no sampled value needed)."""
+        if sample_index < self.params.min_tokens:
+            return self.bias + self.min_tokens_bias
+        return self.bias
 
     @property
     def fill_ids(self) -> list[int]:

@@ -66,7 +66,7 @@ class ModelRunner:
             sampling = SamplingInputs.build(
                 [r.req.params for r in sample_rows], [r.req.seed for r in sample_rows],
                 [r.sample_index for r in sample_rows], [r.req.slot for r in sample_rows],
-                pin_memory=self.streams.pin())
+                pin_memory=self.streams.pin(), biases=[r.req.bias_at(r.sample_index) for r in sample_rows])
             if not _greedy_only(sampling):  # greedy argmax reads no per-row tensors: skip the copy
                 with self.streams.use(self.streams.schedule):
                     sampling = sampling.to(self.streams.device, non_blocking=True)
@@ -220,4 +220,5 @@ def _decode_metadata(batch: ScheduledBatch, bucket: int) -> dict[str, list[int]]
 
 
 def _greedy_only(sampling: SamplingInputs) -> bool:
-    return sampling.all_greedy and not sampling.need_penalties and sampling.max_logprobs is None
+    return (sampling.all_greedy and not sampling.need_penalties and not sampling.need_bias
+            and sampling.max_logprobs is None)

@@ -36,3 +36,19 @@ def tiny_text_model(tmp_path_factory, builtin_tokenizer):
                            intermediate_size=128)
     builtin_tokenizer.save_pretrained(path)
     return path
+
+
+def pytest_sessionfinish(session, exitstatus):
+    session.config.stash[_EXIT_STATUS] = int(exitstatus)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config):
+    """After the summary: end without interpreter teardown if Triton was imported (its
+    nanobind bindings print a leak report there, which reads like a crash); the exit code
+    is pytest's."""
+    from tandem.entrypoints.cli import exit_quietly
+    exit_quietly(config.stash.get(_EXIT_STATUS, 0))
+
+
+_EXIT_STATUS = pytest.StashKey[int]()

@@ -185,7 +185,7 @@ def test_bad_inputs_give_clear_errors(tiny_text_model, tmp_path):
         llm.generate([[]], use_tqdm=False)
     with pytest.raises(ValueError, match=r"token ids must be in \[0, "):
         llm.generate([[10**9]], use_tqdm=False)
-    with pytest.raises(ValueError, match="context holds"):
+    with pytest.raises(ValueError, match="maximum context length is 512 tokens"):
         llm.generate([[5] * 600], use_tqdm=False)
     with pytest.raises(ValueError, match="2 sampling params for 1 prompts"):
         llm.generate(["hi"], [SamplingParams(), SamplingParams()], use_tqdm=False)

@@ -248,7 +248,7 @@ def test_mix32_is_lowbias32():
 def _interpreted_or_cuda() -> str | None:
     from triton.runtime.interpreter import InterpretedFunction
 
-    if isinstance(sampling._gumbel_argmax_kernel, InterpretedFunction):
+    if isinstance(sampling.gumbel_kernel(), InterpretedFunction):
         return "cpu"
     return "cuda" if torch.cuda.is_available() else None
 
@@ -648,6 +648,10 @@ def test_sampling_path_has_no_host_reads(monkeypatch):
     batches = [make_inputs(params, slots=[i % 8 for i in range(1, len(params) + 1)])]
     batches.append(make_inputs([SamplingParams(top_k=3, seed=1), SamplingParams(min_p=0.3, seed=2)]))
     batches.append(make_inputs([SamplingParams(temperature=0)] * 2))
+    biased = make_inputs([SamplingParams(temperature=0), SamplingParams(seed=3)])  # logit_bias, bans
+    batches.append(SamplingInputs.build([SamplingParams(temperature=0), SamplingParams(seed=3)], [1, 3], [0, 0],
+                                        [1, 2], biases=[((5, 2.0), (7, float("-inf"))), ((1, -3.0),)]))
+    assert biased.bias_index is None and batches[-1].need_bias
     logits = torch.randn(len(params), V, generator=torch.Generator().manual_seed(23))
     for inputs in batches:
         rec = OpRecorder()
@@ -713,3 +717,13 @@ def test_cuda_matches_cpu_and_is_sync_free():
             toks.append(out.token_ids.cpu())
         results[dev] = torch.stack(toks)
     assert torch.equal(results["cpu"], results["cuda"])
+
+
+def test_sparse_bias_adds_per_row_and_bans():
+    """logit_bias values add to their row only; -inf bans; rows without entries are untouched."""
+    logits = torch.randn(3, V, generator=torch.Generator().manual_seed(5))
+    top = logits.argmax(dim=-1)
+    inputs = SamplingInputs.build([SamplingParams(temperature=0)] * 3, [1, 2, 3], [0, 0, 0], [1, 2, 3],
+                                  biases=[((9, 100.0),), ((int(top[1]), float("-inf")),), ()])
+    out = Sampler(V, 8, "cpu").sample(logits, inputs)
+    assert out.token_ids[0] == 9 and out.token_ids[1] != top[1] and out.token_ids[2] == top[2]

@@ -1,10 +1,24 @@
 """The `tandem` command: generate, chat, serve, bench, profile, sync-audit."""
 import argparse
+import atexit
 import importlib
 import logging
+import os
 import sys
+from pathlib import Path
 
-from tandem.config import EngineConfig
+from tandem.config import EngineConfig, resolve_device
+
+_EXAMPLES = {
+    "generate": """examples:
+  tandem generate "Once upon a time"                      # built-in SmolLM2-135M, streamed
+  tandem generate "def fib(n):" --temperature 0 --max-tokens 64
+  tandem generate "Hello" --model ~/models/Qwen3-0.6B --device cuda --dtype bfloat16
+  tandem generate "Hi" --stop "." --sample-seed 7 --verbose""",
+    "chat": """examples:
+  tandem chat                                             # built-in model, empty line quits
+  tandem chat --system "Answer in one sentence." --temperature 0.3""",
+}
 
 
 def add_engine_args(ap: argparse.ArgumentParser) -> None:
@@ -34,6 +48,15 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The engine's config, checked before anything heavy loads: a bad flag fails in
+    milliseconds, not after the model has loaded."""
+    for name in ("max_total_tokens", "max_model_len"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    if args.model is not None and not Path(args.model).expanduser().exists():
+        raise FileNotFoundError(f"--model {args.model}: no such file or directory")
+    resolve_device(args.device)  # --device cuda without a GPU
     if args.launch_blocking:  # before CUDA starts: it is read at context creation
         from tandem.diagnostics.errors import enable_launch_blocking
         enable_launch_blocking()
@@ -76,16 +99,22 @@ def stream(engine, prompt, params, out=sys.stdout) -> str:
     return "".join(text)
 
 
+def _parser(command: str, description: str) -> argparse.ArgumentParser:
+    return argparse.ArgumentParser(prog=f"tandem {command}", description=description,
+                                   epilog=_EXAMPLES[command],
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
 def generate_main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="tandem generate", description="Generate text from a prompt, streamed.")
+    ap = _parser("generate", "Generate text from a prompt, streamed.")
     ap.add_argument("prompt")
     add_engine_args(ap)
     add_sampling_args(ap)
     args = ap.parse_args(argv)
     _logging(args.verbose)
+    params, cfg = sampling_params(args), engine_config(args)  # both checked before the model loads
     from tandem.engine import Engine
-    engine = Engine(engine_config(args))
-    params = sampling_params(args)
+    engine = Engine(cfg)
     sys.stdout.write(args.prompt)
     if not args.sync_audit:
         stream(engine, args.prompt, params)
@@ -101,19 +130,19 @@ def generate_main(argv: list[str]) -> int:
 
 
 def chat_main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="tandem chat", description="Interactive chat (empty line or Ctrl-D quits).")
+    ap = _parser("chat", "Interactive chat (empty line or Ctrl-D quits).")
     add_engine_args(ap)
     add_sampling_args(ap)
     ap.add_argument("--system", help="system prompt")
     args = ap.parse_args(argv)
     _logging(args.verbose)
+    params, cfg = sampling_params(args), engine_config(args)  # both checked before the model loads
     from tandem.engine import Engine
-    engine = Engine(engine_config(args))
+    engine = Engine(cfg)
     if engine.tokenizer is None or not getattr(engine.tokenizer, "chat_template", None):
         print("this model has no chat template", file=sys.stderr)
         return 2
     messages = [{"role": "system", "content": args.system}] if args.system else []
-    params = sampling_params(args)
     while True:
         try:
             user = input("you> ")
@@ -170,7 +199,12 @@ def main(argv: list[str] | None = None) -> int:
               "  serve       OpenAI-compatible HTTP server\n"
               "  bench       benchmarks: latency | offline | serve | prefix | grammar\n"
               "  profile     traces and a timeline plot, overlap on vs off\n"
-              "  sync-audit  find host syncs in the engine loop (CUDA)",
+              "  sync-audit  find host syncs in the engine loop (CUDA)\n\n"
+              "examples:\n"
+              "  tandem generate \"Once upon a time\" --max-tokens 32\n"
+              "  tandem serve --port 8000            # then: OpenAI clients at http://127.0.0.1:8000/v1\n"
+              "  tandem bench offline --help\n\n"
+              "'tandem COMMAND --help' lists a command's options.",
               file=sys.stderr if argv and argv[0] not in ("-h", "--help") else sys.stdout)
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     try:
@@ -180,5 +214,23 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+def exit_quietly(code: int) -> int:
+    """End the process without interpreter teardown once Triton is loaded: its nanobind
+    bindings print a 'leaked N types / functions' report there (objects its caches hold at
+    exit, not an error of ours), which reads like a crash. atexit handlers still run and
+    output is flushed, so nothing a user needs is lost; the exit code is kept."""
+    if "triton" not in sys.modules:
+        return code
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def console_main() -> int:
+    """The `tandem` console script and `python -m tandem`."""
+    return exit_quietly(main())
+
+
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(console_main())

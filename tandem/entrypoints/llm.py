@@ -1,5 +1,7 @@
 """The offline API: `LLM(...).generate(prompts, params)` and `.chat(messages, params)`."""
+import dataclasses
 import logging
+import time
 from typing import Sequence
 
 from tqdm import tqdm
@@ -29,23 +31,37 @@ class LLM:
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
+        """One RequestOutput per prompt, in order; its `.outputs` holds the n sequences.
+
+        n (and best_of) run as separate engine requests of the same prompt, admitted
+        together, so a prefix cache serves the prompt's KV to all of them."""
         prompts = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(prompts))
         engine = self.engine
-        rids: list[str] = []
+        groups: list[list[str]] = []
         try:
             for prompt, sp in zip(prompts, params):
-                rids.append(engine.add_request(prompt, sp))
-            bar = tqdm(total=len(rids), desc="generate", disable=not use_tqdm or len(rids) < 2,
-                       dynamic_ncols=True)
-            while engine.has_unfinished():
-                for out in engine.step():
-                    bar.update(out.finished)
-            bar.close()
-            return [engine.output(rid) for rid in rids]
+                groups.append([])  # before adding: a failure part-way still cancels what was added
+                for seq in sp.samples():
+                    groups[-1].append(engine.add_request(prompt, seq))
+            self._run(sum(len(g) for g in groups), use_tqdm)
+            return [_merge([engine.output(rid) for rid in g], sp) for g, sp in zip(groups, params)]
         finally:
             if not engine.dead:  # a dead CUDA context (or worker) must not be touched again
-                engine.cancel(rids)  # on error too: nothing left running, nothing leaked
+                engine.cancel([rid for g in groups for rid in g])  # on error too: nothing leaked
+
+    def _run(self, num_sequences: int, use_tqdm: bool) -> None:
+        engine = self.engine
+        bar = tqdm(total=num_sequences, desc="generate", unit="seq", dynamic_ncols=True,
+                   disable=not use_tqdm or num_sequences < 2)
+        tokens, start = 0, time.perf_counter()
+        while engine.has_unfinished():
+            outs = engine.step()
+            tokens += sum(len(o.new_token_ids) for o in outs)
+            bar.update(sum(o.finished for o in outs))
+            if not bar.disable:
+                bar.set_postfix_str(f"{tokens / (time.perf_counter() - start):.0f} tok/s", refresh=False)
+        bar.close()
 
     def reset_prefix_cache(self) -> int:
         """Drop every cached prompt prefix no running request uses; returns the KV slots freed."""
@@ -75,6 +91,21 @@ class LLM:
         ids = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
                                                  tokenize=True, return_dict=False)
         return list(ids)
+
+
+def _merge(outs: list[RequestOutput], sp: SamplingParams) -> RequestOutput:
+    """A prompt's sequences as one output: all n, or the n best of best_of by cumulative logprob."""
+    seqs = [o.outputs[0] for o in outs]
+    if len(seqs) > sp.n:
+        seqs = sorted(seqs, key=lambda s: s.cumulative_logprob, reverse=True)[:sp.n]
+        if sp.logprobs is None:  # computed only for the ranking
+            seqs = [dataclasses.replace(s, logprobs=None) for s in seqs]
+    first = outs[0]
+    # Summed over the sequences: with the prefix cache, n samples prefill their prompt once.
+    return RequestOutput(first.request_id, first.prompt, first.prompt_token_ids,
+                         [dataclasses.replace(s, index=i) for i, s in enumerate(seqs)],
+                         num_preemptions=sum(o.num_preemptions for o in outs),
+                         num_cached_tokens=sum(o.num_cached_tokens for o in outs))
 
 
 def _as_prompt_list(prompts) -> list[Prompt]:

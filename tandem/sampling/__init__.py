@@ -13,11 +13,11 @@ overlap and plain loops produce the same tokens.
 """
 from tandem.sampling.inputs import SampleOutput, SamplingInputs, seed_to_int64
 from tandem.sampling.noise import (
-    _gumbel_argmax_kernel,
     _mix32,
     gumbel_argmax,
     gumbel_argmax_torch,
     gumbel_argmax_triton,
+    gumbel_kernel,
     gumbel_noise,
     row_keys,
     row_keys_host,
@@ -26,5 +26,5 @@ from tandem.sampling.params import MAX_LOGPROBS, SamplingParams
 from tandem.sampling.sampler import Sampler
 
 __all__ = ["MAX_LOGPROBS", "SampleOutput", "Sampler", "SamplingInputs", "SamplingParams",
-           "gumbel_argmax", "gumbel_argmax_torch", "gumbel_argmax_triton", "gumbel_noise",
-           "row_keys", "row_keys_host", "seed_to_int64", "_gumbel_argmax_kernel", "_mix32"]
+           "gumbel_argmax", "gumbel_argmax_torch", "gumbel_argmax_triton", "gumbel_kernel", "gumbel_noise",
+           "row_keys", "row_keys_host", "seed_to_int64", "_mix32"]

@@ -43,6 +43,10 @@ class SamplingInputs:
     max_top_k: int  # largest enabled top_k in the batch (0 if none); bounds torch.topk
     top_p_within_top_k: bool  # every top-p row also has top-k: no full-vocabulary sort needed
     max_logprobs: int | None  # largest requested top-n (0 = chosen token only); None = no logprobs
+    # Sparse additive biases (logit_bias, bans): [2, K] int64 (row, token id) and [K] float32
+    # (-inf bans). None when no row has any, so the common batch pays nothing.
+    bias_index: Tensor | None = None
+    bias_value: Tensor | None = None
 
     @staticmethod
     def build(
@@ -51,8 +55,10 @@ class SamplingInputs:
         output_index: list[int],
         slots: list[int],
         pin_memory: bool = False,
+        biases: list[tuple[tuple[int, float], ...]] | None = None,
     ) -> "SamplingInputs":
-        """`seeds[i]` is row i's effective seed: params.seed, or one the engine drew at admission."""
+        """`seeds[i]` is row i's effective seed: params.seed, or one the engine drew at admission;
+        `biases[i]` row i's (token id, added logit) pairs."""
         n = len(params)
         if not (len(seeds) == len(output_index) == len(slots) == n):
             raise ValueError("params, seeds, output_index and slots must have the same length")
@@ -85,7 +91,12 @@ class SamplingInputs:
             max_top_k=int(top_k[uses_k].max()) if uses_k.any() else 0,
             top_p_within_top_k=not (uses_p & ~uses_k).any(),
             max_logprobs=max(logprobs) if logprobs else None,
+            **_pack_biases(biases, pin_memory),
         )
+
+    @property
+    def need_bias(self) -> bool:
+        return self.bias_index is not None
 
     def to(self, device: torch.device | str, non_blocking: bool = True) -> "SamplingInputs":
         # With pinned packs the copies are async; the caching host allocator keeps the
@@ -101,6 +112,8 @@ class SamplingInputs:
             max_top_k=self.max_top_k,
             top_p_within_top_k=self.top_p_within_top_k,
             max_logprobs=self.max_logprobs,
+            bias_index=None if self.bias_index is None else self.bias_index.to(device, non_blocking=non_blocking),
+            bias_value=None if self.bias_value is None else self.bias_value.to(device, non_blocking=non_blocking),
         )
 
     @property
@@ -116,6 +129,17 @@ class SamplingInputs:
     top_k = property(lambda self: self.ints[0])
     noise_key = property(lambda self: self.ints[1])
     slots = property(lambda self: self.ints[2])
+
+
+def _pack_biases(biases: list | None, pin_memory: bool) -> dict[str, Tensor]:
+    if not biases or not any(biases):
+        return {}
+    rows = [i for i, b in enumerate(biases) for _ in b]
+    index = torch.tensor([rows, [t for b in biases for t, _ in b]], dtype=torch.int64)
+    value = torch.tensor([v for b in biases for _, v in b], dtype=torch.float32)
+    if pin_memory:  # so the schedule stream's copies are async
+        index, value = index.pin_memory(), value.pin_memory()
+    return {"bias_index": index, "bias_value": value}
 
 
 @dataclass

@@ -1,6 +1,7 @@
 """Counter-based sampling noise: a hash of (seed, output index, token id), then Gumbel-max."""
 from __future__ import annotations
 
+import functools
 import os
 
 import numpy as np
@@ -13,11 +14,9 @@ from torch import Tensor
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-try:  # CUDA builds of torch ship Triton; without it the torch path runs everywhere.
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover
-    triton = None
+# Triton is imported on first use of the fused kernel (`gumbel_kernel`), not here: the CPU
+# path never needs it, and importing it costs ~0.6 s plus a nanobind leak report at exit.
+triton = tl = None
 
 
 _M32 = 0xFFFF_FFFF
@@ -113,7 +112,16 @@ def _gumbel_argmax_body(
     tl.store(best_idx_ptr + row * tl.num_programs(1) + chunk, best_idx)
 
 
-_gumbel_argmax_kernel = triton.jit(_gumbel_argmax_body) if triton is not None else None
+@functools.cache
+def gumbel_kernel():
+    """The fused kernel (interpreted without a GPU), or None where Triton is not installed."""
+    global triton, tl  # the kernel body resolves `tl` in this module's globals when compiled
+    try:  # CUDA builds of torch ship Triton; without it the torch path runs everywhere.
+        import triton
+        import triton.language as tl
+    except ImportError:  # pragma: no cover
+        return None
+    return triton.jit(_gumbel_argmax_body)
 
 _CHUNK = 4096
 _BLOCK = 1024
@@ -122,10 +130,10 @@ _BLOCK = 1024
 def gumbel_argmax_triton(scores: Tensor, keys: Tensor, token_hash: Tensor, kernel=None) -> Tensor:
     """Fused `gumbel_argmax_torch`: per (row, chunk) maxima in one kernel, then a tiny
     torch argmax over chunks (first chunk wins ties, so the lowest index overall)."""
-    kernel = kernel or _gumbel_argmax_kernel
+    kernel = kernel or gumbel_kernel()
     scores = scores.contiguous()
     B, V = scores.shape
-    n_chunks = triton.cdiv(V, _CHUNK)
+    n_chunks = -(-V // _CHUNK)
     best_val = torch.empty((B, n_chunks), dtype=torch.float32, device=scores.device)
     best_idx = torch.empty((B, n_chunks), dtype=torch.int64, device=scores.device)
     if B > 0:
@@ -136,7 +144,7 @@ def gumbel_argmax_triton(scores: Tensor, keys: Tensor, token_hash: Tensor, kerne
 
 
 def gumbel_argmax(scores: Tensor, keys: Tensor, token_hash: Tensor) -> Tensor:
-    if scores.is_cuda and _gumbel_argmax_kernel is not None:
+    if scores.is_cuda and gumbel_kernel() is not None:
         return gumbel_argmax_triton(scores, keys, token_hash)
     return gumbel_argmax_torch(scores, keys, token_hash)
 

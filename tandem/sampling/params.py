@@ -7,6 +7,7 @@ from dataclasses import dataclass, fields
 
 MAX_LOGPROBS = 20
 _CONSTRAINTS = ("json_schema", "regex", "grammar", "choice")
+MAX_LOGIT_BIAS = 100.0  # OpenAI's bound on a logit_bias value
 
 
 def _is_int(x: object) -> bool:
@@ -20,7 +21,11 @@ def _is_real(x: object) -> bool:
 
 @dataclass
 class SamplingParams:
-    max_tokens: int = 16
+    """vLLM's field names and meanings. `max_tokens=None` generates up to the context's end;
+    `n` / `best_of` are expanded into separate engine requests by the caller (`LLM.generate`,
+    the server): the engine itself runs one sequence per request."""
+
+    max_tokens: int | None = 16
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
@@ -38,10 +43,18 @@ class SamplingParams:
     regex: str | None = None
     grammar: str | None = None  # EBNF, as xgrammar reads it
     choice: list[str] | None = None  # the output is exactly one of these strings
+    n: int = 1
+    best_of: int | None = None  # sample best_of, return the n with the highest cumulative logprob
+    min_tokens: int = 0  # EOS and stop_token_ids are banned until this many tokens exist
+    prompt_logprobs: int | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit
+    bad_words: list[str] | None = None  # words never generated
 
     def __post_init__(self) -> None:
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
+            raise ValueError(f"max_tokens must be None or an int >= 1, got {self.max_tokens!r}")
         self._real("temperature", lo=0.0, rule=">= 0 (0 means greedy)")
         self._real("top_p", lo=0.0, lo_open=True, hi=1.0, rule="in (0, 1]")
         if not _is_int(self.top_k) or not (self.top_k == -1 or self.top_k >= 1):
@@ -69,6 +82,22 @@ class SamplingParams:
             raise ValueError(
                 f"logprobs must be None or an int in [0, {MAX_LOGPROBS}], got {self.logprobs!r}"
             )
+        self._check_samples()
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be an int >= 0, got {self.min_tokens!r}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        if self.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs is not supported yet (tandem computes logits only where it samples)")
+        for name in ("include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        self.logit_bias = self._bias(self.logit_bias)
+        if self.bad_words is not None:
+            if not isinstance(self.bad_words, (list, tuple)) or not all(
+                    isinstance(w, str) and w.strip() for w in self.bad_words):
+                raise ValueError(f"bad_words must be None or a list of non-blank str, got {self.bad_words!r}")
+            self.bad_words = list(self.bad_words)
         self._check_constraint()
 
     def _check_constraint(self) -> None:
@@ -92,6 +121,32 @@ class SamplingParams:
             if not isinstance(c, (list, tuple)) or not c or not all(isinstance(x, str) and x for x in c):
                 raise ValueError(f"choice must be a non-empty list of non-empty str, got {c!r}")
             self.choice = list(c)
+
+    def _check_samples(self) -> None:
+        if not _is_int(self.n) or self.n < 1:
+            raise ValueError(f"n must be an int >= 1, got {self.n!r}")
+        if self.best_of is not None and (not _is_int(self.best_of) or self.best_of < self.n):
+            raise ValueError(f"best_of must be None or an int >= n ({self.n}), got {self.best_of!r}")
+
+    @staticmethod
+    def _bias(bias: object) -> dict[int, float] | None:
+        """Keys may be ints or decimal strings (JSON object keys are strings)."""
+        if not bias:
+            return None
+        if not isinstance(bias, dict):
+            raise ValueError(f"logit_bias must be None or a dict of token id -> number, got {bias!r}")
+        out = {}
+        for key, value in bias.items():
+            try:
+                token = int(key) if not isinstance(key, bool) else -1
+            except (TypeError, ValueError):
+                token = -1
+            if token < 0:
+                raise ValueError(f"logit_bias keys must be token ids (ints >= 0), got {key!r}")
+            if not _is_real(value) or abs(value) > MAX_LOGIT_BIAS:
+                raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {value!r} for {key!r}")
+            out[token] = float(value)
+        return out
 
     def _real(
         self, name: str, *, lo: float, hi: float | None = None, lo_open: bool = False, rule: str
@@ -138,6 +193,11 @@ class SamplingParams:
         )
 
     @property
+    def num_samples(self) -> int:
+        """How many sequences one prompt runs: best_of if given, else n."""
+        return self.best_of if self.best_of is not None else self.n
+
+    @property
     def constraint(self) -> tuple[str, str] | None:
         """(kind, spec text) of the structured-output constraint: the grammar cache's key."""
         if self.json_schema is not None:
@@ -152,6 +212,18 @@ class SamplingParams:
     @property
     def stop_tokens(self) -> list[int]:
         return list(self.stop_token_ids or [])
+
+    def samples(self) -> list["SamplingParams"]:
+        """One params per sequence to run (n, or best_of): sequence i uses seed + i, so a
+        seeded request is reproducible and its sequences differ. best_of > n needs each
+        sequence's cumulative logprob to rank them, so those compute the chosen token's logprob."""
+        if self.num_samples == 1:
+            return [self]
+        ranked = self.best_of is not None and self.best_of > self.n
+        logprobs = 0 if ranked and self.logprobs is None else self.logprobs
+        return [self.clone(n=1, best_of=None, logprobs=logprobs,
+                           seed=self.seed if self.seed is None or i == 0 else (self.seed + i) % 2**63)
+                for i in range(self.num_samples)]
 
     def clone(self, **changes: object) -> "SamplingParams":
         values = {f.name: getattr(self, f.name) for f in fields(self)}

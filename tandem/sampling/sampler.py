@@ -103,6 +103,14 @@ class Sampler:
         logits = logits - inputs.frequency_penalty[:, None] * counts.to(logits.dtype)
         return logits - inputs.presence_penalty[:, None] * seen_out.to(logits.dtype)
 
+    @staticmethod
+    def apply_bias(logits: Tensor, inputs: SamplingInputs) -> Tensor:
+        """Add each row's sparse biases (vLLM applies them before penalties), out of place:
+        logprobs are reported from the unbiased logits, as vLLM's raw logprobs are."""
+        rows, ids = inputs.bias_index[0], inputs.bias_index[1]
+        flat = rows * logits.shape[1] + ids
+        return logits.flatten().index_add(0, flat, inputs.bias_value).view_as(logits)
+
     # ---- sampling
 
     def apply_bitmask(self, logits: Tensor, bitmask: Tensor) -> Tensor:
@@ -119,6 +127,8 @@ class Sampler:
         if bitmask is not None:
             logits = self.apply_bitmask(logits, bitmask)
         raw = logits
+        if inputs.need_bias:
+            logits = self.apply_bias(logits, inputs)
         if inputs.need_penalties:
             logits = self.apply_penalties(logits, inputs)
 

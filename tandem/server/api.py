@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 import msgspec
@@ -17,15 +17,19 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from tandem import __version__
+from tandem.server import protocol as P
 from tandem.server.client import EngineClient
 from tandem.server.errors import APIError, EngineDead, error_body
 from tandem.server.errors_http import ApiKeyMiddleware, install_error_handlers
+from tandem.server.fields import FieldPolicy
 from tandem.server.generation import Generation
-from tandem.server.inputs import chat_inputs, completion_inputs
+from tandem.server.inputs import EngineInputs, chat_inputs, completion_inputs
 from tandem.server.metrics import Metrics
-from tandem.server.openai_schemas import ChatCompletionRequest, CompletionRequest
-from tandem.server.responses import Choice, Envelope, TokenNames, chat_logprobs
+from tandem.server.openai_schemas import ChatCompletionRequest, CompletionRequest, StreamOptions
+from tandem.server.responses import Choice, Envelope, TokenNames, best_choices, chat_logprobs, usage
 from tandem.server.structured import ToolCalls, ToolMode, tool_mode
+from tandem.server.tokenize import add_tokenizer_routes
 
 
 @dataclass
@@ -35,6 +39,7 @@ class ServerState:
     model_name: str
     model_aliases: frozenset[str]  # other names accepted in "model" (the path it was loaded from)
     metrics: Metrics
+    fields: FieldPolicy = field(default_factory=FieldPolicy)  # unknown / ignored request fields
 
     def __post_init__(self) -> None:
         self.names = TokenNames(self.tokenizer)
@@ -47,6 +52,10 @@ class ServerState:
         if model is not None and model != self.model_name and model not in self.model_aliases:
             raise APIError(404, f"the model {model!r} does not exist; this server serves "
                                 f"{self.model_name!r}", "model", "model_not_found")
+
+    def model_card(self) -> dict:
+        return {"id": self.model_name, "object": "model", "created": 0, "owned_by": "tandem",
+                "root": self.model_name, "parent": None, "max_model_len": self.max_model_len}
 
 
 def _json(body: dict, status: int = 200) -> Response:
@@ -99,57 +108,100 @@ async def _collect(gen: Generation) -> list[Choice]:
     return choices
 
 
-def _prompt_tokens(prompts: list[list[int]], n: int) -> int:
-    return sum(len(p) for p in prompts[::n])  # a prompt counts once however many choices it has
+@dataclass
+class _StreamUsage:
+    """stream_options: usage in a last chunk (OpenAI) and/or in every chunk (vLLM)."""
+
+    prompt_tokens: int
+    samples: int  # sequences per prompt: a prompt's cached tokens count once
+    final: bool = False
+    continuous: bool = False
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+    @staticmethod
+    def of(options: StreamOptions | None, inputs: EngineInputs) -> "_StreamUsage":
+        if options is None:
+            return _StreamUsage(inputs.prompt_tokens, inputs.samples)
+        return _StreamUsage(inputs.prompt_tokens, inputs.samples, bool(options.include_usage),
+                            bool(options.continuous_usage_stats))
+
+    def count(self, index: int, d: P.Delta) -> None:
+        self.completion_tokens += len(d.token_ids)
+        self.cached_tokens += d.cached_tokens if d.finished and index % self.samples == 0 else 0
+
+    def add(self, chunk: dict) -> dict:
+        if self.continuous:
+            chunk["usage"] = usage(self.prompt_tokens, self.completion_tokens, self.cached_tokens)
+        return chunk
+
+    def chunk(self, env: Envelope, kind: str) -> dict:
+        return env.usage_chunk(kind, self.prompt_tokens, self.completion_tokens, self.cached_tokens)
 
 
-def _cached_tokens(choices: list[Choice], n: int) -> int:
-    return sum(c.cached_tokens for c in choices[::n])  # like the prompt: once per prompt
+def _echo_texts(body: CompletionRequest, inputs: EngineInputs, tokenizer: Any) -> list[str]:
+    """The text of each prompt, to put in front of its choices (echo)."""
+    prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
+    if prompts and isinstance(prompts[0], int):
+        prompts = [prompts]
+    return [p if isinstance(p, str) else tokenizer.decode(p) if tokenizer is not None else ""
+            for p in prompts]
 
 
 def create_app(state: ServerState, api_key: str | None = None) -> FastAPI:
-    app = FastAPI(title="tandem", version="0.1.0",
+    app = FastAPI(title="tandem", version=__version__,
                   description="OpenAI-compatible server of the tandem inference engine")
     install_error_handlers(app)
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
 
-    async def start(prompts: list[list[int]], params, prefix: str) -> Generation:
-        gen = Generation(state.client, f"{prefix}-{uuid.uuid4().hex}", prompts, params)
+    async def start(inputs: EngineInputs, prefix: str) -> Generation:
+        gen = Generation(state.client, f"{prefix}-{uuid.uuid4().hex}", inputs.prompts, inputs.params)
         await gen.start()
         return gen
+
+    async def finished(gen: Generation, inputs: EngineInputs) -> tuple[list[Choice], int, int]:
+        """The answered choices (best_of keeps the n likeliest), the tokens generated for all,
+        and the prompt tokens the prefix cache served (once per prompt, like the prompt)."""
+        choices = await _collect(gen)
+        return (best_choices(choices, inputs.samples, inputs.n), sum(c.num_tokens for c in choices),
+                sum(c.cached_tokens for c in choices[::inputs.samples]))
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         state.check_model(body.model)
-        prompts, params = completion_inputs(body, state.tokenizer, state.max_model_len,
-                                            state.client.ready.vocab_size)
-        gen = await start(prompts, params, "cmpl")
-        env, n_prompt = Envelope(gen.request_id, state.model_name), _prompt_tokens(prompts, body.n)
+        state.fields.check(body)
+        inputs = completion_inputs(body, state.tokenizer, state.max_model_len, state.client.ready.vocab_size)
+        echo = _echo_texts(body, inputs, state.tokenizer) if body.echo else None
+        gen = await start(inputs, "cmpl")
+        env, stream_usage = Envelope(gen.request_id, state.model_name), _StreamUsage.of(
+            body.stream_options, inputs)
         if body.stream:
-            usage = body.stream_options is not None and body.stream_options.include_usage
-            return _AbortingStream(_completion_stream(gen, env, state.names, usage, n_prompt, body.n), gen)
+            return _AbortingStream(_completion_stream(gen, env, state.names, stream_usage, echo, inputs.n), gen)
 
         async def work() -> Response:
-            choices = await _collect(gen)
-            return _json(env.completion(choices, state.names, body.logprobs is not None, n_prompt,
-                                        _cached_tokens(choices, body.n)))
+            choices, tokens, cached = await finished(gen, inputs)
+            for i, c in enumerate(choices if echo else ()):
+                c.text.insert(0, echo[i // inputs.n])
+            return _json(env.completion(choices, state.names, inputs.with_logprobs, inputs.prompt_tokens,
+                                        tokens, cached))
         return await _unless_disconnected(request, gen, work())
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         state.check_model(body.model)
+        state.fields.check(body)
         tools = tool_mode(body, getattr(state.tokenizer, "chat_template", None))
-        prompts, params = chat_inputs(body, state.tokenizer, state.max_model_len, tools)
-        gen = await start(prompts, params, "chatcmpl")
-        env, n_prompt = Envelope(gen.request_id, state.model_name), _prompt_tokens(prompts, body.n)
+        inputs = chat_inputs(body, state.tokenizer, state.max_model_len, state.client.ready.vocab_size, tools)
+        gen = await start(inputs, "chatcmpl")
+        env, stream_usage = Envelope(gen.request_id, state.model_name), _StreamUsage.of(
+            body.stream_options, inputs)
         if body.stream:
-            usage = body.stream_options is not None and body.stream_options.include_usage
-            return _AbortingStream(_chat_stream(gen, env, state.names, usage, n_prompt, body.n, tools), gen)
+            return _AbortingStream(_chat_stream(gen, env, state.names, stream_usage, tools), gen)
 
         async def work() -> Response:
-            choices = await _collect(gen)
-            out = env.chat(choices, state.names, body.logprobs, n_prompt, _cached_tokens(choices, body.n))
+            choices, tokens, cached = await finished(gen, inputs)
+            out = env.chat(choices, state.names, inputs.with_logprobs, inputs.prompt_tokens, tokens, cached)
             if tools is not None:  # the model's text as tool calls
                 for c, item in zip(choices, out["choices"]):
                     item["message"], item["finish_reason"] = ToolCalls(tools).message("".join(c.text),
@@ -159,9 +211,18 @@ def create_app(state: ServerState, api_key: str | None = None) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> Response:
-        card = {"id": state.model_name, "object": "model", "created": 0, "owned_by": "tandem",
-                "max_model_len": state.max_model_len}
-        return _json({"object": "list", "data": [card]})
+        return _json({"object": "list", "data": [state.model_card()]})
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> Response:
+        state.check_model(model_id)
+        return _json(state.model_card())
+
+    @app.get("/version")
+    async def version() -> Response:
+        return _json({"version": __version__})
+
+    add_tokenizer_routes(app, state)
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache() -> Response:
@@ -182,46 +243,48 @@ def create_app(state: ServerState, api_key: str | None = None) -> FastAPI:
     return app
 
 
-async def _completion_stream(gen: Generation, env: Envelope, names: TokenNames, include_usage: bool,
-                             prompt_tokens: int, n: int) -> AsyncIterator[bytes]:
-    offsets, tokens, cached = [0] * len(gen.rids), 0, 0
+async def _completion_stream(gen: Generation, env: Envelope, names: TokenNames, usage: _StreamUsage,
+                             echo: list[str] | None, n: int) -> AsyncIterator[bytes]:
+    offsets = [0] * len(gen.rids)
+    for index in range(len(gen.rids) if echo else 0):  # the prompt first (echo)
+        text = echo[index // n]
+        yield _sse(usage.add(env.completion_chunk(index, P.Delta("", [], text, False, None, None), names, 0)))
+        offsets[index] = len(text)
     try:
         async for index, d in gen.deltas():
-            tokens += len(d.token_ids)
-            cached += d.cached_tokens if d.finished and index % n == 0 else 0
-            yield _sse(env.completion_chunk(index, d, names, offsets[index]))
+            usage.count(index, d)
+            yield _sse(usage.add(env.completion_chunk(index, d, names, offsets[index])))
             offsets[index] += len(d.text)
     except EngineDead as exc:
         yield _sse(error_body(503, str(exc)))
         return
-    if include_usage:
-        yield _sse(env.usage_chunk("text_completion", prompt_tokens, tokens, cached))
+    if usage.final:
+        yield _sse(usage.chunk(env, "text_completion"))
     yield b"data: [DONE]\n\n"
 
 
-async def _chat_stream(gen: Generation, env: Envelope, names: TokenNames, include_usage: bool,
-                       prompt_tokens: int, n: int, tools: ToolMode | None = None) -> AsyncIterator[bytes]:
-    tokens, cached = 0, 0
+async def _chat_stream(gen: Generation, env: Envelope, names: TokenNames, usage: _StreamUsage,
+                       tools: ToolMode | None = None) -> AsyncIterator[bytes]:
     calls = [ToolCalls(tools) for _ in gen.rids] if tools is not None else None
     for index in range(len(gen.rids)):
-        yield _sse(env.chat_chunk(index, {"role": "assistant", "content": None if calls else ""}))
+        yield _sse(usage.add(env.chat_chunk(index, {"role": "assistant", "content": None if calls else ""})))
     try:
         async for index, d in gen.deltas():
-            tokens += len(d.token_ids)
-            cached += d.cached_tokens if d.finished and index % n == 0 else 0
+            usage.count(index, d)
             lps = chat_logprobs(d.logprobs, names) if d.logprobs is not None else None
             if calls is not None:
                 deltas, reason = calls[index].stream(d.text, d.finished, d.finish_reason)
                 for i, delta in enumerate(deltas):
-                    yield _sse(env.chat_chunk(index, delta, reason if i == len(deltas) - 1 else None))
+                    yield _sse(usage.add(env.chat_chunk(index, delta, reason if i == len(deltas) - 1 else None)))
                 if d.finished and not deltas:
-                    yield _sse(env.chat_chunk(index, {}, reason))
+                    yield _sse(usage.add(env.chat_chunk(index, {}, reason)))
                 continue
             delta = {"content": d.text} if d.text or d.token_ids else {}
-            yield _sse(env.chat_chunk(index, delta, d.finish_reason if d.finished else None, lps))
+            chunk = env.chat_chunk(index, delta, d.finish_reason if d.finished else None, lps)
+            yield _sse(usage.add(chunk))
     except EngineDead as exc:
         yield _sse(error_body(503, str(exc)))
         return
-    if include_usage:
-        yield _sse(env.usage_chunk("chat.completion.chunk", prompt_tokens, tokens, cached))
+    if usage.final:
+        yield _sse(usage.chunk(env, "chat.completion.chunk"))
     yield b"data: [DONE]\n\n"

@@ -55,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
     p.add_argument("--max-waiting-requests", type=int, default=1024,
                    help="requests queued beyond this get 503 with Retry-After")
+    p.add_argument("--strict-api", action="store_true",
+                   help="refuse requests with fields no OpenAI or vLLM schema has (default: ignore "
+                        "them with a warning)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--dp", type=int, default=1, metavar="N",
                    help="data parallelism: N engine replicas (each with --tp GPUs), one front end")
@@ -93,6 +96,7 @@ async def _serve(args: argparse.Namespace, cfg: EngineConfig) -> int:
     from tandem.models.checkpoint import builtin_model_path, open_checkpoint
     from tandem.server.api import ServerState, create_app
     from tandem.server.client import EngineClient
+    from tandem.server.fields import FieldPolicy
     from tandem.server.metrics import Metrics
 
     path = Path(cfg.model).expanduser() if cfg.model is not None else builtin_model_path()
@@ -115,7 +119,8 @@ async def _serve(args: argparse.Namespace, cfg: EngineConfig) -> int:
         await client.close()
         return 1
     name = args.served_model_name or (path.stem if path.is_file() else path.name)
-    state = ServerState(client, tokenizer, name, frozenset({str(cfg.model or path), str(path)}), metrics)
+    state = ServerState(client, tokenizer, name, frozenset({str(cfg.model or path), str(path)}), metrics,
+                        FieldPolicy(args.strict_api))
     app = create_app(state, args.api_key)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                            timeout_graceful_shutdown=5))

@@ -66,6 +66,8 @@ def run_engine(config: bytes, inbound: str, outbound: str, max_waiting: int, gpu
         pull.close(0)
         push.close()
         ctx.term()
+    from tandem.entrypoints.cli import exit_quietly
+    exit_quietly(0)  # a clean stop: no Triton leak report from teardown in the server log
 
 
 class _EngineLoop:

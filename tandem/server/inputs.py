@@ -1,4 +1,4 @@
-"""From a validated request body to engine inputs: token ids and sampling params per choice.
+"""From a validated request body to engine inputs: token ids and sampling params per sequence.
 
 Every refusal here is a 400 naming the offending field, raised before anything
 reaches the engine, so a bad request costs the engine loop nothing.
@@ -6,60 +6,103 @@ reaches the engine, so a bad request costs the engine loop nothing.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Any
 
 from tandem.grammar.compiler import check_spec
+from tandem.limits import context_error
 from tandem.sampling import SamplingParams
+from tandem.sampling.bias import static_bias
 from tandem.server import protocol as P
 from tandem.server.errors import APIError
-from tandem.server.openai_schemas import ChatCompletionRequest, CompletionRequest
+from tandem.server.openai_schemas import ChatCompletionRequest, ChatMessage, CompletionRequest
 from tandem.server.structured import ToolMode, constraint, constraint_param
 
-MAX_CHOICES = 128  # prompts x n per HTTP request
+MAX_CHOICES = 128  # prompts x sequences per HTTP request
 _INT64 = 2**63
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
-                    "ignore_eos", "presence_penalty", "frequency_penalty", "repetition_penalty")
+                    "ignore_eos", "presence_penalty", "frequency_penalty", "repetition_penalty",
+                    "n", "best_of", "min_tokens", "prompt_logprobs", "include_stop_str_in_output",
+                    "skip_special_tokens", "logit_bias", "bad_words")
+# Keys the template call itself owns: chat_template_kwargs may not override them.
+_TEMPLATE_RESERVED = frozenset({"conversation", "messages", "tokenize", "return_dict", "return_tensors",
+                                "add_generation_prompt", "continue_final_message", "tools", "documents",
+                                "chat_template", "padding", "truncation", "max_length", "tokenizer_kwargs",
+                                "return_assistant_tokens_mask"})
+_WIRE_FIELDS = P.Params.__struct_fields__
+
+
+@dataclass
+class EngineInputs:
+    """One HTTP request as engine requests: prompt-major, `samples` sequences per prompt."""
+
+    prompts: list[list[int]]  # per engine request
+    params: list[P.Params]
+    n: int  # choices answered per prompt
+    samples: int  # sequences run per prompt: best_of, else n (best_of > n keeps the n likeliest)
+    with_logprobs: bool  # the caller asked for logprobs (best_of computes them regardless)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts[::self.samples])  # a prompt counts once
 
 
 def completion_inputs(body: CompletionRequest, tokenizer: Any, max_model_len: int,
-                      vocab_size: int) -> tuple[list[list[int]], list[P.Params]]:
-    _refuse(body.echo, "echo", "echo is not supported")
+                      vocab_size: int) -> EngineInputs:
     _refuse(body.suffix is not None, "suffix", "suffix is not supported")
-    _refuse(body.best_of not in (None, body.n), "best_of", "best_of must be null or equal to n")
+    _refuse(bool(body.echo) and body.logprobs is not None, "echo",
+            "echo with logprobs needs prompt logprobs, which tandem does not compute yet")
     prompts = [_prompt_ids(p, tokenizer, vocab_size) for p in _prompt_list(body.prompt)]
     explicit = "max_tokens" in body.model_fields_set and body.max_tokens is not None
     return _choices(body, prompts, body.max_tokens, explicit, "max_tokens", "prompt",
-                    body.logprobs, max_model_len, constraint(body))
+                    body.logprobs, max_model_len, tokenizer, vocab_size, constraint(body))
 
 
-def chat_inputs(body: ChatCompletionRequest, tokenizer: Any, max_model_len: int,
-                tools: ToolMode | None = None) -> tuple[list[list[int]], list[P.Params]]:
+def chat_inputs(body: ChatCompletionRequest, tokenizer: Any, max_model_len: int, vocab_size: int,
+                tools: ToolMode | None = None) -> EngineInputs:
+    _refuse(bool(body.functions), "functions", "functions are not supported; use tools")
+    _refuse(bool(body.echo), "echo", "echo is supported on /v1/completions only")
+    _refuse(body.audio is not None or "audio" in (body.modalities or ()), "modalities",
+            "this model accepts and produces text only")
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs set to true", "top_logprobs")
-    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-        raise APIError(400, "this model has no chat template; use /v1/completions", "messages")
-    messages = [_message(m) for m in body.messages]
-    extra = {"tools": [t.model_dump(exclude_none=True) for t in tools.tools]} if tools is not None else {}
-    try:
-        ids = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                 return_dict=False, **extra))
-    except Exception as exc:  # jinja raises whatever the template author chose
-        raise APIError(400, f"the chat template refused these messages: {exc}", "messages") from None
+    ids = render_chat(tokenizer, body.messages, body.add_generation_prompt, body.continue_final_message,
+                      body.chat_template_kwargs, tools)
     name = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     return _choices(body, [ids], max_tokens, max_tokens is not None, name, "messages", logprobs,
-                    max_model_len, constraint(body, tools))
+                    max_model_len, tokenizer, vocab_size, constraint(body, tools))
 
 
-def _message(m) -> dict:
-    out = {"role": "system" if m.role == "developer" else m.role, "content": _content(m.content)}
-    if m.tool_calls:  # templates read arguments as a mapping
-        out["tool_calls"] = [{**c, "function": {**c.get("function", {}),
-                                                "arguments": _arguments(c.get("function", {}).get("arguments"))}}
-                             for c in m.tool_calls]
-    if m.tool_call_id is not None:
-        out["tool_call_id"] = m.tool_call_id
+def render_chat(tokenizer: Any, messages: list[ChatMessage], add_generation_prompt: bool | None,
+                continue_final_message: bool | None, template_kwargs: dict | None,
+                tools: ToolMode | None = None) -> list[int]:
+    """The chat template applied to the messages (content parts joined), as token ids."""
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        raise APIError(400, "this model has no chat template; use /v1/completions", "messages")
+    reserved = sorted(_TEMPLATE_RESERVED & set(template_kwargs or ()))
+    _refuse(bool(reserved), "chat_template_kwargs", f"chat_template_kwargs may not set {reserved}")
+    _refuse(bool(add_generation_prompt) and bool(continue_final_message), "continue_final_message",
+            "continue_final_message needs add_generation_prompt set to false")
+    conversation = [_message(m) for m in messages]
+    extra = {"tools": [t.model_dump(exclude_none=True) for t in tools.tools]} if tools is not None else {}
+    try:
+        ids = tokenizer.apply_chat_template(
+            conversation, add_generation_prompt=bool(add_generation_prompt),
+            continue_final_message=bool(continue_final_message), tokenize=True, return_dict=False,
+            **extra, **(template_kwargs or {}))
+    except Exception as exc:  # jinja raises whatever the template author chose
+        raise APIError(400, f"the chat template refused these messages: {exc}", "messages") from None
+    return list(ids)
+
+
+def _message(m: ChatMessage) -> dict:
+    out = m.model_dump(exclude_none=True)
+    out["role"] = "system" if m.role == "developer" else m.role
+    out["content"] = _content(m.content)
+    for call in out.get("tool_calls", ()):  # templates read arguments as a mapping
+        call["function"]["arguments"] = _arguments(call["function"]["arguments"])
     return out
 
 
@@ -73,47 +116,46 @@ def _arguments(args: Any) -> Any:
 
 
 def _choices(body, prompts: list[list[int]], max_tokens: int | None, explicit: bool, max_name: str,
-             prompt_name: str, logprobs: int | None, max_model_len: int, constrained: dict):
-    _refuse(bool(body.logit_bias), "logit_bias", "logit_bias is not supported")
-    if len(prompts) * body.n > MAX_CHOICES:
-        raise APIError(400, f"{len(prompts)} prompts x n={body.n} exceeds {MAX_CHOICES} choices", "n")
+             prompt_name: str, logprobs: int | None, max_model_len: int, tokenizer: Any,
+             vocab_size: int, constrained: dict) -> EngineInputs:
     fields = {k: getattr(body, k) for k in _SAMPLING_FIELDS if getattr(body, k) is not None}
     _check_int64(fields)
-    _validate({**fields, **constrained}, max_tokens, logprobs, max_name)
-    if "json_schema" in constrained:  # JSON text on the wire
-        constrained = {**constrained, "json_schema": json.dumps(constrained["json_schema"])}
-    fields.update(constrained)
+    sp = _validate({**fields, **constrained}, max_tokens, logprobs, max_name)
+    if sp.best_of is not None and sp.best_of > sp.n and body.stream:
+        raise APIError(400, "best_of greater than n cannot be streamed", "best_of")
+    if len(prompts) * sp.num_samples > MAX_CHOICES:
+        raise APIError(400, f"{len(prompts)} prompts x {sp.num_samples} sequences exceeds "
+                            f"{MAX_CHOICES}", "best_of" if sp.best_of else "n")
+    try:
+        static_bias(sp, tokenizer, vocab_size)  # the engine's check, here to name the field
+    except ValueError as exc:
+        raise APIError(400, str(exc), "bad_words" if str(exc).startswith("bad_words") else "logit_bias") from None
     out_prompts, out_params = [], []
     for ids in prompts:
-        room = max_model_len - len(ids)
-        if room < 1:
-            raise APIError(400, f"the prompt has {len(ids)} tokens but this model's context holds "
-                                f"{max_model_len}, and at least one must be left to generate", prompt_name)
-        if explicit and len(ids) + max_tokens > max_model_len:
-            raise APIError(400, f"this model's maximum context length is {max_model_len} tokens, but "
-                                f"the prompt has {len(ids)} tokens and {max_name} is {max_tokens} "
-                                f"({len(ids) + max_tokens} in total); reduce the prompt or {max_name}",
-                           max_name)
-        limit = room if max_tokens is None else min(max_tokens, room)
-        for i in range(body.n):
-            seed = fields.get("seed")
-            extra = {"seed": (seed + i) % _INT64} if seed is not None and i else {}
-            stop = fields.get("stop")
-            out_params.append(P.Params(**{**fields, **extra, "max_tokens": limit, "logprobs": logprobs,
-                                          "stop": [stop] if isinstance(stop, str) else stop}))
+        too_long = context_error(max_model_len, len(ids), max_tokens if explicit else None)
+        if too_long:
+            param = prompt_name if len(ids) >= max_model_len else max_name
+            raise APIError(400, too_long, param, "context_length_exceeded")
+        limit = max_model_len - len(ids) if max_tokens is None else max_tokens
+        for seq in sp.samples():
+            wire = {k: getattr(seq, k) for k in _WIRE_FIELDS}
+            if seq.json_schema is not None:  # JSON text on the wire (key order is the output order)
+                wire["json_schema"] = json.dumps(seq.json_schema)
+            out_params.append(P.Params(**{**wire, "max_tokens": min(limit, max_model_len - len(ids))}))
             out_prompts.append(ids)
-    return out_prompts, out_params
+    return EngineInputs(out_prompts, out_params, sp.n, sp.num_samples, logprobs is not None)
 
 
-def _validate(fields: dict, max_tokens: int | None, logprobs: int | None, max_name: str) -> None:
+def _validate(fields: dict, max_tokens: int | None, logprobs: int | None, max_name: str) -> SamplingParams:
     """SamplingParams is the one place that knows valid ranges; its message names the field."""
     try:
-        params = SamplingParams(max_tokens=1 if max_tokens is None else max_tokens, logprobs=logprobs, **fields)
-        if params.constraint is not None:  # parse the grammar here too: the 400 names the API field
-            check_spec(*params.constraint)
+        sp = SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **fields)
+        if sp.constraint is not None:  # parse the grammar here too: the 400 names the API field
+            check_spec(*sp.constraint)
+        return sp
     except ValueError as exc:
         msg = str(exc)
-        param = msg.split(" ", 1)[0]
+        param = msg.split(" ", 1)[0].rstrip(":")
         if param == "max_tokens":
             param, msg = max_name, msg.replace("max_tokens", max_name, 1)
         elif param in ("json_schema", "grammar"):
@@ -124,10 +166,10 @@ def _validate(fields: dict, max_tokens: int | None, logprobs: int | None, max_na
 
 def _check_int64(fields: dict) -> None:
     # Wider ints cannot cross the wire; no real request needs them.
-    for name in ("seed", "top_k"):
+    for name in ("seed", "top_k", "min_tokens"):
         if name in fields and not -_INT64 <= fields[name] < _INT64:
             raise APIError(400, f"{name} must fit in 64 bits, got {fields[name]}", name)
-    if any(not 0 <= t < _INT64 for t in fields.get("stop_token_ids", [])):
+    if any(not 0 <= t < _INT64 for t in fields.get("stop_token_ids", ())):
         raise APIError(400, "stop_token_ids must be ints in [0, 2**63)", "stop_token_ids")
 
 
@@ -159,7 +201,16 @@ def _prompt_ids(prompt: str | list[int], tokenizer: Any, vocab_size: int) -> lis
 def _content(content: str | list | None) -> str:
     if content is None or isinstance(content, str):
         return content or ""
-    return "".join(part.text for part in content)
+    texts = []
+    for part in content:
+        if part.type == "text" and part.text is not None:
+            texts.append(part.text)
+        elif part.type == "refusal" and part.refusal is not None:
+            texts.append(part.refusal)
+        else:
+            raise APIError(400, f"this model accepts text only; remove the {part.type!r} content part",
+                           "messages")
+    return "".join(texts)
 
 
 def _refuse(condition: bool, param: str, message: str) -> None:

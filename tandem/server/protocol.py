@@ -29,6 +29,11 @@ class Params(msgspec.Struct, frozen=True):
     regex: str | None = None
     grammar: str | None = None
     choice: list[str] | None = None
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None
+    bad_words: list[str] | None = None
 
 
 # ---- front end -> engine ----

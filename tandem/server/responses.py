@@ -44,6 +44,17 @@ class Choice:
             self.finish_reason, self.cached_tokens = d.finish_reason, d.cached_tokens
 
 
+def best_choices(choices: list[Choice], samples: int, n: int) -> list[Choice]:
+    """Per prompt (`samples` consecutive choices), the n with the highest cumulative logprob."""
+    if samples == n:
+        return choices
+    best = []
+    for start in range(0, len(choices), samples):
+        group = choices[start:start + samples]
+        best += sorted(group, key=lambda c: sum(lp.logprob for lp in c.logprobs), reverse=True)[:n]
+    return best
+
+
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
@@ -82,21 +93,21 @@ class Envelope:
     created: int = field(default_factory=lambda: int(time.time()))
 
     def completion(self, choices: list[Choice], names: TokenNames, with_logprobs: bool,
-                   prompt_tokens: int, cached_tokens: int = 0) -> dict:
+                   prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
         return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
                 "choices": [{"index": i, "text": "".join(c.text), "finish_reason": c.finish_reason,
                              "logprobs": completion_logprobs(c.logprobs, names) if with_logprobs else None}
                             for i, c in enumerate(choices)],
-                "usage": usage(prompt_tokens, sum(c.num_tokens for c in choices), cached_tokens)}
+                "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}
 
     def chat(self, choices: list[Choice], names: TokenNames, with_logprobs: bool,
-             prompt_tokens: int, cached_tokens: int = 0) -> dict:
+             prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
         return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
                 "choices": [{"index": i, "message": {"role": "assistant", "content": "".join(c.text)},
                              "finish_reason": c.finish_reason,
                              "logprobs": chat_logprobs(c.logprobs, names) if with_logprobs else None}
                             for i, c in enumerate(choices)],
-                "usage": usage(prompt_tokens, sum(c.num_tokens for c in choices), cached_tokens)}
+                "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}
 
     def completion_chunk(self, index: int, d: P.Delta, names: TokenNames, offset: int) -> dict:
         lps = completion_logprobs(d.logprobs, names, offset) if d.logprobs is not None else None
