@@ -38,7 +38,7 @@ from tandem.overlap.streams import StreamSet
 from tandem.request import Request, Status
 from tandem.runner import ModelRunner, PendingResult
 from tandem.sampling import Sampler, SamplingParams
-from tandem.sampling.bias import min_tokens_bias, static_bias
+from tandem.sampling.bias import BadWordsMask, min_tokens_bias, static_bias
 from tandem.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from tandem.text import RequestText
 from tandem.warmup import warm_up
@@ -214,7 +214,10 @@ class Engine:
         self.grammar.check(params)
         if params.constraint is not None and self.parallel.tp.size > 1:
             raise ValueError("structured output (constraint) is not supported with tensor_parallel_size > 1 yet")
-        bias = static_bias(params, self.tokenizer, self.model_config.vocab_size)
+        bias, bad_words = static_bias(params, self.tokenizer, self.model_config.vocab_size)
+        if bad_words and (params.constraint is not None or self.parallel.tp.size > 1):
+            raise ValueError("bad_words of several tokens cannot be combined with structured output or "
+                             "tensor_parallel_size > 1 yet")
         rid = request_id if request_id is not None else str(next(self._ids))
         if rid in self.requests:
             raise ValueError(f"request id {rid!r} is already in use")
@@ -226,6 +229,8 @@ class Engine:
         req = Request(rid, ids, params, seed, max_samples=params.max_tokens or self.max_model_len - len(ids),
                       stop_ids=stop_ids, prompt=prompt if isinstance(prompt, str) else None, text=text,
                       bias=bias, min_tokens_bias=min_tokens_bias(params, stop_ids))
+        if bad_words:  # their last token is banned after the rest: the per-step mask path
+            req.mask = BadWordsMask(self.model_config.vocab_size, bad_words, ids)
         self.requests[rid] = req
         if params.constraint is not None:
             self.grammar.add(req)  # scheduled once its grammar compiled (off the loop)
