@@ -279,8 +279,9 @@ class Engine:
         bias, bad_words = static_bias(params, self.tokenizer, self.model_config.vocab_size)
         if bad_words and params.constraint is not None:
             raise ValueError("bad_words of several tokens cannot be combined with structured output yet")
-        if bad_words and self.parallel.tp.size > 1:  # the per-step mask path is single-GPU so far
-            raise ValueError("bad_words of several tokens are not supported with tensor_parallel_size > 1 yet")
+        if (bias or bad_words or params.min_tokens) and self.parallel.tp.size > 1:  # ranks > 0 lack them
+            raise ValueError("logit_bias, bad_words and min_tokens are not supported with "
+                             "tensor_parallel_size > 1 yet")
         rid = request_id if request_id is not None else str(next(self._ids))
         if rid in self.requests:
             raise ValueError(f"request id {rid!r} is already in use")
