@@ -84,16 +84,6 @@ class LLM:
         """Drop every cached prompt prefix no running request uses; returns the KV slots freed."""
         return self.engine.reset_prefix_cache()
 
-    def close(self) -> None:
-        """Stop the engine's worker processes (tensor parallelism); idempotent."""
-        self.engine.close()
-
-    def __enter__(self) -> "LLM":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
