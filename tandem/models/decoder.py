@@ -94,9 +94,11 @@ class DecoderModel(nn.Module):
         x, _ = self.norm.add_forward(x, residual)
         return x
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """fp32 logits; into `out` when given (CUDA graphs share one output buffer)."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return parallel_logits(hidden, weight, self.config.vocab_size, self.tp)
+        logits = parallel_logits(hidden, weight, self.config.vocab_size, self.tp)
+        return logits if out is None else out.copy_(logits)
 
     # ---- weights ----
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
