@@ -120,8 +120,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quantization", choices=["fp8"])
     ap.add_argument("--small-m-gemm", default="auto", choices=["auto", "on", "off"])
     ap.add_argument("--tp", type=int, default=1, help="tensor parallelism: ranks (GPUs)")
-    ap.add_argument("--quantization", choices=["fp8"])
-    ap.add_argument("--small-m-gemm", default="auto", choices=["auto", "on", "off"])
     ap.add_argument("--ttft-burst", type=int, default=32, help="prompts in the TTFT burst")
     ap.add_argument("--json", help="write results here")
     args = ap.parse_args(argv)

@@ -277,8 +277,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quantization", choices=["fp8"])
     ap.add_argument("--small-m-gemm", default="auto", choices=["auto", "on", "off"])
     ap.add_argument("--tp", type=int, default=1, help="tensor parallelism: ranks (GPUs)")
-    ap.add_argument("--quantization", choices=["fp8"])
-    ap.add_argument("--small-m-gemm", default="auto", choices=["auto", "on", "off"])
     ap.add_argument("--no-overlap-off", action="store_true", help="skip the overlap-off run")
     ap.add_argument("--no-warmup", action="store_true")
     ap.add_argument("--compare-hf", action="store_true",
