@@ -139,7 +139,7 @@ class ChatMessage(_Lenient):
 
 class JsonSchemaFormat(_Lenient):
     name: str
-    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    schema_: _Opaque = Field(None, alias="schema")  # any JSON: left out of the document
     description: str | None = None
     strict: bool | None = None
 
@@ -152,7 +152,7 @@ class ResponseFormat(_Lenient):
 class FunctionDef(_Lenient):
     name: str
     description: str | None = None
-    parameters: dict[str, Any] | None = None
+    parameters: _Opaque = None  # any JSON: left out of the document
     strict: bool | None = None
 
 
