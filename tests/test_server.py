@@ -228,7 +228,7 @@ def test_oversized_and_costly_requests_are_refused_cheaply(server):
     # Refused before any prompt is tokenized, however many there are.
     start = time.monotonic()
     r = httpx.post(f"{server}/v1/completions", json={"prompt": ["Once upon a time " * 10] * 1000})
-    assert r.status_code == 400 and "exceeds 128 choices" in r.json()["error"]["message"]
+    assert r.status_code == 400 and "exceeds 128" in r.json()["error"]["message"]
     for stop in (["ab"] * 5000, ["x" * 2000]):
         r = httpx.post(f"{server}/v1/completions", json={"prompt": "hi " * 30_000, "stop": stop})
         assert r.status_code == 400 and r.json()["error"]["param"] == "stop"
