@@ -122,9 +122,11 @@ def test_bad_shapes_are_clear_errors(tmp_path):
     assert not _children()
 
 
-def test_two_nodes_on_localhost(tmp_path):
-    """--nnodes 2: node 1 runs `tandem serve --node-rank 1` (its ranks only), rank 0 the engine."""
+def test_two_nodes_on_localhost(tmp_path, monkeypatch):
+    """--nnodes 2: node 1 runs `tandem serve --node-rank 1` (its ranks only), rank 0 the engine;
+    both hold the same TANDEM_TP_SECRET."""
     path = make_tiny_model(tmp_path, "qwen2")
+    monkeypatch.setenv("TANDEM_TP_SECRET", "a shared secret for this test")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

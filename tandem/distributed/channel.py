@@ -9,66 +9,86 @@ before queueing its own forward, so no rank waits on a host round trip: the GPUs
 the step's first collective. Sampled ids never travel: every rank samples the same
 gathered logits with the same seeded sampler and stashes them in its own FutureMap.
 
-Transport: plain TCP sockets from the standard library (`multiprocessing.connection`), so
-the engine needs nothing beyond torch; it works across nodes and leaves no files behind.
+Transport: TCP from the standard library, framed by `multiprocessing.connection`; it works
+across nodes and leaves no files behind. Peers authenticate first (`auth`), messages are
+typed msgspec (`wire`), and rank 0 stops listening once its workers are in.
 """
-import dataclasses
-import pickle
-from dataclasses import dataclass, field
-from multiprocessing.connection import Client, Connection, Listener
+from __future__ import annotations
 
+import logging
+import select
+import socket
+import time
+from multiprocessing.connection import Connection
+from operator import attrgetter
+from typing import Callable
+
+import msgspec
+
+from tandem.distributed.auth import prove, verify_worker
+from tandem.distributed.wire import ROW_FIELDS, Admit, Message, Step, Stop
 from tandem.request import Request
 from tandem.sampling import SamplingParams
 from tandem.scheduler.batch import Row, ScheduledBatch
 
+log = logging.getLogger("tandem")
 
-@dataclass
-class StepMessage:
-    admits: list[tuple] = field(default_factory=list)  # start_request arguments, in order
-    step: int = -1
-    rows: list[tuple] = field(default_factory=list)  # (slot, seed, *ROW_FIELDS)
-    stop: bool = False
+# A worker answers the challenge at once; a peer that does not is refused after this long.
+HANDSHAKE_TIMEOUT_S = 5.0
+_ACCEPT_POLL_S = 0.1
 
-
-# Every Row field but the request travels as is (new fields travel without edits here).
-ROW_FIELDS = tuple(f.name for f in dataclasses.fields(Row) if f.name != "req")
+_row_tuple = attrgetter("req.slot", "req.seed", *ROW_FIELDS)  # WireRow's field order
 
 
 class StepSender:
-    """Rank 0's side: a listener the workers connect to; `accept` once all said ready."""
+    """Rank 0's side: a listener the workers connect to; `accept` takes them all, then closes."""
 
-    def __init__(self, host: str):
-        self.listener = Listener((host, 0), backlog=1024)
-        self.port = self.listener.address[1]
+    def __init__(self, host: str, key: bytes):
+        self.listener = socket.create_server((host, 0), backlog=1024)
+        self.port = self.listener.getsockname()[1]
+        self.key = key
         self.conns: list[Connection] = []
-        self.pending = StepMessage()
+        self.admits: list[Admit] = []
+        self.encoder = msgspec.msgpack.Encoder()
 
-    def accept(self, num_workers: int, ranks: set[int]) -> None:
-        """Take the workers' connections (each sent its rank first: strangers are refused)."""
-        while len(self.conns) < num_workers:
-            conn = self.listener.accept()
-            if conn.poll(5) and pickle.loads(conn.recv_bytes()) in ranks:
-                self.conns.append(conn)
-            else:
-                conn.close()
+    def accept(self, ranks: set[int], timeout_s: float, watch: Callable[[], None] = lambda: None) -> None:
+        """Take one authenticated connection per rank; refuse (and log) anything else. `watch`
+        raises if a rank failed meanwhile."""
+        waiting, deadline = set(ranks), time.monotonic() + timeout_s
+        while waiting:
+            watch()
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"tensor-parallel start-up: rank(s) {sorted(waiting)} did not join the "
+                                   f"step channel within {timeout_s:.0f}s")
+            if not select.select([self.listener], [], [], _ACCEPT_POLL_S)[0]:
+                continue
+            sock, addr = self.listener.accept()
+            try:
+                rank = verify_worker(sock, self.key, waiting, HANDSHAKE_TIMEOUT_S)
+            except OSError as exc:  # AuthenticationError, a timeout, a reset
+                log.warning("step channel: refused a connection from %s:%s: %s", addr[0], addr[1],
+                            str(exc) or type(exc).__name__)
+                sock.close()
+                continue
+            waiting.discard(rank)
+            sock.setblocking(True)  # Connection reads the raw descriptor: blocking, no timeout
+            self.conns.append(Connection(sock.detach()))
+        self.listener.close()  # everyone is in: from now on the port refuses connections
 
     def admit(self, slot: int, prompt_ids: list[int], params: SamplingParams, outputs: list[int]) -> None:
         # Workers need a slot's params for sampling; its history only when penalties read it.
         history = params.uses_penalties
-        self.pending.admits.append((slot, prompt_ids if history else [], params,
-                                    list(outputs) if history else []))
+        self.admits.append(Admit(slot, prompt_ids if history else [], params, list(outputs) if history else []))
 
     def launch(self, batch: ScheduledBatch) -> None:
-        msg, self.pending = self.pending, StepMessage()
-        msg.step = batch.step
-        msg.rows = [(r.req.slot, r.req.seed, *(getattr(r, f) for f in ROW_FIELDS)) for r in batch.rows]
-        self._send(msg)
+        admits, self.admits = self.admits, []
+        self._send(Step(batch.step, admits, [_row_tuple(r) for r in batch.rows]))
 
     def stop(self) -> None:
-        self._send(StepMessage(stop=True))
+        self._send(Stop())
 
-    def _send(self, msg: StepMessage) -> None:
-        data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+    def _send(self, msg: Step | Stop) -> None:
+        data = self.encoder.encode(msg)
         for conn in self.conns:
             conn.send_bytes(data)
 
@@ -81,22 +101,37 @@ class StepSender:
 class StepReceiver:
     """A worker's side: turns messages back into start_request calls and ScheduledBatches."""
 
-    def __init__(self, host: str, port: int, rank: int):
-        self.conn = Client((host, port))
-        self.conn.send_bytes(pickle.dumps(rank))
-        self.params: dict[int, SamplingParams] = {}
+    def __init__(self, conn: Connection):
+        self.conn = conn
+        self.decoder = msgspec.msgpack.Decoder(Message)
+        self.reqs: dict[int, Request] = {}  # by slot: what a row's sampling reads
 
-    def recv(self, timeout_s: float) -> StepMessage | None:
+    @classmethod
+    def connect(cls, host: str, port: int, rank: int, key: bytes, timeout_s: float) -> StepReceiver:
+        sock = socket.create_connection((host, port), timeout=timeout_s)
+        try:
+            prove(sock, key, rank, timeout_s)  # rank 0 challenges once every rank is ready
+        except BaseException:
+            sock.close()
+            raise
+        sock.setblocking(True)
+        return cls(Connection(sock.detach()))
+
+    def recv(self, timeout_s: float) -> Step | Stop | None:
         """The next message, or None after `timeout_s` without one."""
         if not self.conn.poll(timeout_s):
             return None
-        return pickle.loads(self.conn.recv_bytes())
+        return self.decoder.decode(self.conn.recv_bytes())
 
-    def batch(self, msg: StepMessage) -> ScheduledBatch:
+    def admit(self, a: Admit) -> None:
+        self.reqs[a.slot] = Request("", [], a.params, 0, max_samples=0, slot=a.slot)
+
+    def batch(self, msg: Step) -> ScheduledBatch:
         rows = []
-        for slot, seed, *values in msg.rows:
-            req = Request("", [], self.params[slot], seed, max_samples=0, slot=slot)
-            rows.append(Row(req, **dict(zip(ROW_FIELDS, values))))
+        for w in msg.rows:
+            req = self.reqs[w.slot]
+            req.seed = w.seed  # read when this step is launched, before the next message
+            rows.append(Row(req, *msgspec.structs.astuple(w)[2:]))
         return ScheduledBatch(msg.step, rows)
 
     def close(self) -> None:

@@ -10,14 +10,10 @@ WorkerDiedError with that reason.
 from __future__ import annotations
 
 import atexit
-import base64
 import datetime
-import json
 import logging
-import pickle
 import signal
 import subprocess
-import sys
 import threading
 import time
 
@@ -25,10 +21,11 @@ import torch
 import torch.distributed as dist
 
 from tandem.config import EngineConfig
+from tandem.distributed.auth import group_secret
 from tandem.distributed.channel import StepSender
 from tandem.distributed.group import TPGroup
-from tandem.distributed.runtime import (RankInfo, Rendezvous, WorkerDiedError, init_collectives,
-                                        parallel_env)
+from tandem.distributed.runtime import RankInfo, Rendezvous, WorkerDiedError, parallel_env
+from tandem.distributed.worker import start_worker
 
 log = logging.getLogger("tandem")
 
@@ -46,6 +43,7 @@ class Leader:
         if device.type == "cuda" and torch.cuda.device_count() < per_node:
             raise ValueError(f"tensor_parallel_size={n} over {nnodes} node(s) needs {per_node} GPUs "
                              f"per node; this node has {torch.cuda.device_count()}")
+        secret = group_secret(nnodes)
         parallel_env()
         self.cfg, self.device, self.timeout_s = cfg, device, cfg.dist_timeout_s
         self.tp = TPGroup(0, n)
@@ -58,27 +56,26 @@ class Leader:
         self.store = dist.TCPStore(host, cfg.master_port or 0, n, is_master=True, wait_for_workers=False,
                                    timeout=datetime.timedelta(seconds=self.timeout_s))
         self.info = RankInfo(0, n, 0, host, self.store.port)
-        self.sender = StepSender(host)
+        self.sender = StepSender(host, secret.encode())
         self.store.set("steps", f"{host}:{self.sender.port}")
         self.rdv = Rendezvous(self.store, self.info, self.timeout_s, watch=self._watch_startup)
         for rank in range(1, per_node):
-            self.procs[rank] = start_worker(cfg, RankInfo(rank, n, rank, host, self.store.port))
+            self.procs[rank] = start_worker(cfg, RankInfo(rank, n, rank, host, self.store.port), secret)
         atexit.register(self.close)  # a forgotten close() still stops the workers
         log.info("tensor parallel: %d ranks (%d started here), rendezvous at %s:%d",
                  n, len(self.procs), host, self.store.port)
 
     # ---- start-up ----
     def agree_min(self, key: str, value: int) -> int:
-        self.rdv.publish(key, str(value))
-        return min(int(v) for v in self.rdv.gather(key))
+        return self.rdv.agree_min(key, value)
 
     def connect(self, device: torch.device) -> None:
-        init_collectives(self.info, self.store, device, self.timeout_s)
+        self.rdv.join(device)
 
     def ready(self) -> None:
         self.rdv.publish("ready", "1")
-        self.rdv.gather("ready")  # every worker connected to the sender before saying ready
-        self.sender.accept(self.info.size - 1, set(range(1, self.info.size)))
+        self.rdv.gather("ready")  # every worker built its engine; each connects to the sender next
+        self.sender.accept(set(range(1, self.info.size)), self.timeout_s, watch=self.rdv.poll)
         threading.Thread(target=self._watchdog, name="tandem-tp-watchdog", daemon=True).start()
 
     def _watch_startup(self) -> None:
@@ -151,13 +148,6 @@ class Leader:
             else:  # a dead peer: a polite destroy could wait for it
                 dist.distributed_c10d._abort_process_group()
         self.store = None
-
-
-def start_worker(cfg: EngineConfig, info: RankInfo) -> subprocess.Popen:
-    spec = {"rank": info.rank, "size": info.size, "local_rank": info.local_rank,
-            "store_host": info.store_host, "store_port": info.store_port,
-            "config": base64.b64encode(pickle.dumps(cfg)).decode()}
-    return subprocess.Popen([sys.executable, "-m", "tandem.distributed.worker", json.dumps(spec)])
 
 
 def _describe(code: int | None) -> str:

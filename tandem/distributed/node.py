@@ -1,6 +1,7 @@
 """A node other than rank 0's in a multi-node tensor-parallel group: start this node's
 ranks, wait while they serve, stop them all when one ends or this process is told to.
 
+    export TANDEM_TP_SECRET=...  # the same on every node: the step channel admits no one else
     # node 0 (rank 0 runs the engine and its node's other ranks):
     tandem serve --model M --tp 16 --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 --master-port 29500
     # node 1:
@@ -13,8 +14,9 @@ import signal
 import time
 
 from tandem.config import EngineConfig
-from tandem.distributed.leader import start_worker
+from tandem.distributed.auth import group_secret
 from tandem.distributed.runtime import RankInfo
+from tandem.distributed.worker import start_worker
 
 log = logging.getLogger("tandem")
 
@@ -27,8 +29,9 @@ def run_node(cfg: EngineConfig) -> int:
                          f"of nnodes={nnodes}")
     if cfg.master_port is None:
         raise ValueError("a multi-node group needs master_port (rank 0's rendezvous port)")
+    secret = group_secret(nnodes)
     per_node = n // nnodes
-    procs = [start_worker(cfg, RankInfo(node * per_node + i, n, i, cfg.master_addr, cfg.master_port))
+    procs = [start_worker(cfg, RankInfo(node * per_node + i, n, i, cfg.master_addr, cfg.master_port), secret)
              for i in range(per_node)]
     log.info("node %d: ranks %d-%d started", node, node * per_node, (node + 1) * per_node - 1)
     stop = []

@@ -76,14 +76,9 @@ class Rendezvous:
 
     def gather(self, key: str) -> list[str]:
         keys = [f"{key}/{r}" for r in range(self.info.size)]
-        errors = [f"error/{r}" for r in range(self.info.size)]
         deadline = time.monotonic() + self.timeout_s
         while not self.store.check(keys):
-            for r, err in enumerate(errors):
-                if self.store.check([err]):
-                    raise RuntimeError(f"tensor-parallel rank {r} failed to start: "
-                                       f"{self.store.get(err).decode()}")
-            self.watch()
+            self.poll()
             if time.monotonic() > deadline:
                 missing = [k for k in keys if not self.store.check([k])]
                 raise TimeoutError(f"tensor-parallel start-up: no {', '.join(missing)} after "
@@ -91,17 +86,29 @@ class Rendezvous:
             time.sleep(_POLL_S)
         return [self.store.get(k).decode() for k in keys]
 
+    def poll(self) -> None:
+        """Raise if any rank reported a start-up failure (or `watch` finds a problem)."""
+        for r in range(self.info.size):
+            err = f"error/{r}"
+            if self.store.check([err]):
+                raise RuntimeError(f"tensor-parallel rank {r} failed to start: {self.store.get(err).decode()}")
+        self.watch()
 
-def init_collectives(info: RankInfo, store: dist.Store, device: torch.device, timeout_s: float) -> None:
-    """Join the default process group: NCCL on CUDA (NVLink multicast off), gloo on the CPU."""
-    if dist.is_initialized():
-        raise RuntimeError("torch.distributed is already initialized in this process; one "
-                           "tensor-parallel engine per process")
-    cuda = device.type == "cuda"
-    dist.init_process_group("nccl" if cuda else "gloo", store=dist.PrefixStore("pg", store),
-                            rank=info.rank, world_size=info.size,
-                            timeout=datetime.timedelta(seconds=timeout_s),
-                            device_id=torch.device("cuda", info.local_rank) if cuda else None)
+    def agree_min(self, key: str, value: int) -> int:
+        """The smallest `value` any rank brings (every rank gets the same answer)."""
+        self.publish(key, str(value))
+        return min(int(v) for v in self.gather(key))
+
+    def join(self, device: torch.device) -> None:
+        """Join the default process group: NCCL on CUDA (NVLink multicast off), gloo on the CPU."""
+        if dist.is_initialized():
+            raise RuntimeError("torch.distributed is already initialized in this process; one "
+                               "tensor-parallel engine per process")
+        cuda, info = device.type == "cuda", self.info
+        dist.init_process_group("nccl" if cuda else "gloo", store=dist.PrefixStore("pg", self.store),
+                                rank=info.rank, world_size=info.size,
+                                timeout=datetime.timedelta(seconds=self.timeout_s),
+                                device_id=torch.device("cuda", info.local_rank) if cuda else None)
 
 
 def parallel_env() -> None:

@@ -1,25 +1,27 @@
 """A tensor-parallel worker: builds the same engine as rank 0 on its shard, then launches
-each step rank 0 sends (`python -m tandem.distributed.worker SPEC`)."""
+each step rank 0 sends (`python -m tandem.distributed.worker SPEC`, started by `start_worker`;
+the step channel's secret comes in the environment)."""
 from __future__ import annotations
 
-import base64
 import ctypes
 import faulthandler
 import datetime
-import json
 import logging
 import os
-import pickle
 import signal
+import subprocess
 import sys
 
+import msgspec
 import torch
 import torch.distributed as dist
 
 from tandem.config import EngineConfig
+from tandem.distributed.auth import SECRET_ENV
 from tandem.distributed.channel import StepReceiver
 from tandem.distributed.group import TPGroup
-from tandem.distributed.runtime import RankInfo, Rendezvous, init_collectives
+from tandem.distributed.runtime import RankInfo, Rendezvous
+from tandem.distributed.wire import Stop
 
 log = logging.getLogger("tandem")
 
@@ -27,9 +29,22 @@ log = logging.getLogger("tandem")
 _IDLE_POLL_S = 1.0
 
 
+class Spec(msgspec.Struct):
+    """A worker's command line (JSON): its place in the group and the engine's config."""
+
+    info: RankInfo
+    config: EngineConfig
+
+
+def start_worker(cfg: EngineConfig, info: RankInfo, secret: str) -> subprocess.Popen:
+    spec = msgspec.json.encode(Spec(info, cfg)).decode()
+    return subprocess.Popen([sys.executable, "-m", "tandem.distributed.worker", spec],
+                            env={**os.environ, SECRET_ENV: secret})
+
+
 class WorkerRuntime:
-    def __init__(self, info: RankInfo, timeout_s: float, device: torch.device):
-        self.info, self.timeout_s = info, timeout_s
+    def __init__(self, info: RankInfo, timeout_s: float, device: torch.device, secret: str):
+        self.info, self.timeout_s, self.secret = info, timeout_s, secret
         if device.type == "cuda":
             torch.cuda.set_device(info.local_rank)
         self.store = dist.TCPStore(info.store_host, info.store_port, info.size, is_master=False,
@@ -39,16 +54,15 @@ class WorkerRuntime:
         self.sender, self.failure, self.receiver = None, None, None
 
     def agree_min(self, key: str, value: int) -> int:
-        self.rdv.publish(key, str(value))
-        return min(int(v) for v in self.rdv.gather(key))
+        return self.rdv.agree_min(key, value)
 
     def connect(self, device: torch.device) -> None:
-        init_collectives(self.info, self.store, device, self.timeout_s)
+        self.rdv.join(device)
 
     def ready(self) -> None:
+        self.rdv.publish("ready", "1")  # first: rank 0 challenges the workers once all are ready
         host, _, port = self.store.get("steps").decode().rpartition(":")
-        self.receiver = StepReceiver(host, int(port), self.info.rank)  # connected before "ready"
-        self.rdv.publish("ready", "1")
+        self.receiver = StepReceiver.connect(host, int(port), self.info.rank, self.secret.encode(), self.timeout_s)
 
     def check(self, grace_s: float = 0.0) -> None:
         pass
@@ -71,11 +85,11 @@ def serve(engine, receiver: StepReceiver, parent: int) -> None:
                 log.warning("rank %d: rank 0 is gone; exiting", engine.parallel.info.rank)
                 return
             continue
-        if msg.stop:
+        if isinstance(msg, Stop):
             break
-        for slot, prompt_ids, params, outputs in msg.admits:
-            receiver.params[slot] = params
-            runner.start_request(slot, prompt_ids, params, outputs)
+        for a in msg.admits:
+            receiver.admit(a)
+            runner.start_request(a.slot, a.prompt_ids, a.params, a.outputs)
         launched = runner.launch(receiver.batch(msg))
         if pending is not None:
             pending.host.wait()
@@ -85,18 +99,18 @@ def serve(engine, receiver: StepReceiver, parent: int) -> None:
 
 
 def main(argv: list[str]) -> int:
-    spec = json.loads(argv[0])
+    spec = msgspec.json.decode(argv[0], type=Spec)
+    secret = os.environ.pop(SECRET_ENV, "")  # not inherited by anything this process starts
     _die_with_parent()
     parent = os.getppid()
+    cfg, info = spec.config, spec.info
     logging.basicConfig(level=logging.INFO,
-                        format=f"%(asctime)s tp-rank{spec['rank']} %(levelname)s %(message)s")
+                        format=f"%(asctime)s tp-rank{info.rank} %(levelname)s %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the group; rank 0 stops us
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 PID` prints where a worker is stuck
-    cfg: EngineConfig = pickle.loads(base64.b64decode(spec["config"]))  # from our own parent
-    info = RankInfo(spec["rank"], spec["size"], spec["local_rank"], spec["store_host"], spec["store_port"])
     from tandem.config import resolve_device
     from tandem.engine import Engine
-    runtime = WorkerRuntime(info, cfg.dist_timeout_s, resolve_device(cfg.device))
+    runtime = WorkerRuntime(info, cfg.dist_timeout_s, resolve_device(cfg.device), secret)
     try:
         engine = Engine(cfg, parallel=runtime)
     except Exception as exc:
