@@ -10,13 +10,15 @@ from multiprocessing.connection import Connection
 import msgspec
 import pytest
 
-from tandem.distributed import channel
+from tandem import LLM
+from tandem.distributed import channel, leader
 from tandem.distributed.auth import SECRET_ENV, AuthenticationError, group_secret, prove
 from tandem.distributed.channel import StepReceiver, StepSender
 from tandem.distributed.wire import Stop
 from tandem.request import Request
 from tandem.sampling import SamplingParams
 from tandem.scheduler.batch import Row, ScheduledBatch
+from tiny_models import make_tiny_model
 
 KEY = b"the group's secret, 32 bytes...."
 
@@ -191,10 +193,6 @@ def test_engine_refuses_strangers_at_start_up_and_keeps_working(tmp_path, monkey
     pickle protocol (a payload that runs code) and with a guessed secret: both are refused and
     logged, nothing runs, the tokens are the one-rank engine's, and once the workers are in
     the port is closed."""
-    from tandem import LLM
-    from tandem.distributed import leader
-    from tiny_models import make_tiny_model
-
     path = make_tiny_model(tmp_path, "llama")
     marker = str(tmp_path / "pwned")
     real, strangers = leader.StepSender, []
