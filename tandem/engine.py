@@ -17,7 +17,7 @@ import torch
 
 from tandem import lifetime
 from tandem.attention import make_attention_backend
-from tandem.diagnostics.errors import FatalErrorGuard
+from tandem.diagnostics.errors import EngineDeadError, FatalErrorGuard, first_line, is_out_of_memory
 from tandem.distributed import start_parallel
 from tandem.diagnostics.timeline import StepRecord, Timeline
 from tandem.grammar import GrammarManager
@@ -319,12 +319,17 @@ class Engine:
             raise ValueError("stop strings need a tokenizer; this model has none")
 
     def abort(self, request_id: str) -> None:
+        self._end(request_id, "abort")
+
+    def _end(self, request_id: str, reason: str, error: str | None = None) -> None:
+        """Finish a request from outside the sampled tokens (abort, or a step that failed);
+        the caller gets its final output at the next step."""
         req = self.requests.get(request_id)
         if req is None or req.finished:
             return
-        self._finish(req, "abort")
-        self._carried.append(StepOutput(request_id, [], req.text.finish() if req.text else "", True, "abort",
-                                        num_cached_tokens=req.num_cached_tokens))
+        self._finish(req, reason)
+        self._carried.append(StepOutput(request_id, [], req.text.finish() if req.text else "", True, reason,
+                                        num_cached_tokens=req.num_cached_tokens, error=error))
 
     def has_unfinished(self) -> bool:
         return not self.closed and (self.scheduler.has_work() or self.pending is not None
@@ -377,17 +382,31 @@ class Engine:
 
     def _step(self) -> list[StepOutput]:
         outputs, self._carried = self._carried, []
+        try:
+            self._run_step(outputs)
+        except BaseException:
+            self._carried = outputs + self._carried  # nothing processed is lost: the next step() returns it
+            raise
+        outputs += self._carried  # requests failed with their step
+        self._carried = []
+        return outputs
+
+    def _run_step(self, outputs: list[StepOutput]) -> None:
         self._admit_compiled(outputs)
         t0 = perf_counter()
         batch = self.scheduler.schedule(self.step_id, drain=lambda: self._drain(outputs))
         if batch is None:  # nothing to launch: the pending result is processed at once
             self._drain(outputs)
-            return outputs
+            return
         masked = self.grammar.constrains(batch)
         if self.pending is not None and (self._process_first(batch) or (masked and not self.cfg.grammar_overlap)):
             self._drain(outputs)
         t1 = perf_counter()
-        launched = self.runner.launch(batch, defer_sampling=masked)
+        try:
+            launched = self.runner.launch(batch, defer_sampling=masked)
+        except BaseException as exc:
+            self._launch_failed(batch, exc)
+            return
         if self.timeline is not None:
             launched.record = _step_record(batch, t0, t1, perf_counter())
             self.timeline.add(launched.record)
@@ -401,7 +420,22 @@ class Engine:
             self._drain(outputs)
         if self.prefix_cache.debug:
             self.prefix_cache.check(self.scheduler.kv_holders())
-        return outputs
+
+    def _launch_failed(self, batch: ScheduledBatch, exc: BaseException) -> None:
+        """A step that did not launch commits nothing: its plan is rolled back, so no KV slot,
+        table row or counter refers to it. Out of memory fails just the step's requests, with
+        the error as their status, and the engine keeps serving the rest; anything else (an
+        interrupt, a bug, a sticky CUDA error) propagates to the caller, who may step on."""
+        self.scheduler.rollback(batch.step)
+        if self.runner.mirror is not None:  # the workers already run this step: ranks cannot agree now
+            raise EngineDeadError(f"tensor-parallel step launch failed on rank 0: {first_line(exc)}") from exc
+        if not is_out_of_memory(exc):
+            raise  # called from the launch's except clause: re-raises exc with its traceback
+        message = f"the engine could not run this request's step: {first_line(exc)}"
+        log.error("step %d failed to launch; failing its %d requests: %s", batch.step, len(batch.rows),
+                  first_line(exc), exc_info=exc)
+        for row in batch.rows:
+            self._end(row.req.rid, "error", message)
 
     def _admit_compiled(self, outputs: list[StepOutput]) -> None:
         """Constrained requests enter the scheduler once their grammar compiled."""

@@ -20,6 +20,7 @@ class StepOutput:
     finish_reason: str | None = None
     new_logprobs: list[TokenLogprob] | None = None
     num_cached_tokens: int = 0  # set when finished: prompt tokens reused from the prefix cache
+    error: str | None = None  # finish_reason "error": why the engine could not run the request
 
 
 @dataclass

@@ -488,3 +488,31 @@ def test_engine_exits_when_the_front_end_is_killed(tiny_text_model, tmp_path):
         while not _gone(engine_pid):
             assert time.monotonic() - killed < 5, "the engine outlived the front end"
             time.sleep(0.05)
+
+
+def test_a_choice_the_engine_failed_fails_its_request_and_stops_the_siblings():
+    """A step that failed (out of memory) finishes its requests with an error: the HTTP request
+    gets a 500 (an error event when streaming), and its other choices stop in the engine."""
+    from tandem.server import protocol as P
+    from tandem.server.errors import APIError
+    from tandem.server.generation import Generation
+
+    class Client:
+        aborted: list[str] = []
+
+        def abort(self, ids: list[str]) -> None:
+            self.aborted += ids
+
+    gen = Generation(Client(), "cmpl-x", [[1], [2]], [None, None])
+    gen._queue.put_nowait((1, P.Delta("cmpl-x-1", [5], "a", False, None, None)))
+    gen._queue.put_nowait((0, P.Delta("cmpl-x-0", [], "", True, "error", None, 0,
+                                      "the engine could not run this request's step: OutOfMemoryError")))
+
+    async def consume():
+        return [d async for d in gen.deltas()]
+
+    with pytest.raises(APIError) as failed:
+        asyncio.run(consume())
+    assert failed.value.status == 500 and "OutOfMemoryError" in failed.value.message
+    assert failed.value.body()["error"]["type"] == "server_error"
+    assert gen.client.aborted == ["cmpl-x-1"]

@@ -32,9 +32,11 @@ def random_specs(n: int, vocab: int, seed: int, stop_pool: list[str] = (),
     return specs
 
 
-def run_workload(engine: Engine, specs: list[Spec], arrive_per_step: int = 8) -> dict:
+def run_workload(engine: Engine, specs: list[Spec], arrive_per_step: int = 8,
+                 step_errors: tuple[type[BaseException], ...] = ()) -> dict:
     """Requests arrive a few per step; aborts fire when a request has seen `abort_after`
-    tokens (token counts, not step numbers, so overlap on and off abort at the same place)."""
+    tokens (token counts, not step numbers, so overlap on and off abort at the same place).
+    A step that raises one of `step_errors` is stepped past, as a caller that caught it would."""
     pending, results, seen = list(specs), {}, {}
     by_rid = {s.rid: s for s in specs}
     while pending or engine.has_unfinished():
@@ -44,7 +46,11 @@ def run_workload(engine: Engine, specs: list[Spec], arrive_per_step: int = 8) ->
             if spec.abort_after == 0:
                 engine.abort(spec.rid)
         pending = pending[arrive_per_step:]
-        for out in engine.step():
+        try:
+            outs = engine.step()
+        except step_errors:
+            continue
+        for out in outs:
             seen[out.request_id] += len(out.new_token_ids)
             limit = by_rid[out.request_id].abort_after
             if not out.finished and limit is not None and seen[out.request_id] >= limit:

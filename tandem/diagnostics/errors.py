@@ -73,6 +73,12 @@ def is_sticky_cuda_error(exc: BaseException | None) -> bool:
     return False
 
 
+def is_out_of_memory(exc: BaseException) -> bool:
+    """Device (torch.OutOfMemoryError) or host memory ran out: the work that asked for it
+    fails, the engine does not."""
+    return type(exc).__name__ == "OutOfMemoryError" or isinstance(exc, MemoryError)
+
+
 class EngineDeadError(RuntimeError):
     """The engine stopped after a sticky CUDA error; the process must be restarted."""
 

@@ -9,6 +9,7 @@ from tqdm import tqdm
 
 from tandem.config import EngineConfig
 from tandem.engine import Engine
+from tandem.entrypoints.interrupts import interrupts_between_steps
 from tandem.outputs import RequestOutput
 from tandem.sampling import SamplingParams
 
@@ -56,23 +57,26 @@ class LLM:
         prompts = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(prompts))
         groups: list[list[str]] = []
-        try:
-            for prompt, sp in zip(prompts, params):
-                groups.append([])  # before adding: a failure part-way still cancels what was added
-                for seq in sp.samples():
-                    groups[-1].append(engine.add_request(prompt, seq))
-            self._run(sum(len(g) for g in groups), use_tqdm)
-            return [_merge([engine.output(rid) for rid in g], sp) for g, sp in zip(groups, params)]
-        finally:
-            if not engine.dead:  # a dead CUDA context (or worker) must not be touched again
-                engine.cancel([rid for g in groups for rid in g])  # on error too: nothing leaked
+        with interrupts_between_steps() as check_interrupt:
+            try:
+                for prompt, sp in zip(prompts, params):
+                    groups.append([])  # before adding: a failure part-way still cancels what was added
+                    for seq in sp.samples():
+                        groups[-1].append(engine.add_request(prompt, seq))
+                self._run(sum(len(g) for g in groups), use_tqdm, check_interrupt)
+                outputs = [_merge([engine.output(rid) for rid in g], sp) for g, sp in zip(groups, params)]
+            finally:
+                if not engine.dead:  # a dead CUDA context (or worker) must not be touched again
+                    engine.cancel([rid for g in groups for rid in g])  # on error too: nothing leaked
+        return outputs  # a request whose step failed has finish_reason 'error' (the engine logs why)
 
-    def _run(self, num_sequences: int, use_tqdm: bool) -> None:
+    def _run(self, num_sequences: int, use_tqdm: bool, check_interrupt) -> None:
         engine = self.engine
         bar = tqdm(total=num_sequences, desc="generate", unit="seq", dynamic_ncols=True,
                    disable=not use_tqdm or num_sequences < 2)
         tokens, start = 0, time.perf_counter()
         while engine.has_unfinished():
+            check_interrupt()  # Ctrl-C lands here, between steps
             outs = engine.step()
             tokens += sum(len(o.new_token_ids) for o in outs)
             bar.update(sum(o.finished for o in outs))

@@ -7,7 +7,7 @@ KV slots come from the prefix cache, which evicts unused cached prefixes before 
 scheduler considers preempting a running request.
 """
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 from tandem.memory.allocator import SlotAllocator
@@ -25,6 +25,16 @@ class SchedulerConfig:
     schedule_policy: str = "fcfs"  # or "lpm": longest cached prefix first
     # Table entries of reused prefixes one step may write (they travel in the staging buffer).
     max_reused_tokens_per_step: int = 1 << 16
+
+
+@dataclass
+class _Journal:
+    """What one `schedule()` changed, so that a plan that never launched can be given back."""
+
+    step: int
+    kv_slots: list[int] = field(default_factory=list)  # allocated for the plan's rows
+    admitted: list[Request] = field(default_factory=list)
+    committed: list[tuple[Row, int]] = field(default_factory=list)  # (row, the request's last_step before)
 
 
 SCHEDULE_POLICIES = ("fcfs", "lpm")
@@ -48,6 +58,7 @@ class Scheduler:
         self.running: list[Request] = []
         self._deferred: list[Request] = []  # finished, but queued GPU work may still read their KV
         self.num_preemptions = 0
+        self._journal: _Journal | None = None  # the last plan's changes, until the next plan
 
     # ---- queue ----
     def add(self, req: Request) -> None:
@@ -88,20 +99,53 @@ class Scheduler:
     # ---- planning a step ----
     def schedule(self, step: int, drain: Callable[[], None]) -> ScheduledBatch | None:
         """Plan the next step. `drain` processes the in-flight result; it is called only when
-        memory runs out and preemption may be needed (preempting needs every token known)."""
-        rows = self._plan(step, drain)
-        if not rows and self.has_work():
-            drain()  # results may finish requests or free memory
+        memory runs out and preemption may be needed (preempting needs every token known).
+
+        Transactional: if planning raises, everything it admitted or allocated is given back;
+        if the plan's launch fails, `rollback` gives it back."""
+        self._journal = _Journal(step)
+        try:
             rows = self._plan(step, drain)
-            # Partial prefills can hold all memory between them: recompute the newest.
-            while not rows and len(self.running) > 1:
-                self._preempt(self.running[-1])
+            if not rows and self.has_work():
+                drain()  # results may finish requests or free memory
                 rows = self._plan(step, drain)
-        if not rows:
-            return None
-        for row in rows:
-            self._commit(row, step)
-        return ScheduledBatch(step=step, rows=rows)
+                # Partial prefills can hold all memory between them: recompute the newest.
+                while not rows and len(self.running) > 1:
+                    self._preempt(self.running[-1])
+                    rows = self._plan(step, drain)
+            for row in rows:
+                self._commit(row, step)
+        except BaseException:
+            self.rollback(step)
+            raise
+        return ScheduledBatch(step=step, rows=rows) if rows else None
+
+    def rollback(self, step: int) -> None:
+        """Undo the plan of `step` (its launch failed, or planning itself did): as if it was
+        never planned. Its requests keep their earlier state; those it admitted wait again at
+        the queue's head. Lifetime: nothing launched wrote the plan's KV slots, so they are
+        free at once (a partly queued forward's writes are ordered before any later reader)."""
+        journal, self._journal = self._journal, None
+        assert journal is not None and journal.step == step, "rollback of a plan that is not the last"
+        for row, last_step in reversed(journal.committed):
+            req = row.req
+            del req.kv_slots[len(req.kv_slots) - row.num_new:]
+            req.num_computed -= row.num_new
+            if row.sample_index is not None:
+                req.num_scheduled_samples -= 1
+            if row.cached_prefix is not None:
+                req.table_pending = len(row.cached_prefix)
+            req.last_step = last_step
+        self.cache.kv_slots.free(journal.kv_slots)
+        for req in reversed(journal.admitted):  # each may have got part-way through _admit
+            if req in self.running:
+                self.running.remove(req)
+            if req.slot:
+                self.req_slots.free([req.slot])
+            self.cache.undo_admit(req)
+            req.slot, req.num_computed, req.status = 0, 0, Status.WAITING
+            if req not in self.waiting:
+                self.waiting.appendleft(req)
 
     def _plan(self, step: int, drain: Callable[[], None]) -> list[Row]:
         self.running = [r for r in self.running if not r.finished]
@@ -123,6 +167,7 @@ class Scheduler:
 
     def _commit(self, row: Row, step: int) -> None:
         req = row.req
+        self._journal.committed.append((row, req.last_step))
         req.kv_slots.extend(row.kv_slots)
         req.num_computed += row.num_new
         if row.sample_index is not None:
@@ -139,7 +184,7 @@ class Scheduler:
             while sum(r.can_decode for r in self.running) > self.cache.available():
                 self._preempt(self.running[-1])
             reqs = [r for r in self.running if r.can_decode]
-        slots = self.cache.alloc(len(reqs))
+        slots = self._alloc(len(reqs))
         return [Row(r, r.num_computed, [s], None, r.num_scheduled_samples) for r, s in zip(reqs, slots)]
 
     def _preempt(self, req: Request) -> None:
@@ -184,7 +229,6 @@ class Scheduler:
                 self.cache.undo_admit(req)  # it waits for a step with room
                 break
             reused += matched
-            self.waiting.remove(req)
             self._admit(req, matched)
             pending |= self._pending_prefixes([req])
             row = self._chunk(req, budget, reserve)
@@ -226,6 +270,8 @@ class Scheduler:
         return budget if size is None else min(size, budget)
 
     def _admit(self, req: Request, matched: int) -> None:
+        self._journal.admitted.append(req)  # first: a failure from here on is rolled back
+        self.waiting.remove(req)
         req.slot = self.req_slots.alloc(1)[0]
         req.status = Status.RUNNING
         req.num_computed = req.table_pending = matched  # the cached prefix counts as computed
@@ -246,4 +292,9 @@ class Scheduler:
         ids = fill[req.num_computed:req.num_computed + n]
         sample = req.num_scheduled_samples if req.num_computed + n == req.prefill_target else None
         cached = req.kv_slots[:req.table_pending] if req.table_pending else None
-        return Row(req, req.num_computed, self.cache.alloc(n), ids, sample, cached)
+        return Row(req, req.num_computed, self._alloc(n), ids, sample, cached)
+
+    def _alloc(self, n: int) -> list[int]:
+        slots = self.cache.alloc(n)
+        self._journal.kv_slots += slots
+        return slots

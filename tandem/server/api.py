@@ -252,6 +252,10 @@ def create_app(state: ServerState, api_key: str | None = None,
     return app
 
 
+def _stream_error(exc: EngineDead | APIError) -> dict:
+    return exc.body() if isinstance(exc, APIError) else error_body(503, str(exc))
+
+
 async def _completion_stream(gen: Generation, env: Envelope, names: TokenNames, usage: _StreamUsage,
                              echo: list[str] | None, n: int) -> AsyncIterator[bytes]:
     offsets = [0] * len(gen.rids)
@@ -264,8 +268,8 @@ async def _completion_stream(gen: Generation, env: Envelope, names: TokenNames, 
             usage.count(index, d)
             yield _sse(usage.add(env.completion_chunk(index, d, names, offsets[index])))
             offsets[index] += len(d.text)
-    except EngineDead as exc:
-        yield _sse(error_body(503, str(exc)))
+    except (EngineDead, APIError) as exc:  # headers are sent: the error is the stream's last event
+        yield _sse(_stream_error(exc))
         return
     if usage.final:
         yield _sse(usage.chunk(env, "text_completion"))
@@ -291,8 +295,8 @@ async def _chat_stream(gen: Generation, env: Envelope, names: TokenNames, usage:
             delta = {"content": d.text} if d.text or d.token_ids else {}
             chunk = env.chat_chunk(index, delta, d.finish_reason if d.finished else None, lps)
             yield _sse(usage.add(chunk))
-    except EngineDead as exc:
-        yield _sse(error_body(503, str(exc)))
+    except (EngineDead, APIError) as exc:  # headers are sent: the error is the stream's last event
+        yield _sse(_stream_error(exc))
         return
     if usage.final:
         yield _sse(usage.chunk(env, "chat.completion.chunk"))

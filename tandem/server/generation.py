@@ -6,7 +6,7 @@ from typing import AsyncIterator
 
 from tandem.server import protocol as P
 from tandem.server.client import EngineClient
-from tandem.server.errors import EngineDead
+from tandem.server.errors import APIError, EngineDead
 
 
 class Generation:
@@ -32,6 +32,9 @@ class Generation:
             index, delta = item
             if delta.finished:
                 self._unfinished.discard(index)
+            if delta.error is not None:  # the engine failed this choice: the whole request fails
+                self.abort()
+                raise APIError(500, delta.error, code="engine_error")
             yield index, delta
 
     def abort(self) -> None:

@@ -75,6 +75,7 @@ class Delta(msgspec.Struct, array_like=True):
     finish_reason: str | None
     logprobs: list[Logprob] | None
     cached_tokens: int = 0  # on the last delta: prompt tokens whose KV came from the prefix cache
+    error: str | None = None  # finish_reason "error": the engine could not run the request
 
 
 class Rejection(msgspec.Struct):
