@@ -387,6 +387,36 @@ async def _queue_full_then_engine_killed(url: str, engine_pid: int) -> None:
     await c.close()
 
 
+def test_restart_engine_replaces_a_dead_engine(tiny_text_model, tmp_path):
+    """--restart-engine: the in-flight stream fails with the engine's death, a new engine
+    process serves the same requests afterwards (same greedy output), metrics say so."""
+    log = tmp_path / "server.log"
+    with running_server(tiny_text_model, log, "--restart-engine") as (url, proc):
+        c = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        before = c.completions.create(model="llama", prompt="hi", max_tokens=8, **GREEDY).choices[0].text
+        first_pid = httpx.get(url + "/health").json()["engine_pid"]
+
+        async def killed_mid_stream():
+            ac = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+            stream = await ac.completions.create(model="llama", prompt="hi", max_tokens=120, stream=True, **GREEDY)
+            await stream.__anext__()
+            os.kill(first_pid, signal.SIGKILL)
+            with pytest.raises(openai.APIError, match="engine process exited"):
+                await asyncio.wait_for(_drain(stream), 10)
+            await ac.close()
+        asyncio.run(killed_mid_stream())
+        deadline = time.monotonic() + 90
+        while (r := httpx.get(url + "/health", timeout=5)).status_code != 200:
+            assert "engine" in r.json()["error"]["message"]
+            assert time.monotonic() < deadline, "the engine was not restarted"
+            time.sleep(0.2)
+        assert r.json()["engine_pid"] != first_pid
+        assert c.completions.create(model="llama", prompt="hi", max_tokens=8, **GREEDY).choices[0].text == before
+        m = _metrics(url)
+        assert m["tandem_engine_up"] == 1 and m["tandem_engine_restarts_total"] == 1
+    assert "engine restarted" in log.read_text()
+
+
 async def _drain(stream) -> None:
     async for _ in stream:
         pass

@@ -55,6 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
     p.add_argument("--max-waiting-requests", type=int, default=1024,
                    help="requests queued beyond this get 503 with Retry-After")
+    p.add_argument("--restart-engine", action="store_true",
+                   help="start a new engine process when one dies (its in-flight requests fail with 503)")
     p.add_argument("--strict-api", action="store_true",
                    help="refuse requests with fields no OpenAI or vLLM schema has (default: ignore "
                         "them with a warning)")
@@ -150,7 +152,7 @@ def _engine_client(cfg: EngineConfig, args: argparse.Namespace, metrics, client_
     """One engine, or `--dp` of them behind a router; on CUDA replica i gets the visible GPUs
     [i * tp, (i + 1) * tp)."""
     if args.dp == 1:
-        return client_cls(cfg, args.max_waiting_requests, metrics)
+        return client_cls(cfg, args.max_waiting_requests, metrics, restart=args.restart_engine)
     import os
 
     import torch
@@ -162,6 +164,6 @@ def _engine_client(cfg: EngineConfig, args: argparse.Namespace, metrics, client_
     if cuda and args.dp * tp > count:
         raise ValueError(f"--dp {args.dp} x --tp {tp} needs {args.dp * tp} GPUs; {count} visible")
     replicas = [client_cls(cfg, args.max_waiting_requests, ReplicaMetrics(metrics, i),
-                           ",".join(pool[i * tp:(i + 1) * tp]) if cuda else None)
+                           ",".join(pool[i * tp:(i + 1) * tp]) if cuda else None, restart=args.restart_engine)
                 for i in range(args.dp)]
     return ReplicaRouter(replicas, metrics)

@@ -41,20 +41,33 @@ class _Tracked:
     last_token: float | None = None
 
 
+# --restart-engine: an engine that dies within this many seconds of its start is restarted
+# only after a back-off (doubling up to RESTART_MAX_DELAY_S), so a crash loop does not spin.
+RESTART_QUICK_DEATH_S = 30.0
+RESTART_MAX_DELAY_S = 30.0
+
+
 class EngineClient:
-    def __init__(self, config: EngineConfig, max_waiting: int, metrics: Metrics, gpus: str | None = None):
+    def __init__(self, config: EngineConfig, max_waiting: int, metrics: Metrics, gpus: str | None = None,
+                 restart: bool = False):
         self.config, self.max_waiting, self.metrics, self.gpus = config, max_waiting, metrics, gpus
+        self.restart = restart  # start a new engine process when one dies
         self.ready: P.Ready | None = None
         self.dead: str | None = None  # why the engine is gone, once it is
         self._failure: str | None = None  # the engine's own last word (its first fatal error)
         self._tracked: dict[str, _Tracked] = {}
         self._closing = False
         self.proc: multiprocessing.process.BaseProcess | None = None
+        self._started_at = 0.0
+        self._quick_deaths = 0
+        self._restarting: asyncio.Task | None = None
+        self._transport_open = False
 
     # ---- lifecycle ----
     async def start(self) -> P.Ready:
         """Start the engine process and wait until its model is loaded."""
         self._dir = tempfile.mkdtemp(prefix="tandem-")
+        self._transport_open = True
         inbound, outbound = f"ipc://{self._dir}/in", f"ipc://{self._dir}/out"
         self._ctx, self._actx = zmq.Context(), zmq.asyncio.Context()
         self._push = self._ctx.socket(zmq.PUSH)
@@ -83,15 +96,19 @@ class EngineClient:
         loop = asyncio.get_running_loop()
         loop.add_reader(self.proc.sentinel, self._on_engine_exit)
         self._reader = asyncio.create_task(self._read_loop())
+        self._started_at = time.monotonic()
         return msg
 
     async def close(self) -> None:
         """Stop the engine (politely, then by force) and release sockets; safe after a failed start."""
         self._closing = True
+        if self._restarting is not None:
+            self._restarting.cancel()
+            await asyncio.gather(self._restarting, return_exceptions=True)
         if self.ready is not None:
             asyncio.get_running_loop().remove_reader(self.proc.sentinel)
             self._reader.cancel()
-        if not hasattr(self, "_push"):
+        if not self._transport_open:
             return
         if getattr(self, "proc", None) is not None and self.proc.is_alive():
             self._send(P.Shutdown())
@@ -99,6 +116,13 @@ class EngineClient:
             if self.proc.is_alive():
                 self.proc.kill()
                 await asyncio.to_thread(self.proc.join, 5)
+        self._release_transport()
+
+    def _release_transport(self) -> None:
+        """Sockets, contexts and the IPC folder of the current engine process."""
+        if not self._transport_open:
+            return
+        self._transport_open = False
         self._push.close(0)
         self._pull.close(0)
         self._ctx.term()
@@ -113,6 +137,32 @@ class EngineClient:
         if not self._closing:
             log.error("%s; failing %d in-flight requests", self.dead, len(self._tracked))
         self._fail_tracked(self.dead)
+        if self.restart and not self._closing:
+            self._restarting = asyncio.create_task(self._restart())
+
+    async def _restart(self) -> None:
+        """--restart-engine: a fresh engine process (the in-flight requests were failed with 503;
+        new ones get 503 until it is ready)."""
+        self._reader.cancel()
+        await asyncio.gather(self._reader, return_exceptions=True)
+        self._release_transport()
+        quick = time.monotonic() - self._started_at < RESTART_QUICK_DEATH_S
+        self._quick_deaths = self._quick_deaths + 1 if quick else 0
+        while True:
+            delay = min(RESTART_MAX_DELAY_S, 2.0 ** (self._quick_deaths - 1)) if self._quick_deaths else 0.0
+            self.dead = f"the engine is restarting ({self.dead})"
+            log.warning("restarting the engine%s", f" in {delay:g} s" if delay else "")
+            await asyncio.sleep(delay)
+            try:
+                await self.start()
+                break
+            except Exception as exc:  # a failed start is retried with the same back-off
+                log.error("engine restart failed: %s", exc)
+                self._release_transport()
+                self._quick_deaths += 1
+        self.dead = self._failure = None
+        self.metrics.engine_restarts.inc()
+        log.warning("engine restarted (pid %d)", self.proc.pid)
 
     def fail_all(self, reason: str) -> None:
         """Fail every in-flight request now (the drain timed out): the engine stops them, their

@@ -24,6 +24,8 @@ class Metrics:
                               "step, recent steps (CUDA)", registry=r)
         self.engine_up = Gauge("tandem_engine_up", "1 while the engine process serves, 0 once it is gone",
                                registry=r)
+        self.engine_restarts = Counter("tandem_engine_restarts", "Engine processes started again after "
+                                       "one died (--restart-engine)", registry=r)
         self.kv_cache_usage = Gauge("tandem_kv_cache_usage", "Fraction of KV cache slots in use (0..1)",
                                     registry=r)
         self.prompt_tokens = Counter("tandem_prompt_tokens", "Prompt tokens of accepted requests",
