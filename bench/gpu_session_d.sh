@@ -27,7 +27,7 @@ for part in "$@"; do
         --json "$OUT/prefix-llama8b-shared.json" 2>&1 | tail -4 ;;
     final)  # the merged tree: GPU tests of every issue, then decode latency (kernels + warm start)
       TANDEM_TEST_DEVICE=cuda timeout 300 python3 -m pytest -q tests/test_gpu.py tests/test_gpu_memory.py \
-        tests/test_gpu_grammar.py tests/test_small_m_gemm.py tests/test_prefix_cache.py \
+        tests/test_gpu_grammar.py tests/test_small_m_gemm.py tests/test_prefix_cache.py tests/test_step_faults.py \
         "tests/test_engine.py::test_overlap_on_and_off_are_token_identical" -m "gpu or not gpu" -s -p no:cacheprovider \
         > "$OUT/gpu_final_tests.log" 2>&1; echo "rc=$?"; grep -E "passed|failed|^FAILED|^memory:" "$OUT/gpu_final_tests.log" | tail -12
       timeout 120 python3 -m tandem.bench.latency --preset qwen3-0.6b --batch-sizes 1,16,64 --steps 40 \

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from tandem import LLM, SamplingParams
-from workload import random_specs, run_workload
+from workload import random_specs, run_workload, step_without_host_syncs
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -24,12 +24,7 @@ def test_steady_decode_loop_has_no_hidden_sync(tiny_text_model):
                              presence_penalty=0.5 if t else 0.0, ignore_eos=True) for t in (0, 0.8)]
     for i, p in enumerate(params * 8):
         engine.add_request([5 + i, 6, 7, 8] * (3 + i), p, request_id=f"g{i}")
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        while engine.has_unfinished():
-            engine.step()
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
+    step_without_host_syncs(engine)
     assert all(len(engine.output(f"g{i}").token_ids) == 24 for i in range(16))
 
 

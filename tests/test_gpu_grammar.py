@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from tandem import LLM, SamplingParams
+from workload import step_without_host_syncs
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -35,12 +36,7 @@ def test_grammar_path_adds_no_host_sync(tiny_text_model):
     while engine.grammar.compiling:  # compiled off the loop; keep compilation out of the guard
         engine.grammar.compiling[0][1].result()
         engine.step()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        while engine.has_unfinished():
-            engine.step()
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
+    step_without_host_syncs(engine)
     assert engine.grammar.masked_steps > 0
     for i in range(16):
         out = engine.output(f"g{i}")

@@ -68,3 +68,15 @@ def assert_kv_conserved(engine: Engine) -> None:
     assert s["kv_free_tokens"] + s["prefix_cache_tokens"] == s["kv_capacity_tokens"], s
     assert engine.prefix_cache.tree.locked_tokens == 0
     assert engine.req_slots.num_free == engine.req_slots.count
+
+
+def step_without_host_syncs(engine: Engine) -> None:
+    """Step until nothing is left, with CUDA's sync debug mode on: any host sync inside the
+    loop (other than the one sanctioned completion wait) raises."""
+    import torch
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        while engine.has_unfinished():
+            engine.step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
