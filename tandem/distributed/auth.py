@@ -1,8 +1,9 @@
 """Who may join the step channel: peers that prove they hold the group's secret.
 
 On one node rank 0 draws a random secret per engine and hands it to the workers it starts
-through their environment (never argv, which every local user can read). Across nodes the
-operator sets the same TANDEM_TP_SECRET on each. Before any step travels, both ends run an
+through their environment (never argv, which every local user can read). Across nodes, and
+under torchrun (which starts the ranks, not tandem), the operator sets the same
+TANDEM_TP_SECRET on each. Before any step travels, both ends run an
 HMAC-SHA256 challenge-response: rank 0 refuses a peer without the secret, and a worker
 refuses a rank 0 without it (the rendezvous store that names rank 0's address takes writes
 from anyone). Frames have fixed sizes and are read under a timeout, so a stranger can
@@ -31,11 +32,16 @@ def group_secret(nnodes: int) -> str:
     """One node: a fresh random secret. Several: the operator's, the same on every node."""
     if nnodes == 1:
         return secrets.token_hex(32)
+    return operator_secret("a multi-node tensor-parallel group")
+
+
+def operator_secret(group: str) -> str:
+    """The secret the operator gave every process of `group` (whoever starts the ranks hands
+    them the secret: tandem when it spawns them, the operator otherwise)."""
     secret = os.environ.get(SECRET_ENV, "")
     if len(secret) < MIN_SECRET_CHARS:
-        raise ValueError(f"a multi-node tensor-parallel group needs the same secret of at least "
-                         f"{MIN_SECRET_CHARS} characters in {SECRET_ENV} on every node "
-                         f"(e.g. `export {SECRET_ENV}=$(openssl rand -hex 32)`)")
+        raise ValueError(f"{group} needs the same secret of at least {MIN_SECRET_CHARS} characters in "
+                         f"{SECRET_ENV} on every node (e.g. `export {SECRET_ENV}=$(openssl rand -hex 32)`)")
     return secret
 
 

@@ -47,7 +47,7 @@ class StepSender:
         self.listener = socket.create_server((host, 0), backlog=1024)
         self.port = self.listener.getsockname()[1]
         self.key = key
-        self.conns: list[Connection] = []
+        self.conns: dict[int, Connection] = {}  # by rank
         self.admits: list[Admit] = []
         self.encoder = msgspec.msgpack.Encoder()
 
@@ -72,7 +72,7 @@ class StepSender:
                 continue
             waiting.discard(rank)
             sock.setblocking(True)  # Connection reads the raw descriptor: blocking, no timeout
-            self.conns.append(Connection(sock.detach()))
+            self.conns[rank] = Connection(sock.detach())
         self.listener.close()  # everyone is in: from now on the port refuses connections
 
     def admit(self, slot: int, prompt_ids: list[int], params: SamplingParams, outputs: list[int]) -> None:
@@ -87,13 +87,20 @@ class StepSender:
     def stop(self) -> None:
         self._send(Stop())
 
+    def closed_ranks(self) -> list[int]:
+        """Ranks whose connection ended: workers never write, so a readable socket is its end."""
+        try:
+            return [rank for rank, conn in self.conns.items() if conn.poll(0)]
+        except OSError:  # closed by close() meanwhile: rank 0 is stopping
+            return []
+
     def _send(self, msg: Step | Stop) -> None:
         data = self.encoder.encode(msg)
-        for conn in self.conns:
+        for conn in self.conns.values():
             conn.send_bytes(data)
 
     def close(self) -> None:
-        for conn in self.conns:
+        for conn in self.conns.values():
             conn.close()
         self.listener.close()
 

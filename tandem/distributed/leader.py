@@ -2,15 +2,16 @@
 
 Workers are plain subprocesses (`python -m tandem.distributed.worker`): they work from a
 daemonic parent too (the server's engine process) and die with their parent (PDEATHSIG).
-A watchdog thread polls them; when one exits unexpectedly it records why, aborts the
-NCCL communicator (so a rank-0 wait inside a collective returns instead of hanging) and
-stops the other workers; the engine's next step (or the failing one) raises
-WorkerDiedError with that reason.
+A watchdog thread polls them, and the step channel of every rank (ranks on other nodes or
+started by torchrun are not our children: their channel closing says they ended); when one
+ends unexpectedly it records why, aborts the NCCL communicator (so a rank-0 wait inside a
+collective returns instead of hanging) and stops the other workers; the engine's next step
+(or the failing one) raises WorkerDiedError with that reason.
 """
 from __future__ import annotations
 
 import atexit
-import datetime
+import dataclasses
 import logging
 import signal
 import subprocess
@@ -21,10 +22,10 @@ import torch
 import torch.distributed as dist
 
 from tandem.config import EngineConfig
-from tandem.distributed.auth import group_secret
 from tandem.distributed.channel import StepSender
 from tandem.distributed.group import TPGroup
-from tandem.distributed.runtime import RankInfo, Rendezvous, WorkerDiedError, parallel_env
+from tandem.distributed.layout import Layout
+from tandem.distributed.runtime import RankInfo, Rendezvous, WorkerDiedError, open_store, parallel_env
 from tandem.distributed.worker import start_worker
 
 log = logging.getLogger("tandem")
@@ -33,37 +34,31 @@ _WATCH_S = 0.1
 
 
 class Leader:
-    def __init__(self, cfg: EngineConfig, device: torch.device):
-        n, nnodes = cfg.tensor_parallel_size, cfg.nnodes
-        if n % nnodes:
-            raise ValueError(f"tensor_parallel_size={n} must be a multiple of nnodes={nnodes}")
-        per_node = n // nnodes
-        if nnodes > 1 and cfg.master_port is None:
-            raise ValueError("a multi-node group needs master_port (the rendezvous port on this node)")
+    def __init__(self, cfg: EngineConfig, device: torch.device, layout: Layout):
+        n, per_node = layout.size, layout.per_node
         if device.type == "cuda" and torch.cuda.device_count() < per_node:
-            raise ValueError(f"tensor_parallel_size={n} over {nnodes} node(s) needs {per_node} GPUs "
+            raise ValueError(f"tensor_parallel_size={n} over {layout.nnodes} node(s) needs {per_node} GPUs "
                              f"per node; this node has {torch.cuda.device_count()}")
-        secret = group_secret(nnodes)
         parallel_env()
         self.cfg, self.device, self.timeout_s = cfg, device, cfg.dist_timeout_s
         self.tp = TPGroup(0, n)
         self.failure: str | None = None
-        self._closing = False
+        self._closing = self._ready = False
         self.procs: dict[int, subprocess.Popen] = {}
         if device.type == "cuda":
-            torch.cuda.set_device(0)
-        host = cfg.master_addr if nnodes > 1 else "127.0.0.1"
-        self.store = dist.TCPStore(host, cfg.master_port or 0, n, is_master=True, wait_for_workers=False,
-                                   timeout=datetime.timedelta(seconds=self.timeout_s))
-        self.info = RankInfo(0, n, 0, host, self.store.port)
-        self.sender = StepSender(host, secret.encode())
-        self.store.set("steps", f"{host}:{self.sender.port}")
+            torch.cuda.set_device(layout.local_rank)
+        info = RankInfo(0, n, layout.local_rank, layout.store_host, layout.store_port, layout.store_prefix)
+        tcp, self.store = open_store(info, layout.host_store, self.timeout_s)
+        self.info = dataclasses.replace(info, store_port=tcp.port)  # the free port it got, if 0
+        self.sender = StepSender(layout.channel_bind, layout.secret.encode())
+        self.store.set("steps", f"{layout.channel_host}:{self.sender.port}")
         self.rdv = Rendezvous(self.store, self.info, self.timeout_s, watch=self._watch_startup)
-        for rank in range(1, per_node):
-            self.procs[rank] = start_worker(cfg, RankInfo(rank, n, rank, host, self.store.port), secret)
+        for rank in range(1, per_node) if layout.spawn else ():
+            self.procs[rank] = start_worker(cfg, dataclasses.replace(self.info, rank=rank, local_rank=rank),
+                                            layout.secret)
         atexit.register(self.close)  # a forgotten close() still stops the workers
         log.info("tensor parallel: %d ranks (%d started here), rendezvous at %s:%d",
-                 n, len(self.procs), host, self.store.port)
+                 n, len(self.procs), layout.store_host, tcp.port)
 
     # ---- start-up ----
     def agree_min(self, key: str, value: int) -> int:
@@ -77,6 +72,7 @@ class Leader:
         self.rdv.gather("ready")  # every worker built its engine; each connects to the sender next
         self.sender.accept(set(range(1, self.info.size)), self.timeout_s, watch=self.rdv.poll)
         threading.Thread(target=self._watchdog, name="tandem-tp-watchdog", daemon=True).start()
+        self._ready = True
 
     def _watch_startup(self) -> None:
         for rank, proc in self.procs.items():
@@ -98,14 +94,22 @@ class Leader:
         """Record the first worker found dead; True if one is."""
         if self.failure is not None:
             return True
+        if self._closing:
+            return False
         for rank, proc in self.procs.items():
-            if proc.poll() is not None and not self._closing:
-                self.failure = (f"tensor-parallel worker rank {rank} (pid {proc.pid}) died "
-                                f"({_describe(proc.returncode)}); the engine is stopped")
-                log.error("%s", self.failure)
-                self._abort()
-                return True
+            if proc.poll() is not None:
+                return self._failed(f"tensor-parallel worker rank {rank} (pid {proc.pid}) died "
+                                    f"({_describe(proc.returncode)}); the engine is stopped")
+        for rank in self.sender.closed_ranks():  # a rank this process did not start (torchrun, another node)
+            return self._failed(f"tensor-parallel worker rank {rank} closed its step channel (its process "
+                                f"ended); the engine is stopped")
         return False
+
+    def _failed(self, reason: str) -> bool:
+        self.failure = reason
+        log.error("%s", reason)
+        self._abort()
+        return True
 
     def _watchdog(self) -> None:
         while not self._closing and not self._poll():
@@ -132,6 +136,11 @@ class Leader:
         if self.failure is None:
             try:
                 self.sender.stop()
+            except Exception:
+                pass
+        if not self._ready:  # start-up failed here: ranks we did not start stop waiting for us
+            try:
+                self.rdv.fail("rank 0 stopped during start-up; its log says why")
             except Exception:
                 pass
         deadline = time.monotonic() + 10

@@ -36,6 +36,7 @@ class RankInfo:
     local_rank: int
     store_host: str
     store_port: int
+    store_prefix: str = ""  # the group's keys in a store others share (torchrun's agent's)
 
 
 class SingleProcess:
@@ -71,8 +72,13 @@ class Rendezvous:
     def publish(self, key: str, value: str) -> None:
         self.store.set(f"{key}/{self.info.rank}", value)
 
-    def fail(self, message: str) -> None:
+    def fail(self, message: str, linger_s: float = 0.0) -> None:
+        """Report a start-up failure, then wait up to `linger_s` until rank 0 has read it:
+        torchrun stops the whole group once one rank exits, which could cut rank 0 short."""
         self.store.set(f"error/{self.info.rank}", message)
+        deadline = time.monotonic() + linger_s
+        while time.monotonic() < deadline and not self.store.check([f"error_seen/{self.info.rank}"]):
+            time.sleep(_POLL_S)
 
     def gather(self, key: str) -> list[str]:
         keys = [f"{key}/{r}" for r in range(self.info.size)]
@@ -91,7 +97,11 @@ class Rendezvous:
         for r in range(self.info.size):
             err = f"error/{r}"
             if self.store.check([err]):
-                raise RuntimeError(f"tensor-parallel rank {r} failed to start: {self.store.get(err).decode()}")
+                message = f"tensor-parallel rank {r} failed to start: {self.store.get(err).decode()}"
+                if r != self.info.rank:
+                    log.error("%s", message)  # said before the rank may exit (torchrun then stops us)
+                    self.store.set(f"error_seen/{r}", "1")
+                raise RuntimeError(message)
         self.watch()
 
     def agree_min(self, key: str, value: int) -> int:
@@ -109,6 +119,14 @@ class Rendezvous:
                                 rank=info.rank, world_size=info.size,
                                 timeout=datetime.timedelta(seconds=self.timeout_s),
                                 device_id=torch.device("cuda", info.local_rank) if cuda else None)
+
+
+def open_store(info: RankInfo, is_master: bool, timeout_s: float) -> tuple[dist.TCPStore, dist.Store]:
+    """The rendezvous store (its port is the one it got when `info.store_port` is 0) and the
+    group's view of it (under `info.store_prefix`)."""
+    tcp = dist.TCPStore(info.store_host, info.store_port, info.size, is_master=is_master,
+                        wait_for_workers=False, timeout=datetime.timedelta(seconds=timeout_s))
+    return tcp, (dist.PrefixStore(info.store_prefix, tcp) if info.store_prefix else tcp)
 
 
 def parallel_env() -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import ctypes
 import faulthandler
-import datetime
 import logging
 import os
 import signal
@@ -20,7 +19,7 @@ from tandem.config import EngineConfig
 from tandem.distributed.auth import SECRET_ENV
 from tandem.distributed.channel import StepReceiver
 from tandem.distributed.group import TPGroup
-from tandem.distributed.runtime import RankInfo, Rendezvous
+from tandem.distributed.runtime import RankInfo, Rendezvous, open_store
 from tandem.distributed.wire import Stop
 
 log = logging.getLogger("tandem")
@@ -47,8 +46,7 @@ class WorkerRuntime:
         self.info, self.timeout_s, self.secret = info, timeout_s, secret
         if device.type == "cuda":
             torch.cuda.set_device(info.local_rank)
-        self.store = dist.TCPStore(info.store_host, info.store_port, info.size, is_master=False,
-                                   timeout=datetime.timedelta(seconds=timeout_s))
+        _, self.store = open_store(info, False, timeout_s)
         self.rdv = Rendezvous(self.store, info, timeout_s)
         self.tp = TPGroup(info.rank, info.size)
         self.sender, self.failure, self.receiver = None, None, None
@@ -74,16 +72,21 @@ class WorkerRuntime:
             dist.destroy_process_group()
 
 
-def serve(engine, receiver: StepReceiver, parent: int) -> None:
+def serve(engine, receiver: StepReceiver, parent: int) -> bool:
     """Launch every step rank 0 sends, in order, keeping one step in flight as rank 0 does
-    (lifetime rule of the staging and result rings: step N - 2 is complete before step N)."""
+    (lifetime rule of the staging and result rings: step N - 2 is complete before step N).
+    True when rank 0 said stop; False when rank 0 is gone."""
     runner, pending = engine.runner, None
     while True:
-        msg = receiver.recv(_IDLE_POLL_S)
+        try:
+            msg = receiver.recv(_IDLE_POLL_S)
+            gone = msg is None and os.getppid() != parent
+        except (EOFError, OSError):  # the channel closed without a Stop
+            msg, gone = None, True
+        if gone:
+            log.warning("rank %d: rank 0 is gone; exiting", engine.parallel.info.rank)
+            return False
         if msg is None:
-            if os.getppid() != parent:
-                log.warning("rank %d: rank 0 is gone; exiting", engine.parallel.info.rank)
-                return
             continue
         if isinstance(msg, Stop):
             break
@@ -96,14 +99,20 @@ def serve(engine, receiver: StepReceiver, parent: int) -> None:
         pending = launched
     if pending is not None:
         pending.host.wait()
+    return True
 
 
 def main(argv: list[str]) -> int:
     spec = msgspec.json.decode(argv[0], type=Spec)
     secret = os.environ.pop(SECRET_ENV, "")  # not inherited by anything this process starts
     _die_with_parent()
+    return run(spec.config, spec.info, secret, linger_s=0.0)
+
+
+def run(cfg: EngineConfig, info: RankInfo, secret: str, linger_s: float) -> int:
+    """Build this rank's engine and serve rank 0's steps until it stops; the exit code.
+    `linger_s`: after a start-up failure, wait that long for rank 0 to read it."""
     parent = os.getppid()
-    cfg, info = spec.config, spec.info
     logging.basicConfig(level=logging.INFO,
                         format=f"%(asctime)s tp-rank{info.rank} %(levelname)s %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the group; rank 0 stops us
@@ -115,13 +124,12 @@ def main(argv: list[str]) -> int:
         engine = Engine(cfg, parallel=runtime)
     except Exception as exc:
         log.exception("rank %d failed to start", info.rank)
-        runtime.rdv.fail(f"{type(exc).__name__}: {exc}")
+        runtime.rdv.fail(f"{type(exc).__name__}: {exc}", linger_s)
         return 1
     try:
-        serve(engine, runtime.receiver, parent)
+        return 0 if serve(engine, runtime.receiver, parent) else 1
     finally:
         runtime.close()
-    return 0
 
 
 def _die_with_parent() -> None:

@@ -9,6 +9,7 @@ import types
 from pathlib import Path
 
 from tandem.config import EngineConfig
+from tandem.distributed.torchrun import run_worker_rank, torchrun_env, torchrun_layout
 
 log = logging.getLogger("tandem.server")
 
@@ -90,6 +91,12 @@ def main(argv: list[str]) -> int:
         return 2
     cfg = EngineConfig(model=args.model, **{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)
                                             if f.name not in _NOT_OPTIONS})
+    torchrun = torchrun_env() if cfg.tensor_parallel_size > 1 else None
+    if torchrun is not None and args.dp > 1:
+        log.error("--dp > 1 with --tp > 1 under torchrun: torchrun starts one group (WORLD_SIZE = --tp)")
+        return 2
+    if torchrun is not None and torchrun.rank > 0:  # a torchrun worker rank: its engine only, no HTTP
+        return run_worker_rank(cfg, torchrun, torchrun_layout(cfg, torchrun))
     if cfg.node_rank > 0:  # a multi-node group's other node: its ranks only, no HTTP
         from tandem.distributed.node import run_node
         return run_node(cfg)
