@@ -100,7 +100,9 @@ class Leader:
             if proc.poll() is not None:
                 return self._failed(f"tensor-parallel worker rank {rank} (pid {proc.pid}) died "
                                     f"({_describe(proc.returncode)}); the engine is stopped")
-        for rank in self.sender.closed_ranks():  # a rank this process did not start (torchrun, another node)
+        # A rank this process did not start (torchrun, another node); ours are reported by their
+        # exit status, seen a moment after their socket closes.
+        for rank in set(self.sender.closed_ranks()) - self.procs.keys():
             return self._failed(f"tensor-parallel worker rank {rank} closed its step channel (its process "
                                 f"ended); the engine is stopped")
         return False
