@@ -203,9 +203,10 @@ def test_a_worker_ranks_start_up_failure_is_one_clear_error_on_rank_0(tmp_path, 
     assert not _children()
 
 
-def test_serve_refuses_dp_with_tp_under_torchrun(monkeypatch, caplog):
+@pytest.mark.parametrize("flag", [["--dp", "2"], ["--restart-engine"]])
+def test_serve_refuses_more_engines_under_torchrun(monkeypatch, caplog, flag):
     from tandem.server.cli import main
     for k, v in _torchrun_env(0, 2, 1).items():
         monkeypatch.setenv(k, v)
-    assert main(["--tp", "2", "--dp", "2", "--device", "cpu"]) == 2
-    assert "--dp > 1 with --tp > 1 under torchrun" in caplog.text
+    assert main(["--tp", "2", "--device", "cpu", *flag]) == 2
+    assert "do not work with --tp > 1 under torchrun" in caplog.text

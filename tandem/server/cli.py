@@ -92,8 +92,9 @@ def main(argv: list[str]) -> int:
     cfg = EngineConfig(model=args.model, **{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)
                                             if f.name not in _NOT_OPTIONS})
     torchrun = torchrun_env() if cfg.tensor_parallel_size > 1 else None
-    if torchrun is not None and args.dp > 1:
-        log.error("--dp > 1 with --tp > 1 under torchrun: torchrun starts one group (WORLD_SIZE = --tp)")
+    if torchrun is not None and (args.dp > 1 or args.restart_engine):  # torchrun's ranks serve one engine
+        log.error("--dp > 1 and --restart-engine do not work with --tp > 1 under torchrun: its ranks "
+                  "serve one engine (WORLD_SIZE = --tp) and end with it")
         return 2
     if torchrun is not None and torchrun.rank > 0:  # a torchrun worker rank: its engine only, no HTTP
         return run_worker_rank(cfg, torchrun, torchrun_layout(cfg, torchrun))
