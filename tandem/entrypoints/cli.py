@@ -163,7 +163,7 @@ def chat_main(argv: list[str]) -> int:
 def bench_main(argv: list[str]) -> int:
     kinds = {"latency": "tandem.bench.latency:main", "offline": "tandem.bench.offline:main",
              "serve": "tandem.bench.serve:bench_serve_main", "prefix": "tandem.bench.prefix:main",
-             "grammar": "tandem.bench.grammar:main"}
+             "grammar": "tandem.bench.grammar:main", "soak": "tandem.bench.soak:main"}
     if not argv or argv[0] not in kinds:
         print(f"usage: tandem bench {{{','.join(kinds)}}} [options]", file=sys.stderr)
         return 2
@@ -197,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
               "  generate    generate text from a prompt, streamed to the terminal\n"
               "  chat        interactive chat on the same engine\n"
               "  serve       OpenAI-compatible HTTP server\n"
-              "  bench       benchmarks: latency | offline | serve | prefix | grammar\n"
+              "  bench       benchmarks: latency | offline | serve | prefix | grammar | soak\n"
               "  profile     traces and a timeline plot, overlap on vs off\n"
               "  sync-audit  find host syncs in the engine loop (CUDA)\n\n"
               "examples:\n"

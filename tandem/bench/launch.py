@@ -1,0 +1,105 @@
+"""Start `python -m tandem.server` as a child process and read what it reports.
+
+For benchmarks that own their server (`tandem bench soak`): a free port, a log file, a wait
+for /health, and SIGINT on the way out (the server's clean stop). Also the readers a caller
+needs afterwards: the engine's pid, /metrics as numbers, the settled state (nothing running,
+waiting or holding KV), a process's resident memory.
+"""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import httpx
+
+
+@dataclass
+class ServerProcess:
+    url: str
+    proc: subprocess.Popen
+    engine_pid: int
+    log: Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def running_server(model: str | Path, log: Path, *extra: str, device: str = "auto",
+                   env: dict[str, str] | None = None, start_timeout: float = 300.0) -> Iterator[ServerProcess]:
+    """A server on 127.0.0.1 serving `model`; stopped with SIGINT (then SIGKILL after 30 s)."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "tandem.server", "--model", str(model), "--port", str(port),
+           "--device", device, *extra]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        engine_pid = _wait_healthy(url, proc, log, start_timeout)
+        yield ServerProcess(url, proc, engine_pid, log)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout: float) -> int:
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited early ({proc.returncode}):\n{log.read_text()[-3000:]}")
+        try:
+            r = httpx.get(url + "/health", timeout=1)
+            if r.status_code == 200:
+                return int(r.json()["engine_pid"])
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"server did not come up in {timeout:.0f} s:\n{log.read_text()[-3000:]}")
+        time.sleep(0.3)
+
+
+def metrics(url: str) -> dict[str, float]:
+    """/metrics as {name{labels}: value}."""
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return {m[1]: float(m[2]) for m in re.finditer(r"^([a-z_]+(?:\{[^}]*\})?) ([-+.eE0-9a-z]+)$", text, re.M)}
+
+
+def settled(url: str, kv_usage: float = 0.0, timeout: float = 30.0) -> tuple[bool, dict[str, float]]:
+    """(reached, metrics): wait until nothing runs or waits and KV usage is `kv_usage` (the
+    engine reports after its last step, so this polls)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        m = metrics(url)
+        if (m["tandem_requests_running"], m["tandem_requests_waiting"], m["tandem_kv_cache_usage"]) == (0, 0, kv_usage):
+            return True, m
+        if time.monotonic() > deadline:
+            return False, m
+        time.sleep(0.2)
+
+
+def rss_mib(pid: int) -> float | None:
+    """Resident memory of a live process (VmRSS), None once it is gone."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    return None
