@@ -37,41 +37,31 @@ def free_port() -> int:
 
 
 @contextmanager
-def running_server(model: str | Path, log: Path, *extra: str, device: str = "auto",
-                   env: dict[str, str] | None = None, start_timeout: float = 300.0) -> Iterator[ServerProcess]:
-    """A server on 127.0.0.1 serving `model`; stopped with SIGINT (then SIGKILL after 30 s)."""
-    port = free_port()
-    cmd = [sys.executable, "-m", "tandem.server", "--model", str(model), "--port", str(port),
-           "--device", device, *extra]
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
-    url = f"http://127.0.0.1:{port}"
+def running_servers(*specs: tuple[str | Path, Path, list[str]], device: str = "auto",
+                    env: dict[str, str] | None = None, start_timeout: float = 300.0) -> Iterator[list[ServerProcess]]:
+    """Servers on 127.0.0.1, one per (model, log file, extra options), started together (they
+    load at the same time) and stopped with SIGINT (SIGKILL after 30 s)."""
+    procs: list[tuple[subprocess.Popen, str, Path]] = []
     try:
-        engine_pid = _wait_healthy(url, proc, log, start_timeout)
-        yield ServerProcess(url, proc, engine_pid, log)
+        for model, log, extra in specs:
+            port = free_port()
+            cmd = [sys.executable, "-m", "tandem.server", "--model", str(model), "--port", str(port),
+                   "--device", device, *extra]
+            with open(log, "w") as out:
+                procs.append((subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
+                                               env={**os.environ, **(env or {})}),
+                              f"http://127.0.0.1:{port}", log))
+        yield [ServerProcess(url, proc, _wait_healthy(url, proc, log, start_timeout), log)
+               for proc, url, log in procs]
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
-def _wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout: float) -> int:
-    deadline = time.monotonic() + timeout
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited early ({proc.returncode}):\n{log.read_text()[-3000:]}")
-        try:
-            r = httpx.get(url + "/health", timeout=1)
-            if r.status_code == 200:
-                return int(r.json()["engine_pid"])
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"server did not come up in {timeout:.0f} s:\n{log.read_text()[-3000:]}")
-        time.sleep(0.3)
+        for proc, _, _ in procs:
+            proc.send_signal(signal.SIGINT)
+        for proc, _, _ in procs:
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
 
 
 def metrics(url: str) -> dict[str, float]:

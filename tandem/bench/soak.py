@@ -29,7 +29,7 @@ from pathlib import Path
 import httpx
 
 import tandem
-from tandem.bench.launch import ServerProcess, metrics, rss_mib, running_server, settled
+from tandem.bench.launch import ServerProcess, rss_mib, running_servers, settled
 from tandem.bench.soak_cases import Case, Planner
 from tandem.bench.soak_client import Outcome, send
 
@@ -42,6 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--requests", type=int, default=10_000)
     p.add_argument("--concurrency", type=int, default=32, help="requests in flight")
     p.add_argument("--bad-fraction", type=float, default=0.1, help="share of bad inputs")
+    p.add_argument("--sampled-fraction", type=float, default=0.25,
+                   help="share of well-formed requests sampled (temperature > 0) instead of greedy; on "
+                        "the CPU keep it small: a step with one sampled row draws noise for every row")
     p.add_argument("--model", default=None, help="model path (default: a tiny random Llama with the built-in "
                    "model's tokenizer, written to OUT/model)")
     p.add_argument("--tokenizer", default=None, help="for the tiny model: a saved HF tokenizer directory "
@@ -70,10 +73,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cpu" or args.model is None:
         env["OMP_NUM_THREADS"] = "1"  # tiny models: one thread is fastest, and the cores are shared
     _log(f"starting target and reference servers on {model}")
-    with running_server(model, out / "target.log", *common, *shlex.split(args.server_args), device=args.device,
-                        env=env) as target, \
-            running_server(model, out / "reference.log", *common, *shlex.split(args.reference_args),
-                           device=args.device, env=env) as reference:
+    servers = [(model, out / "target.log", common + shlex.split(args.server_args)),
+               (model, out / "reference.log", common + shlex.split(args.reference_args))]
+    with running_servers(*servers, device=args.device, env=env) as (target, reference):
         report = asyncio.run(soak(args, Path(model), target, reference))
     report["config"] = {**vars(args), "model": str(model), "commit": _commit()}
     (out / "results.json").write_text(json.dumps(report, indent=1))
@@ -86,7 +88,7 @@ async def soak(args: argparse.Namespace, model: Path, target: ServerProcess, ref
     name = httpx.get(target.url + "/v1/models").json()["data"][0]["id"]
     vocab = await asyncio.to_thread(_vocab_size, model)
     planner = Planner(args.seed, name, vocab, args.max_model_len, args.max_request_bytes)
-    cases = planner.plan(args.requests, args.bad_fraction)
+    cases = planner.plan(args.requests, args.bad_fraction, args.sampled_fraction)
     sampler = RssSampler({"front_end": target.proc.pid, "engine": target.engine_pid}, args.rss_interval)
     sampler.sample()
     task = asyncio.create_task(sampler.run())

@@ -56,18 +56,19 @@ class Planner:
         self.id_docs = [[self.rng.randrange(3, vocab_size) for _ in range(64)] for _ in range(6)]
         self.systems = [self._words(self.rng.randint(4, 24)) for _ in range(5)]
 
-    def plan(self, n: int, bad_fraction: float) -> list[Case]:
-        return [self.bad(i) if self.rng.random() < bad_fraction else self.good(i) for i in range(n)]
+    def plan(self, n: int, bad_fraction: float, sampled_fraction: float = 0.25) -> list[Case]:
+        return [self.bad(i) if self.rng.random() < bad_fraction else self.good(i, sampled_fraction)
+                for i in range(n)]
 
     # -- well-formed ----------------------------------------------------------------------
 
-    def good(self, i: int) -> Case:
+    def good(self, i: int, sampled_fraction: float) -> Case:
         r = self.rng
         chat = r.random() < 0.4
         body: dict = {"messages": self._messages()} if chat else {"prompt": self._prompt()}
         if r.random() < 0.5:
             body["model"] = self.model
-        greedy = r.random() < 0.75  # sampled steps cost more on the CPU (noise over the vocabulary)
+        greedy = r.random() >= sampled_fraction
         max_key = "max_completion_tokens" if chat and r.random() < 0.5 else "max_tokens"
         body[max_key] = r.randint(1, 32)
         if greedy:
