@@ -64,6 +64,23 @@ def running_servers(*specs: tuple[str | Path, Path, list[str]], device: str = "a
                 proc.wait()
 
 
+def _wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout: float) -> int:
+    """The engine's pid, once /health answers 200."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited early ({proc.returncode}):\n{log.read_text()[-3000:]}")
+        try:
+            r = httpx.get(url + "/health", timeout=1)
+            if r.status_code == 200:
+                return int(r.json()["engine_pid"])
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"server did not come up in {timeout:.0f} s:\n{log.read_text()[-3000:]}")
+        time.sleep(0.3)
+
+
 def metrics(url: str) -> dict[str, float]:
     """/metrics as {name{labels}: value}."""
     text = httpx.get(url + "/metrics", timeout=10).text
