@@ -15,16 +15,17 @@ from tandem.bench.soak_client import Outcome
 
 @pytest.mark.slow
 def test_small_soak_passes_with_every_check(tiny_text_model, tmp_path):
-    rc = main(["--requests", "240", "--concurrency", "16", "--device", "cpu", "--model", str(tiny_text_model),
-               "--max-model-len", "512", "--bad-fraction", "0.15", "--out", str(tmp_path)])
+    rc = main(["--requests", "200", "--concurrency", "16", "--device", "cpu", "--model", str(tiny_text_model),
+               "--max-model-len", "512", "--bad-fraction", "0.15", "--sampled-fraction", "0.05",
+               "--out", str(tmp_path)])
     report = json.loads((tmp_path / "results.json").read_text())
     c = report["counts"]
     assert rc == 0 and report["passed"], json.dumps({k: report[k] for k in ("counts", "problems", "mismatches")})
     assert (c["mismatches"], c["server_errors_5xx"], c["stream_errors"], c["broken"]) == (0, 0, 0, 0)
     assert c["settled"] and c["kv_usage_after_reset"] == 0
     assert c["bad_refused"] == c["bad"] > 10 and c["bad_accepted"] == 0
-    assert c["greedy_compared"] > 60 and c["disconnected"] > 0 and c["aborted"] > 0
-    assert c["sent"] == 240 == c["completed"] + c["disconnected"] + c["aborted"] + c["bad_refused"] + c["good_refused"]
+    assert c["greedy_compared"] > 80 and c["disconnected"] > 0 and c["aborted"] > 0
+    assert c["sent"] == 200 == c["completed"] + c["disconnected"] + c["aborted"] + c["bad_refused"] + c["good_refused"]
     rss = report["rss_mib"]
     assert all(0 < rss[p]["start"] <= rss[p]["peak"] for p in ("front_end", "engine"))
 
@@ -32,7 +33,7 @@ def test_small_soak_passes_with_every_check(tiny_text_model, tmp_path):
 @pytest.mark.slow
 def test_soak_catches_a_reference_that_answers_differently(tiny_text_model, tmp_path):
     # Same tokenizer and shapes, random weights: every greedy text differs.
-    rc = main(["--requests", "24", "--concurrency", "8", "--device", "cpu", "--model", str(tiny_text_model),
+    rc = main(["--requests", "12", "--concurrency", "8", "--device", "cpu", "--model", str(tiny_text_model),
                "--max-model-len", "512", "--bad-fraction", "0", "--out", str(tmp_path),
                "--reference-args", "--disable-overlap --dummy-weights"])
     report = json.loads((tmp_path / "results.json").read_text())

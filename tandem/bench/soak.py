@@ -12,7 +12,8 @@ Last, sends every distinct greedy request that completed to the reference, one a
 per key, and compares each choice's text and finish reason.
 
 Passes (exit 0) with no mismatch, no 5xx, no error event in a stream, no malformed answer,
-no bad input accepted and no KV left in use. Prints a table; `--out` gets the full JSON.
+no bad input accepted and no KV left in use. Prints a table; `--out` gets the full report
+(results.json), every request with its outcome (requests.jsonl) and the servers' logs.
 """
 from __future__ import annotations
 
@@ -102,6 +103,10 @@ async def soak(args: argparse.Namespace, model: Path, target: ServerProcess, ref
     start = time.monotonic()
     compared, mismatches, ref_errors = await compare_with_reference(reference.url, cases, outcomes,
                                                                    args.concurrency)
+    with open(Path(args.out) / "requests.jsonl", "w") as f:  # every request and what it got
+        for case, o in zip(cases, outcomes):
+            f.write(json.dumps({"path": case.path, "stream": case.stream, "leave": case.leave, "greedy": case.greedy,
+                                "body": case.body[:2000].decode(errors="replace"), **dataclasses.asdict(o)}) + "\n")
     return summarize(cases, outcomes, compared, mismatches, ref_errors, reached, after, sampler,
                      soak_s, time.monotonic() - start, TINY_POOL if args.model is None else None)
 

@@ -87,9 +87,9 @@ class Planner:
             body["stop"] = r.choice(STOPS) if r.random() < 0.3 else r.sample(STOPS, r.randint(1, 4))
         if r.random() < 0.3:
             body["ignore_eos"] = True
-        if r.random() < 0.08:
+        if r.random() < 0.05:
             body["presence_penalty"], body["frequency_penalty"] = round(r.uniform(-1, 1), 2), round(r.uniform(-1, 1), 2)
-        if r.random() < 0.1:
+        if r.random() < 0.05:
             if chat:
                 body["logprobs"], body["top_logprobs"] = True, r.randint(0, 3)
             else:
