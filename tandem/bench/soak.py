@@ -206,8 +206,9 @@ def summarize(cases: list[Case], outcomes: list[Outcome], compared: int, mismatc
     passed = (counts["mismatches"] == 0 and not problems and counts["bad_accepted"] == 0 and reached
               and usage == 0 and not ref_errors)
     bad_kinds = collections.defaultdict(collections.Counter)
-    for c, o in zip(cases, bad):
-        bad_kinds[c.kind][str(o.status)] += 1
+    for c, o in zip(cases, outcomes):
+        if c.kind != "good":
+            bad_kinds[c.kind][str(o.status)] += 1
     return {
         "passed": passed, "counts": counts, "soak_s": soak_s, "reference_s": ref_s,
         "rss_mib": {name: sampler.span(name) for name in sampler.pids}, "rss_samples": sampler.samples,
