@@ -39,6 +39,8 @@ def test_soak_catches_a_reference_that_answers_differently(tiny_text_model, tmp_
     report = json.loads((tmp_path / "results.json").read_text())
     assert rc == 1 and not report["passed"]
     assert 0 < report["counts"]["mismatches"] <= report["counts"]["greedy_compared"]
+    # Each mismatch says where the reference's tokens left the answer and how close the pick was.
+    assert any(m["divergence"] and m["divergence"]["top2_gap"] > 0 for m in report["mismatches"])
 
 
 def test_mismatch_is_any_choice_text_or_finish_reason():

@@ -9,7 +9,9 @@ not, n > 1, stop strings, shared prefixes, clients that disconnect or abort, and
 that must get a 4xx), sampling the resident memory of its front end and engine process.
 Then drops the prefix cache and waits for the target to settle: KV usage must be back to 0.
 Last, sends every distinct greedy request that completed to the reference, one at a time
-per key, and compares each choice's text and finish reason.
+per key, and compares each choice's text and finish reason; for a mismatch it asks the
+reference where the texts diverged and how close that greedy pick was (a near-tie in the
+logits, which other batch shapes may round the other way, or a real difference).
 
 Passes (exit 0) with no mismatch, no 5xx, no error event in a stream, no malformed answer,
 no bad input accepted and no KV left in use. Prints a table; `--out` gets the full report
@@ -33,6 +35,7 @@ import tandem
 from tandem.bench.launch import ServerProcess, rss_mib, running_servers, settled
 from tandem.bench.soak_cases import Case, Planner
 from tandem.bench.soak_client import Outcome, send
+from tandem.bench.soak_triage import NEAR_TIE, divergence
 
 DEFAULT_REFERENCE = "--disable-overlap --no-prefix-caching"
 TINY_POOL = 65536  # KV slots of the default tiny model's servers (so a leak is counted in slots)
@@ -145,7 +148,22 @@ async def compare_with_reference(base: str, cases: list[Case], outcomes: list[Ou
             errors.append({"index": ids[0], "result": ref.result, "status": ref.status, "error": ref.error})
             continue
         mismatches += find_mismatches([outcomes[i] for i in ids], ref, cases[ids[0]].key)
+    await _triage(base, cases, mismatches[:50])
     return sum(len(ids) for ids in by_key.values()), mismatches, errors
+
+
+async def _triage(base: str, cases: list[Case], mismatches: list[dict]) -> None:
+    """Adds to each mismatch where its first differing choice left the reference, and how
+    close that greedy pick was (`tandem.bench.soak_triage`)."""
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600)) as http:
+        for m in mismatches:
+            got, want = m["got"], m["want"]
+            pairs = list(zip(got["texts"], want["texts"], got["finish"], want["finish"]))
+            choice = next((i for i, (a, b, fa, fb) in enumerate(pairs) if (a, fa) != (b, fb)), 0)
+            case = cases[m["index"]]
+            m["choice"] = choice
+            m["divergence"] = await divergence(http, base, case.path, _unstreamed(case.body), choice,
+                                               got["texts"][choice] if got["texts"] else "")
 
 
 def find_mismatches(answers: list[Outcome], ref: Outcome, key: str) -> list[dict]:
@@ -200,6 +218,8 @@ def summarize(cases: list[Case], outcomes: list[Outcome], compared: int, mismatc
         "bad_accepted": sum(o.result == "completed" for o in bad),
         "server_errors_5xx": results["server_error"], "stream_errors": results["stream_error"],
         "broken": results["broken"], "greedy_compared": compared, "mismatches": len(mismatches),
+        "mismatches_near_tie": sum(1 for m in mismatches if (m.get("divergence") or {}).get("top2_gap") is not None
+                                   and m["divergence"]["top2_gap"] < NEAR_TIE),
         "reference_errors": len(ref_errors), "settled": reached, "kv_usage_after_reset": usage,
         "leaked_kv_slots": round(usage * pool) if pool else None,
     }
@@ -231,7 +251,7 @@ def format_table(report: dict) -> str:
         ("bad inputs accepted", c["bad_accepted"]),
         ("5xx / error events / malformed", f"{c['server_errors_5xx']} / {c['stream_errors']} / {c['broken']}"),
         ("greedy answers compared", c["greedy_compared"]),
-        ("mismatches vs reference", c["mismatches"]),
+        ("mismatches vs reference (near-ties)", f"{c['mismatches']} ({c['mismatches_near_tie']})"),
         ("KV in use after reset (slots)", f"{c['kv_usage_after_reset']} ({leaked})"),
         ("soak / reference time (s)", f"{report['soak_s']:.0f} / {report['reference_s']:.0f}"),
     ]
