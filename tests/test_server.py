@@ -8,7 +8,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,47 +18,22 @@ import httpx
 import openai
 import pytest
 
+from tandem.bench.launch import free_port, running_servers
+
 REPO = Path(__file__).resolve().parents[1]
 CONTEXT = 128
 MAX_BODY = 200_000
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextmanager
 def running_server(model: Path, log: Path, *extra: str, tmpdir: Path | None = None):
-    port = _free_port()
-    cmd = [sys.executable, "-m", "tandem.server", "--model", str(model), "--port", str(port),
-           "--device", "cpu", "--max-model-len", str(CONTEXT), "--log-level", "warning", *extra]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    """A server on the tiny model, CPU, with a short context; yields (url, process)."""
+    env = {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     if tmpdir is not None:  # where the server makes its IPC folder
         env["TMPDIR"] = str(tmpdir)
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, f"server exited early:\n{log.read_text()}"
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, f"server did not come up:\n{log.read_text()}"
-            time.sleep(0.3)
-        yield url, proc
-    finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    options = ["--max-model-len", str(CONTEXT), "--log-level", "warning", *extra]
+    with running_servers((model, log, options), device="cpu", env=env, start_timeout=120) as (srv,):
+        yield srv.url, srv.proc
 
 
 @pytest.fixture(scope="module")
@@ -441,7 +415,7 @@ def test_bench_serve_against_the_server(server, tmp_path):
 
 def test_unloadable_model_fails_fast_with_the_reason(tmp_path):
     cmd = [sys.executable, "-m", "tandem.server", "--model", str(tmp_path / "missing"), "--port",
-           str(_free_port()), "--device", "cpu"]
+           str(free_port()), "--device", "cpu"]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=REPO,
                        env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
     assert r.returncode == 1

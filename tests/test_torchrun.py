@@ -4,7 +4,6 @@ disagree with torchrun's environment."""
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -15,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from tandem import LLM, SamplingParams
+from tandem.bench.launch import free_port
 from tandem.config import EngineConfig
 from tandem.distributed.auth import SECRET_ENV
 from tandem.distributed.runtime import WorkerDiedError
@@ -27,12 +27,6 @@ TESTS = Path(__file__).resolve().parent
 SECRET = "a shared secret for this test"
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS.parent), str(TESTS)]), SECRET_ENV: SECRET}
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _tp1_tokens(path) -> list[list[int]]:
@@ -63,7 +57,7 @@ def test_torchrun_two_nodes_matches_tp1(tmp_path):
     """Two torchrun agents (static rendezvous, one rank each) as two nodes on localhost; node 1
     runs `tandem serve --tp 2`, which under torchrun is a worker rank and opens no HTTP port."""
     path = make_tiny_model(tmp_path, "llama-mqa-headdim-llama3rope-tied", vocab_size=251)
-    out, port = tmp_path / "tokens.json", _free_port()
+    out, port = tmp_path / "tokens.json", free_port()
     node = [*TORCHRUN, "--nnodes", "2", "--nproc-per-node", "1", "--master-addr", "127.0.0.1",
             "--master-port", str(port)]
     node1 = subprocess.Popen([*node, "--node-rank", "1", "-m", "tandem.server", "--model", str(path), "--tp", "2",
@@ -85,7 +79,7 @@ def test_torchrun_serves_http_from_rank_0_and_stops_cleanly(tmp_path):
     """`torchrun -m tandem.server --tp 2`: rank 0 serves HTTP, rank 1 only steps; torchrun's
     SIGTERM to every rank lets rank 0 finish (rank 1 waits for its stop) and leaves nothing."""
     path = make_tiny_model(tmp_path, "llama")
-    port = _free_port()
+    port = free_port()
     job = subprocess.Popen([*TORCHRUN, "--standalone", "--nproc-per-node", "2", "-m", "tandem.server", "--model",
                             str(path), "--tp", "2", "--device", "cpu", "--dtype", "float32", "--port", str(port),
                             "--max-total-tokens", "4096"], env=ENV, stderr=subprocess.PIPE, text=True)
@@ -116,7 +110,7 @@ def test_hand_set_torchrun_env_and_a_dead_rank_fails_generate(tmp_path, monkeypa
     """torchrun's variables set by hand (no agent: rank 0 hosts the store); killing rank 1,
     which this process did not start as a worker, fails generate through its closed channel."""
     path = make_tiny_model(tmp_path, "llama")
-    port = _free_port()
+    port = free_port()
     rank1 = subprocess.Popen([sys.executable, str(TESTS / "torchrun_generate.py"), str(path), str(tmp_path / "x")],
                              env={**ENV, **_torchrun_env(1, 2, port)})
     monkeypatch.setenv(SECRET_ENV, SECRET)
@@ -163,7 +157,7 @@ def test_torchrun_needs_the_operators_secret_even_on_one_node(tmp_path, monkeypa
     starting anything."""
     path = make_tiny_model(tmp_path, "llama")
     monkeypatch.delenv(SECRET_ENV, raising=False)
-    for k, v in _torchrun_env(0, 2, _free_port()).items():
+    for k, v in _torchrun_env(0, 2, free_port()).items():
         monkeypatch.setenv(k, v)
     with pytest.raises(ValueError, match=f"started by torchrun needs .*{SECRET_ENV}"):
         LLM(str(path), tensor_parallel_size=2, **OPTS)
@@ -186,7 +180,7 @@ def test_a_worker_ranks_start_up_failure_is_one_clear_error_on_rank_0(tmp_path, 
     """Rank 1 holds another secret: it fails to start, says so through the store, and waits
     until rank 0 has read it (torchrun would stop rank 0 once rank 1 exits)."""
     path = make_tiny_model(tmp_path, "llama")
-    port = _free_port()
+    port = free_port()
     rank1 = subprocess.Popen([sys.executable, str(TESTS / "torchrun_generate.py"), str(path), str(tmp_path / "x")],
                              env={**ENV, **_torchrun_env(1, 2, port), SECRET_ENV: "another secret, not the group's"})
     monkeypatch.setenv(SECRET_ENV, SECRET)
