@@ -116,7 +116,16 @@ def test_failed_request_reports_the_error_and_the_engine_serves_on(tiny_text_mod
     assert_kv_conserved(engine)
 
 
-def test_ctrl_c_during_generate_leaves_nothing_behind(tiny_text_model):
+@pytest.fixture
+def ctrl_c_raises():
+    """Python's own SIGINT handler, as in an interactive session (a test run started in the
+    background, as CI's may be, inherits SIGINT ignored)."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def test_ctrl_c_during_generate_leaves_nothing_behind(tiny_text_model, ctrl_c_raises):
     """A real SIGINT, sent from inside a launch (mid-step): generate raises KeyboardInterrupt
     at the next step boundary, cancels its requests, and the LLM works as before."""
     llm = LLM(str(tiny_text_model), device=TEST_DEVICE, dtype="float32")
