@@ -11,9 +11,8 @@ import os
 import pytest
 import torch
 
-HAS_CUDA = torch.cuda.is_available()
-if not HAS_CUDA:  # must precede the first kernel definition (tandem.kernels does it too)
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from kernel_setup import DEVICE, DTYPES, HAS_CUDA  # first: it sets up Triton's interpreter
+
 triton = pytest.importorskip("triton")
 
 from tandem.kernels.activation import silu_mul  # noqa: E402
@@ -22,13 +21,6 @@ from tandem.kernels.rope import qkv_norm_rope, rope  # noqa: E402
 from tandem.models.layers import (RotaryEmbedding, qkv_norm_rope_torch, rms_norm_torch,  # noqa: E402
                                   rope_torch, silu_mul_torch)
 
-DEVICE = "cuda" if HAS_CUDA else "cpu"
-_gpu = [pytest.mark.gpu] if HAS_CUDA else [pytest.mark.skip(reason="bfloat16 needs CUDA")]
-DTYPES = [
-    pytest.param(torch.float32, id="fp32", marks=[pytest.mark.gpu] if HAS_CUDA else []),
-    pytest.param(torch.float16, id="fp16", marks=[pytest.mark.gpu] if HAS_CUDA else []),
-    pytest.param(torch.bfloat16, id="bf16", marks=_gpu),
-]
 # (atol, rtol): float32 differs only in summation order / rsqrt; half types by an ulp
 # where a float32 intermediate lands next to a rounding boundary.
 TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 2e-3), torch.bfloat16: (2e-2, 1.6e-2)}

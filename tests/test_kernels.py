@@ -4,14 +4,11 @@ Without CUDA the kernels run in Triton's interpreter on the CPU (float32/float16
 only: the interpreter's bfloat16 `tl.dot` is wrong); with CUDA they run compiled,
 bfloat16 included. References are computed in float32 from the same (rounded) inputs.
 """
-import os
-
 import pytest
 import torch
 
-HAS_CUDA = torch.cuda.is_available()
-if not HAS_CUDA:  # must precede the first kernel definition (tandem.kernels does it too)
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from kernel_setup import DEVICE, DTYPES, HAS_CUDA  # first: it sets up Triton's interpreter
+
 triton = pytest.importorskip("triton")
 
 from tandem.attention import torch_backend as ref  # noqa: E402
@@ -19,13 +16,6 @@ from tandem.attention.triton_backend import TritonAttention  # noqa: E402
 from tandem.forward_batch import ForwardBatch  # noqa: E402
 from tandem.kernels import decode_attention, decode_num_splits, extend_attention, write_kv  # noqa: E402
 
-DEVICE = "cuda" if HAS_CUDA else "cpu"
-_gpu = [pytest.mark.gpu] if HAS_CUDA else [pytest.mark.skip(reason="bfloat16 needs CUDA")]
-DTYPES = [
-    pytest.param(torch.float32, id="fp32", marks=[pytest.mark.gpu] if HAS_CUDA else []),
-    pytest.param(torch.float16, id="fp16", marks=[pytest.mark.gpu] if HAS_CUDA else []),
-    pytest.param(torch.bfloat16, id="bf16", marks=_gpu),
-]
 TOL = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 # (query heads, kv heads, head_dim): GQA ratios 1, 3, 8, a single KV head, a group
 # wider than one head block (80 > 64), and head dims that are not 64 or 128.

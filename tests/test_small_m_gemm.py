@@ -3,26 +3,16 @@
 Without CUDA the kernel runs in Triton's interpreter (float32/float16 only: the
 interpreter's bfloat16 `tl.dot` is wrong); with CUDA compiled, bfloat16 included.
 """
-import os
-
 import pytest
 import torch
 
-HAS_CUDA = torch.cuda.is_available()
-if not HAS_CUDA:  # must precede the first kernel definition
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from kernel_setup import DEVICE, DTYPES, HAS_CUDA  # first: it sets up Triton's interpreter
+
 triton = pytest.importorskip("triton")
 
 from tandem.kernels.small_m_gemm import GemmConfig, small_m_gemm  # noqa: E402
 from tandem.models.linear import Linear, linear, m_bucket, quantize_fp8  # noqa: E402
 
-DEVICE = "cuda" if HAS_CUDA else "cpu"
-_gpu_only = [pytest.mark.gpu] if HAS_CUDA else [pytest.mark.skip(reason="bfloat16 needs CUDA")]
-DTYPES = [
-    pytest.param(torch.float32, id="fp32", marks=[pytest.mark.gpu] if HAS_CUDA else []),
-    pytest.param(torch.float16, id="fp16", marks=[pytest.mark.gpu] if HAS_CUDA else []),
-    pytest.param(torch.bfloat16, id="bf16", marks=_gpu_only),
-]
 TOL = {torch.float32: 1e-4, torch.float16: 3e-3, torch.bfloat16: 2e-2}
 # (block_n, block_k, split_k): one split; splits with a ragged last one; N not a block multiple.
 CONFIGS = [GemmConfig(16, 64, 1), GemmConfig(32, 32, 3), GemmConfig(16, 128, 2)]
