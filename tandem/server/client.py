@@ -148,9 +148,9 @@ class EngineClient:
         self._release_transport()
         quick = time.monotonic() - self._started_at < RESTART_QUICK_DEATH_S
         self._quick_deaths = self._quick_deaths + 1 if quick else 0
+        self.dead = f"the engine is restarting ({self.dead})"
         while True:
             delay = min(RESTART_MAX_DELAY_S, 2.0 ** (self._quick_deaths - 1)) if self._quick_deaths else 0.0
-            self.dead = f"the engine is restarting ({self.dead})"
             log.warning("restarting the engine%s", f" in {delay:g} s" if delay else "")
             await asyncio.sleep(delay)
             try:
