@@ -277,6 +277,8 @@ class Engine:
         if params.constraint is not None and self.parallel.tp.size > 1:
             raise ValueError("structured output (constraint) is not supported with tensor_parallel_size > 1 yet")
         bias, bad_words = static_bias(params, self.tokenizer, self.model_config.vocab_size)
+        if sum(value == float("-inf") for _, value in bias) >= self.model_config.vocab_size:
+            raise ValueError(f"{NO_TOKEN_ERROR}: bad_words ban every token of the vocabulary")
         if bad_words and params.constraint is not None:
             raise ValueError("bad_words of several tokens cannot be combined with structured output yet")
         if (bias or bad_words or params.min_tokens) and self.parallel.tp.size > 1:  # ranks > 0 lack them
@@ -321,7 +323,7 @@ class Engine:
     def abort(self, request_id: str) -> None:
         self._end(request_id, "abort")
 
-    def _end(self, request_id: str, reason: str, error: str | None = None) -> None:
+    def _end(self, request_id: str, reason: str, error: str | None = None, error_status: int = 500) -> None:
         """Finish a request from outside the sampled tokens (abort, or a step that failed);
         the caller gets its final output at the next step."""
         req = self.requests.get(request_id)
@@ -329,7 +331,8 @@ class Engine:
             return
         self._finish(req, reason)
         self._carried.append(StepOutput(request_id, [], req.text.finish() if req.text else "", True, reason,
-                                        num_cached_tokens=req.num_cached_tokens, error=error))
+                                        num_cached_tokens=req.num_cached_tokens, error=error,
+                                        error_status=error_status))
 
     def has_unfinished(self) -> bool:
         return not self.closed and (self.scheduler.has_work() or self.pending is not None
@@ -411,22 +414,44 @@ class Engine:
             launched.record = _step_record(batch, t0, t1, perf_counter())
             self.timeline.add(launched.record)
         self.step_id += 1
-        self._drain(outputs)  # step N's result, while step N+1 runs
-        if masked:  # N's tokens are known now: fill N+1's masks, then queue its sampling
-            self.runner.sample(launched, *self.grammar.masks(batch))
-            self.grammar.mark_consumed(batch)
-        self.pending = launched
+        previous, self.pending = self.pending, launched  # in flight before anything else can fail
+        try:
+            if previous is not None:
+                outputs.extend(self._process(previous))  # step N's result, while step N+1 runs
+            if masked:  # N's tokens are known now: fill N+1's masks, then queue its sampling
+                self._sample_masked(launched)
+        except BaseException as exc:
+            if launched.host is not None:  # N+1 is fully queued: it stays in flight
+                raise
+            self.pending = None  # N+1's sampling never ran: undo the step as a failed launch
+            self._launch_failed(batch, exc)
+            return
         if self.cfg.disable_overlap:
             self._drain(outputs)
         if self.prefix_cache.debug:
             self.prefix_cache.check(self.scheduler.kv_holders())
+
+    def _sample_masked(self, launched: PendingResult) -> None:
+        """Queue a constrained step's sampling behind its token masks. A request whose
+        constraints leave no token at this sample ends with an error here, before the draw:
+        its row is drawn unmasked and the token dropped (it finished)."""
+        batch = launched.batch
+        try:
+            masks = self.grammar.masks(batch)
+            for req in masks.no_token:
+                self._end(req.rid, "error", NO_TOKEN_ERROR, error_status=400)
+            self.runner.sample(launched, masks.bitmask, masks.ready)
+        finally:
+            self.grammar.mark_consumed(batch)  # write-after-read on the mask ring, on every path
 
     def _launch_failed(self, batch: ScheduledBatch, exc: BaseException) -> None:
         """A step that did not launch commits nothing: its plan is rolled back, so no KV slot,
         table row or counter refers to it. Out of memory fails just the step's requests, with
         the error as their status, and the engine keeps serving the rest; anything else (an
         interrupt, a bug, a sticky CUDA error) propagates to the caller, who may step on."""
+        self._fence_failed_launch()
         self.scheduler.rollback(batch.step)
+        self.scheduler.on_step_completed(self.completed_step)  # releases a rollback made due
         if self.runner.mirror is not None:  # the workers already run this step: ranks cannot agree now
             raise EngineDeadError(f"tensor-parallel step launch failed on rank 0: {first_line(exc)}") from exc
         if not is_out_of_memory(exc):
@@ -436,6 +461,19 @@ class Engine:
                   first_line(exc), exc_info=exc)
         for row in batch.rows:
             self._end(row.req.rid, "error", message)
+
+    def _fence_failed_launch(self) -> None:
+        """The failed attempt may have queued kernels that still read its staging ring slot,
+        its sampling inputs and the plan's KV slots, all of which the retry of this step
+        number reuses. A device-wide synchronize on this rare path fences every one of them
+        (an event would cover the staging slot only). A device too broken to synchronize has
+        failed already: its error surfaces with the launch's own."""
+        if self.device.type != "cuda":
+            return
+        try:
+            torch.cuda.synchronize(self.device)
+        except Exception as sync_error:  # a sticky CUDA error: the launch's exception says more
+            log.error("synchronize after a failed launch: %s", first_line(sync_error))
 
     def _admit_compiled(self, outputs: list[StepOutput]) -> None:
         """Constrained requests enter the scheduler once their grammar compiled."""
@@ -489,9 +527,24 @@ class Engine:
                 n = req.params.logprobs
                 lp = TokenLogprob(tokens[i], logprobs[i], list(zip(top_ids[i][:n], top_lps[i][:n]))
                                   if n and top_ids is not None else [])
-            outputs.append(self._append_token(req, tokens[i], lp))
+            outputs.append(self._append_token_or_fail(req, tokens[i], lp))
         self.scheduler.on_step_completed(self.completed_step)
         return outputs
+
+    def _append_token_or_fail(self, req: Request, token: int, lp: TokenLogprob | None) -> StepOutput:
+        """A failure while processing one request's token (its grammar refuses it, the
+        detokenizer or a stop check raises) ends only that request, with the error."""
+        emitted = len(req.output_token_ids)
+        try:
+            return self._append_token(req, token, lp)
+        except Exception as exc:
+            log.error("request %s: processing its token %d failed: %s", req.rid, token, first_line(exc),
+                      exc_info=exc)
+            del req.output_token_ids[emitted:], req.output_logprobs[emitted:]
+            if not req.finished:
+                self._finish(req, "error")
+            return StepOutput(req.rid, [], "", True, "error", num_cached_tokens=req.num_cached_tokens,
+                              error=f"the engine could not process this request's token: {first_line(exc)}")
 
     def _append_token(self, req: Request, token: int, lp: TokenLogprob | None) -> StepOutput:
         req.output_token_ids.append(token)
@@ -564,6 +617,8 @@ def _step_record(batch: ScheduledBatch, t_start: float, t_launch: float, t_end: 
         host_start=t_start, schedule_ms=(t_launch - t_start) * 1e3, launch_ms=(t_end - t_launch) * 1e3,
         num_sampled=len(batch.sample_rows))
 
+
+NO_TOKEN_ERROR = "no token satisfies the request's constraints (its grammar allows only tokens it bans)"
 
 # What close() drops: everything that holds device memory or refers back to the engine.
 _DEVICE_STATE = ("model", "backend", "kv", "kv_slots", "prefix_cache", "grammar", "req_slots", "table",

@@ -21,6 +21,9 @@ class StepOutput:
     new_logprobs: list[TokenLogprob] | None = None
     num_cached_tokens: int = 0  # set when finished: prompt tokens reused from the prefix cache
     error: str | None = None  # finish_reason "error": why the engine could not run the request
+    # The HTTP status a server answers the error with: 500 the engine failed, 400 the request
+    # cannot be served as asked (its constraints leave no token).
+    error_status: int = 500
 
 
 @dataclass

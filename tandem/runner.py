@@ -58,10 +58,21 @@ class ModelRunner:
             # requests under tensor parallelism).
             assert not defer_sampling, "token masks under tensor parallelism"
             self.mirror.launch(batch)  # first: the workers start while this rank stages
-        rows, sample_rows = batch.rows, batch.sample_rows
         bucket = self._graph_bucket(batch)
         fields = _metadata(batch) if bucket is None else _decode_metadata(batch, bucket)
         dev = self.stager.stage(batch.step, fields)
+        try:
+            return self._queue_step(batch, bucket, fields, dev, defer_sampling)
+        except BaseException:
+            # Write-after-read on every path: a retry of this step number stages into the same
+            # ring slot behind whatever this attempt queued on the forward stream.
+            self.stager.mark_consumed(batch.step)
+            raise
+
+    def _queue_step(self, batch: ScheduledBatch, bucket: int | None, fields: dict[str, list[int]],
+                    dev: dict[str, torch.Tensor], defer_sampling: bool) -> PendingResult:
+        """Sampling inputs, then the forward (eager or a graph replay), then the sampling."""
+        rows, sample_rows = batch.rows, batch.sample_rows
         sampling = None
         if sample_rows:
             sampling = SamplingInputs.build(
@@ -71,7 +82,6 @@ class ModelRunner:
             if not _greedy_only(sampling):  # greedy argmax reads no per-row tensors: skip the copy
                 with self.streams.use(self.streams.schedule):
                     sampling = sampling.to(self.streams.device, non_blocking=True)
-
         forward = self.streams.forward
         pending = PendingResult(batch, None, keepalive=[sampling])
         with self.streams.use(forward):
@@ -104,14 +114,16 @@ class ModelRunner:
                 if before is not None:
                     pending.mask_wait = (before, self.streams.event(timing=True))
                     pending.mask_wait[1].record(forward)
-            if batch.sample_rows:
-                out = self.sampler.sample(logits, sampling, bitmask)
-                self.future_map.stash(sample_slots, out.token_ids)
-                self.sampler.record(sample_slots, out.token_ids)
-                result = (out.token_ids, out.logprobs, out.top_ids, out.top_logprobs)
-            else:  # only partial prefill chunks: nothing sampled
-                result = (torch.empty(0, dtype=torch.int64, device=self.streams.device), None, None, None)
-            self.stager.mark_consumed(batch.step)  # write-after-read: last read of staged inputs
+            try:
+                if batch.sample_rows:
+                    out = self.sampler.sample(logits, sampling, bitmask)
+                    self.future_map.stash(sample_slots, out.token_ids)
+                    self.sampler.record(sample_slots, out.token_ids)
+                    result = (out.token_ids, out.logprobs, out.top_ids, out.top_logprobs)
+                else:  # only partial prefill chunks: nothing sampled
+                    result = (torch.empty(0, dtype=torch.int64, device=self.streams.device), None, None, None)
+            finally:  # write-after-read, on every path: the last read of the staged inputs
+                self.stager.mark_consumed(batch.step)
             if self.timing:
                 pending.forward_end = self.streams.event(timing=True)
                 pending.forward_end.record(forward)

@@ -230,3 +230,62 @@ def test_any_mask_producer_plugs_into_the_mask_path(tiny_text_model):
     out = engine.output("banned").token_ids
     assert len(out) == 12 and not set(out) & set(free)
     assert producer.accepted == out
+
+
+YES_NO = dict(regex="(yes|no)", min_tokens=8)
+
+
+def _run_alone(engine: Engine, prompt, params: SamplingParams) -> tuple[list[int], str]:
+    rid = engine.add_request(prompt, params)
+    while engine.has_unfinished():
+        engine.step()
+    out = engine.output(rid)
+    engine.release(rid)
+    return out.token_ids, out.finish_reason
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_constraints_that_leave_no_token_end_only_that_request(tiny_text_model, overlap):
+    """A grammar that allows only EOS while min_tokens bans it: that request ends with
+    finish reason 'error' (status 400) once its mask empties; its neighbours, constrained or
+    not, get exactly the tokens they get alone, and the engine serves on."""
+    engine = _engine(tiny_text_model, disable_overlap=not overlap)
+    neighbours = [([5, 6, 7, 8], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)),
+                  ([9, 10, 11], _constrained(2, seed=3, temperature=0)),
+                  ([12, 13], SamplingParams(max_tokens=12, temperature=0.8, seed=5, ignore_eos=True))]
+    alone = [_run_alone(engine, p, s) for p, s in neighbours]
+    doomed = [engine.add_request([20 + i, 21], SamplingParams(max_tokens=30, temperature=t, seed=i, **YES_NO))
+              for i, t in enumerate([0.0, 1.0, 0.7])]
+    rids = [engine.add_request(p, s) for p, s in neighbours]
+    finals = {}
+    while engine.has_unfinished():
+        finals.update({o.request_id: o for o in engine.step() if o.finished})
+    for rid in doomed:
+        assert finals[rid].finish_reason == "error" and finals[rid].error_status == 400
+        assert "no token satisfies" in finals[rid].error
+        out = engine.output(rid)
+        assert out.finish_reason == "error" and re.fullmatch("yes|no", out.text), out.text
+    assert [(engine.output(r).token_ids, engine.output(r).finish_reason) for r in rids] == alone
+    for rid in doomed + rids:
+        engine.release(rid)
+    assert [_run_alone(engine, p, s) for p, s in neighbours] == alone  # it serves on
+    assert engine.stats()["running"] == 0 and engine.req_slots.num_free == engine.req_slots.count
+
+
+def test_single_token_bad_words_that_ban_the_grammars_only_tokens(tiny_text_model, builtin_tokenizer):
+    """bad_words banning every token a choice can start with: an error finish, not a crash."""
+    first = {builtin_tokenizer.decode([t]) for t in range(len(builtin_tokenizer))
+             if builtin_tokenizer.decode([t]) and "yes".startswith(builtin_tokenizer.decode([t]))}
+    engine = _engine(tiny_text_model)
+    tokens, reason = _run_alone(engine, [5, 6], SamplingParams(max_tokens=8, temperature=0, choice=["yes"],
+                                                               bad_words=sorted(first)))
+    assert (tokens, reason) == ([], "error")
+
+
+def test_a_choice_shorter_than_min_tokens_is_refused_at_submission(tiny_text_model):
+    engine = _engine(tiny_text_model)
+    with pytest.raises(ValueError, match="no token satisfies the request's constraints"):
+        engine.add_request([5, 6], SamplingParams(choice=["yes", "no"], min_tokens=4))
+    # Reachable: a 9-byte choice can take 9 tokens; so can ignore_eos (no EOS ban).
+    engine.add_request([5, 6], SamplingParams(choice=["certainly"], min_tokens=4))
+    engine.add_request([5, 6], SamplingParams(choice=["no"], min_tokens=4, ignore_eos=True))

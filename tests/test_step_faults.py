@@ -14,7 +14,7 @@ from tandem import LLM, SamplingParams
 from tandem.config import EngineConfig
 from tandem.engine import Engine
 from tiny_models import TEST_DEVICE
-from workload import assert_kv_conserved, random_specs, run_workload
+from workload import Spec, assert_kv_conserved, random_specs, run_workload
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 
@@ -41,6 +41,10 @@ class Faults:
             self.real(*args, **kwargs)
         elif args and hasattr(args[0], "rows"):
             self.failed_batches.append({row.req.rid for row in args[0].rows})
+        elif args and hasattr(args[0], "batch"):  # a launched step (runner.sample)
+            self.failed_batches.append({row.req.rid for row in args[0].batch.rows})
+        elif args and hasattr(args[0], "rid"):  # one request's token (engine._append_token)
+            self.failed_batches.append({args[0].rid})
         raise self.make()
 
 
@@ -150,3 +154,88 @@ def test_ctrl_c_during_generate_leaves_nothing_behind(tiny_text_model, ctrl_c_ra
     llm.engine.runner.launch = launch
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == expected
     llm.close()
+
+
+def _assert_only_failed_differ(results: dict, reference: dict, failed: set[str]) -> None:
+    """The failed requests end with 'error' after a correct beginning; all others are
+    token-identical to the fault-free run."""
+    assert failed
+    for rid, (tokens, reason, text) in results.items():
+        ref_tokens, ref_reason, ref_text = reference[rid]
+        if rid in failed and reason == "error":
+            assert tokens == ref_tokens[:len(tokens)]
+        else:
+            assert (tokens, reason, text) == (ref_tokens, ref_reason, ref_text), rid
+    assert any(results[rid][1] == "error" for rid in failed)
+
+
+def _serves_next_100(engine: Engine) -> None:
+    specs = random_specs(100, 1000, seed=99)
+    results = run_workload(engine, specs)
+    assert all(reason in ("length", "stop", "abort") for _, reason, _ in results.values())
+    assert_kv_conserved(engine)
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_a_fault_while_processing_a_token_fails_only_its_request(tiny_text_model, specs, reference, overlap):
+    """The fault fires inside the processing of step N, i.e. after step N+1 was launched with
+    overlap on: step N+1 stays in flight and is processed normally."""
+    engine = _engine(tiny_text_model, disable_overlap=not overlap)
+    faults = Faults(engine, "_append_token", {5, 60, 61, 200, 333}, lambda: RuntimeError("injected"))
+    results = run_workload(engine, specs)
+    _assert_only_failed_differ(results, reference, set().union(*faults.failed_batches))
+    assert_kv_conserved(engine)
+    _serves_next_100(engine)
+
+
+def _grammar_specs(specs: list) -> list:
+    """The fuzzed workload with every third request constrained (regex or choice)."""
+    constraints = [dict(regex="[a-z ]{2,30}"), dict(choice=["alpha", "beta gamma", "delta"])]
+    return [s if i % 3 else Spec(s.rid, s.prompt, s.params.clone(**constraints[i % 2]), s.abort_after)
+            for i, s in enumerate(specs)]
+
+
+@pytest.fixture(scope="module")
+def grammar_specs(specs):
+    pytest.importorskip("xgrammar")
+    return _grammar_specs(specs)
+
+
+def _grammar_engine(path, specs: list, **kw) -> Engine:
+    """Grammars compiled before the run: a cached compilation is ready at the next step, so
+    every run admits the constrained requests at the same steps."""
+    engine = _engine(path, **kw)
+    kinds = {s.params.constraint: s.params for s in specs if s.params.constraint is not None}
+    run_workload(engine, [Spec(f"compile{i}", [5, 6], p.clone(max_tokens=1)) for i, p in enumerate(kinds.values())])
+    return engine
+
+
+@pytest.fixture(scope="module")
+def grammar_reference(tiny_text_model, grammar_specs):
+    return run_workload(_grammar_engine(tiny_text_model, grammar_specs), grammar_specs)
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_a_fault_while_filling_masks_rolls_the_step_back(tiny_text_model, grammar_specs, grammar_reference,
+                                                         overlap):
+    """The masks of step N+1 are filled after its forward was queued and step N processed: a
+    failure there undoes step N+1 (synchronized, rolled back), the caller steps on, and every
+    request ends exactly as without the fault."""
+    engine = _grammar_engine(tiny_text_model, grammar_specs, disable_overlap=not overlap)
+    faults = Faults(engine.grammar, "masks", {2, 9, 10, 30}, lambda: RuntimeError("injected"))
+    assert run_workload(engine, grammar_specs, step_errors=(RuntimeError,)) == grammar_reference
+    assert faults.calls > 30
+    assert_kv_conserved(engine)
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_out_of_memory_in_deferred_sampling_fails_only_that_steps_requests(
+        tiny_text_model, grammar_specs, grammar_reference, overlap):
+    """Out of memory while queueing a constrained step's sampling (after its forward was
+    queued): like out of memory in launch, only that step's requests end with 'error'."""
+    engine = _grammar_engine(tiny_text_model, grammar_specs, disable_overlap=not overlap)
+    faults = Faults(engine.runner, "sample", {6, 25}, _oom)
+    results = run_workload(engine, grammar_specs)
+    _assert_only_failed_differ(results, grammar_reference, set().union(*faults.failed_batches))
+    assert_kv_conserved(engine)
+    _serves_next_100(engine)

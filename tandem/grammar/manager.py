@@ -2,7 +2,10 @@
 and each step's mask fill and copy (timed, for the step's host-time split)."""
 import concurrent.futures
 from concurrent.futures import Future
+from dataclasses import dataclass
 from time import perf_counter
+
+import numpy as np
 
 import torch
 
@@ -12,6 +15,16 @@ from tandem.overlap.streams import StreamSet
 from tandem.request import Request
 from tandem.sampling import SamplingParams
 from tandem.scheduler.batch import ScheduledBatch
+
+
+@dataclass
+class StepMasks:
+    """One step's token masks on the device, the event their copy records, and the requests
+    whose constraints leave no token at this step."""
+
+    bitmask: torch.Tensor
+    ready: object
+    no_token: list[Request]
 
 
 class GrammarManager:
@@ -38,6 +51,7 @@ class GrammarManager:
         from tandem.grammar.compiler import check_spec
 
         check_spec(*params.constraint)
+        _check_choice_reaches_min_tokens(params)
 
     def add(self, req: Request) -> None:
         """Compile in the pool; the request is scheduled once `take_ready` hands it back."""
@@ -79,9 +93,11 @@ class GrammarManager:
         self.accept_s += perf_counter() - t0
         return done
 
-    def masks(self, batch: ScheduledBatch) -> tuple[torch.Tensor, object]:
+    def masks(self, batch: ScheduledBatch) -> StepMasks:
         """Fill the step's masks on the host and queue their copy (schedule stream). Every
-        earlier token of each row's request has been accepted: the previous step was processed."""
+        earlier token of each row's request has been accepted: the previous step was processed.
+        A row whose grammar allows only tokens its bans forbid is reported in `no_token` (and
+        left unmasked, so its draw stays finite); the engine ends that request."""
         t0 = perf_counter()
         rows = batch.sample_rows
         stager = self._mask_stager()
@@ -100,10 +116,13 @@ class GrammarManager:
                 req.mask.fill_next_mask(host, i)
         if matchers:
             self._batch_matcher.batch_fill_next_token_bitmask(matchers, host, indices)
-        out = stager.copy(batch.step, len(rows))
+        empty = [i for i in indices if _bans_every_allowed_token(host[i], rows[i])]
+        for i in empty:
+            host[i].fill_(-1)
+        device_rows, ready = stager.copy(batch.step, len(rows))
         self.fill_s += perf_counter() - t0
         self.masked_steps += 1
-        return out
+        return StepMasks(device_rows, ready, [rows[i].req for i in empty])
 
     def mark_consumed(self, batch: ScheduledBatch) -> None:
         self._stager.mark_consumed(batch.step)
@@ -127,3 +146,30 @@ class GrammarManager:
     def shutdown(self) -> None:
         if self._compiler is not None:
             self._compiler.shutdown()
+
+
+def _bans_every_allowed_token(mask_row: torch.Tensor, row) -> bool:
+    """True when the sample's bans (min_tokens' stop ids, single-token bad words) cover every
+    token the grammar allows. Host-only: the mask row is host memory, the bans host data."""
+    bans = [t for t, value in row.req.bias_at(row.sample_index) if value == float("-inf")]
+    if not bans:
+        return False  # a grammar that is not terminated allows at least one token
+    words = mask_row.numpy().view(np.uint32)
+    allowed = int(np.bitwise_count(words).sum())
+    if allowed > len(bans):
+        return False
+    banned_allowed = sum((int(words[t >> 5]) >> (t & 31)) & 1 for t in set(bans))
+    return banned_allowed == allowed
+
+
+def _check_choice_reaches_min_tokens(params: SamplingParams) -> None:
+    """Decidable at submission: a choice of k bytes is written in at most k tokens (a token
+    inside the grammar carries at least one byte), after which only a stop token is allowed,
+    and min_tokens bans those. Shorter choices than min_tokens leave no token: refuse them."""
+    if params.choice is None or not params.min_tokens or params.ignore_eos:
+        return
+    longest = max(len(c.encode()) for c in params.choice)
+    if longest < params.min_tokens:
+        raise ValueError(f"no token satisfies the request's constraints: min_tokens={params.min_tokens} "
+                         f"but every choice ends within {longest} tokens, after which only the "
+                         "end-of-sequence token is allowed (and min_tokens bans it)")

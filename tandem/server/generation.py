@@ -34,7 +34,8 @@ class Generation:
                 self._unfinished.discard(index)
             if delta.error is not None:  # the engine failed this choice: the whole request fails
                 self.abort()
-                raise APIError(500, delta.error, code="engine_error")
+                code = "engine_error" if delta.error_status >= 500 else "no_allowed_token"
+                raise APIError(delta.error_status, delta.error, code=code)
             yield index, delta
 
     def abort(self) -> None:

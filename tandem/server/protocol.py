@@ -76,6 +76,7 @@ class Delta(msgspec.Struct, array_like=True):
     logprobs: list[Logprob] | None
     cached_tokens: int = 0  # on the last delta: prompt tokens whose KV came from the prefix cache
     error: str | None = None  # finish_reason "error": the engine could not run the request
+    error_status: int = 500  # 400 when the request itself cannot be served (StepOutput.error_status)
 
 
 class Rejection(msgspec.Struct):
