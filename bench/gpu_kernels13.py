@@ -145,13 +145,14 @@ def kernels_per_step(engine, steps: int = 10) -> dict:
 def engine_section(label: str, preset: str, batches: list[int], new: bool, quant: str | None) -> None:
     from tandem.bench.latency import steady_decode
     from tandem.bench.presets import preset_dir
-    from tandem.config import EngineConfig
+    from tandem.config import EngineConfig, Experiments
     from tandem.engine import Engine
     t0 = time.monotonic()
     cfg = EngineConfig(model=preset_dir(preset), dummy_weights=True, timeline=True,
                        max_total_tokens=131072, max_running_requests=max(64, max(batches)),
                        cuda_graph_max_batch=max(batches), quantization=quant,
-                       small_m_gemm="auto" if new else "off", attention_split_by_context=new)
+                       small_m_gemm="auto" if new else "off",
+                       experiments=Experiments(attention_split_by_context=new))
     engine = Engine(cfg)
     res = {"preset": preset, "new": new, "quant": quant, "build_s": time.monotonic() - t0,
            "tuned": {f"N{n} K{k} {str(wd)[6:]} M{m}": (str(c), ms * 1e3, cb * 1e3)

@@ -1,9 +1,10 @@
 """Model and engine configuration."""
-import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
+
+from tandem.distributed.launch import Launch
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
                            "Qwen3ForCausalLM")
@@ -100,55 +101,77 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-@dataclass
-class EngineConfig:
-    """Knobs of the engine; defaults suit a single GPU or a small CPU run."""
+def knob(default: Any, help: str, *, aliases: tuple[str, ...] = (), metavar: str | None = None) -> Any:
+    """A user option: its default and the help text every command line shows (`tandem.options`
+    turns each knob into one flag; `aliases` are extra spellings, `metavar` names the value)."""
+    return field(default=default, metadata={"help": help, "aliases": aliases, "metavar": metavar})
 
-    model: str | None = None
-    dtype: str = "auto"
-    device: str = "auto"
-    dummy_weights: bool = False
-    allow_pickle: bool = False
-    disable_overlap: bool = False
-    max_total_tokens: int | None = None  # KV pool size in tokens; None sizes from memory
-    gpu_memory_utilization: float = 0.85  # fraction of free CUDA memory for weights' leftovers
-    cpu_kv_cache_bytes: int = 1 << 30  # KV budget on the CPU
-    max_running_requests: int = 256
-    max_prefill_tokens: int = 8192  # per-step token budget for prefill chunks
-    chunked_prefill_size: int | None = 4096  # split prompts longer than this; None: never
-    enable_mixed_batch: bool = False  # put prefill chunks and decodes in one forward
-    enable_prefix_caching: bool = True  # reuse the KV of cached prompt prefixes (radix tree)
-    schedule_policy: str = "fcfs"  # fcfs, or lpm: longest cached prefix first
-    process_before_consecutive_prefill: bool = False  # better first-batch TTFT, lower throughput
-    coarse_war_barrier: bool = False  # wait_stream(forward) instead of the fine-grained event
-    attention_backend: str = "auto"
+
+@dataclass
+class Experiments:
+    """A/B switches of the engine's internals, for benchmarks and tests that compare both sides
+    (`LLM(..., experiments=Experiments(grammar_overlap=False))`); not command-line options."""
+
+    # Wait for the whole forward stream before reusing a staging slot, not its `consumed` event.
+    coarse_war_barrier: bool = False
+    # Process a prefill batch before launching the next one: better TTFT of the first, lower throughput.
+    process_before_consecutive_prefill: bool = False
+    # Fill grammar token masks while the forward runs (off: before the step is queued).
+    grammar_overlap: bool = True
     # Split-K decode attention: each row picks its split count from its own length (on the
     # device); off spreads every row over the grid's splits, sized for the longest context.
     attention_split_by_context: bool = True
-    cuda_graph: str = "auto"  # auto (on with CUDA + Triton), on, off: decode steps replay graphs
-    cuda_graph_max_batch: int = 256
-    warm_up: str = "auto"  # auto (on with CUDA), on, off: run every kernel shape class at start
-    # Weight-streaming Triton GEMMs for <= 16 rows, tuned per shape at startup (CUDA only):
-    # auto (on with CUDA), off (cuBLAS everywhere).
-    small_m_gemm: str = "auto"
-    quantization: str | None = None  # "fp8": per-channel e4m3 weights, quantized at load
-    max_model_len: int | None = None
-    seed: int = 0
-    # Tensor parallelism: one process per rank (rank 0 is this one). Several nodes: start the
-    # same command on each with its node_rank; rank 0's node hosts the rendezvous.
-    tensor_parallel_size: int = 1
-    nnodes: int = 1
-    node_rank: int = 0
-    master_addr: str = "127.0.0.1"
-    master_port: int | None = None  # None: a free port (one node only)
-    dist_timeout_s: float = 600.0  # start-up rendezvous and collective timeout
-    # FutureMap read-before-write check on the device; the test suite turns it on via the env.
-    debug_future_map: bool = field(default_factory=lambda: os.environ.get("TANDEM_DEBUG_FUTURE_MAP") == "1")
-    # Prefix-cache books checked after every step (reference counts, slot owners); tests' env.
-    debug_prefix_cache: bool = field(default_factory=lambda: os.environ.get("TANDEM_DEBUG_PREFIX_CACHE") == "1")
-    timeline: bool = False  # record per-step host and device times (CUDA events)
-    timeline_path: str | None = None  # also write each step as a JSON line here
-    timeline_max_records: int | None = None  # keep at most this many steps in memory (servers)
-    grammar_threads: int = 2  # threads compiling grammars and filling token masks
-    grammar_overlap: bool = True  # fill token masks while the forward runs (off: before it is queued)
-    extra: dict = field(default_factory=dict)
+
+
+Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+AutoOnOff = Literal["auto", "on", "off"]
+
+
+@dataclass
+class EngineConfig:
+    """The engine's user options; defaults suit a single GPU or a small CPU run. Every knob is a
+    flag of `tandem serve/generate/chat` and a keyword of `LLM()`. Not here: the debug checks
+    (environment, `tandem.diagnostics.debug_checks`), the A/B experiments (`experiments`) and
+    where a tensor-parallel group's ranks run (`launch`, flags of `tandem serve` only)."""
+
+    model: str | None = knob(None, "HF directory or .gguf file (default: the built-in SmolLM2-135M-Instruct)",
+                             metavar="PATH")
+    dtype: Dtype = knob("auto", "auto: float32 on the CPU, the checkpoint's 16-bit type on CUDA")
+    device: Literal["auto", "cpu", "cuda"] = knob("auto", "auto: CUDA when torch sees a GPU")
+    dummy_weights: bool = knob(False, "random weights (a config.json is enough)")
+    allow_pickle: bool = knob(False, "load pickle (.bin) checkpoints, which can run code")
+    disable_overlap: bool = knob(False, "process each step before the next is launched")
+    max_total_tokens: int | None = knob(None, "KV pool size in tokens (None: sized from memory)")
+    gpu_memory_utilization: float = knob(0.85, "fraction of the GPU's memory for weights, activations, graphs and KV")
+    cpu_kv_cache_bytes: int = knob(1 << 30, "KV budget on the CPU, in bytes")
+    max_running_requests: int = knob(256, "requests decoding at once")
+    max_prefill_tokens: int = knob(8192, "per-step token budget for prefill chunks")
+    chunked_prefill_size: int | None = knob(4096, "split prompts longer than this (None: never)")
+    enable_mixed_batch: bool = knob(False, "put prefill chunks and decodes in one forward")
+    mixed_prefill_budget: int | None = knob(
+        None, "mixed batches: prefill tokens a step carries beside its decodes (None: one chunk less the decodes)")
+    enable_prefix_caching: bool = knob(True, "reuse the KV of cached prompt prefixes (radix tree)",
+                                       aliases=("--prefix-caching",))
+    schedule_policy: Literal["fcfs", "lpm"] = knob(
+        "fcfs", "admission order: first come first served, or longest cached prefix first")
+    attention_backend: Literal["auto", "torch", "triton"] = knob(
+        "auto", "auto: Triton on CUDA when importable, else the torch reference")
+    cuda_graph: AutoOnOff = knob("auto", "decode steps replay CUDA graphs (auto: on with CUDA + Triton)")
+    cuda_graph_max_batch: int = knob(256, "largest decode batch captured in a graph")
+    warm_up: AutoOnOff = knob("auto", "run every kernel shape class at start (auto: on with CUDA)")
+    small_m_gemm: AutoOnOff = knob("auto", "weight-streaming Triton GEMMs for <= 16 rows, tuned per "
+                                           "shape at startup (auto: on with CUDA; off: cuBLAS everywhere)")
+    quantization: Literal["fp8"] | None = knob(None, "fp8: per-channel e4m3 weights, quantized at load")
+    max_model_len: int | None = knob(None, "context length (None: the model's)")
+    seed: int = knob(0, "unseeded requests derive their sampling seeds from it")
+    # One process per rank (rank 0 is this one); where the ranks run is `launch`.
+    tensor_parallel_size: int = knob(1, "tensor parallelism: ranks (GPUs) per engine", aliases=("--tp",))
+    # False: off; True: kept in memory (engine.timeline); a path: also written there as JSON lines.
+    timeline: bool | str = knob(False, "write every engine step's host and device times to PATH as a "
+                                       "JSON line (default: off; a server keeps them in memory for "
+                                       "/metrics either way)", metavar="PATH")
+    timeline_max_records: int | None = knob(None, "steps the timeline keeps in memory (None: all; "
+                                                  "the server keeps 4096 unless told)")
+    grammar_threads: int = knob(2, "threads compiling grammars and filling token masks")
+    launch: Launch = field(default_factory=Launch)
+    experiments: Experiments = field(default_factory=Experiments)

@@ -17,6 +17,7 @@ import torch
 
 from tandem import lifetime
 from tandem.attention import make_attention_backend
+from tandem.diagnostics.debug_checks import DebugChecks
 from tandem.diagnostics.errors import EngineDeadError, FatalErrorGuard, first_line, is_out_of_memory
 from tandem.distributed import start_parallel
 from tandem.diagnostics.timeline import StepRecord, Timeline
@@ -82,7 +83,8 @@ class Engine:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
         self.backend = make_attention_backend(cfg.attention_backend, self.device,
-                                              cfg.attention_split_by_context)
+                                              cfg.experiments.attention_split_by_context)
+        self.debug = DebugChecks.from_env()  # TANDEM_DEBUG_*: read once, for this engine's life
         self._build_memory()
         self.parallel.connect(self.device)
         self._build_loop()
@@ -97,8 +99,8 @@ class Engine:
         self.completed_step = -1
         self.fatal = FatalErrorGuard(log)
         self.warm_up_s = self._warm_up()
-        self.timeline = (Timeline(cfg.timeline_path, max_records=cfg.timeline_max_records)
-                         if cfg.timeline or cfg.timeline_path else None)
+        self.timeline = (Timeline(cfg.timeline if isinstance(cfg.timeline, str) else None,
+                                  max_records=cfg.timeline_max_records) if cfg.timeline else None)
         self.runner.timing = self.timeline is not None and self.device.type == "cuda"
         lifetime.freeze(self)  # what was built so far lives as long as the engine: no GC scans
 
@@ -160,7 +162,7 @@ class Engine:
         self.kv = KVCache(mc.num_layers, num_tokens + 1, mc.num_kv_heads, mc.head_dim, self.dtype, self.device)
         self.kv_slots = SlotAllocator(num_tokens)  # slot 0 is the dummy slot
         self.prefix_cache = PrefixCache(self.kv_slots, enabled=cfg.enable_prefix_caching,
-                                        debug=cfg.debug_prefix_cache)
+                                        debug=self.debug.prefix_cache)
         self.req_slots = SlotAllocator(cfg.max_running_requests)  # row 0 is the padding row
         self.table = ReqToTokenTable(cfg.max_running_requests, self.max_model_len, self.device)
         log.info("KV pool: %d tokens (%.1f MiB)", num_tokens, num_tokens * per_token / 2**20)
@@ -207,10 +209,10 @@ class Engine:
         max_tokens = max(cfg.max_prefill_tokens, self.max_model_len) + rows
         reused = 4 * max(cfg.max_prefill_tokens, self.max_model_len)  # reused-prefix table entries
         self.stager = InputStager(self.streams, capacity=4 * max_tokens + reused + 10 * rows + 16,
-                                  coarse=cfg.coarse_war_barrier)
+                                  coarse=cfg.experiments.coarse_war_barrier)
         self.copier = ResultCopier(self.streams, max_rows=rows)
         self.sampler = Sampler(self.model_config.vocab_size, rows + 1, self.device)
-        self.future_map = FutureMap(rows, self.device, debug=cfg.debug_future_map)
+        self.future_map = FutureMap(rows, self.device, debug=self.debug.future_map)
         self.grammar = GrammarManager(self.tokenizer, self.model_config.vocab_size, sorted(self.eos_token_ids),
                                       self.streams, rows, cfg.grammar_threads)
         graphs = self._capture_graphs()
@@ -402,7 +404,7 @@ class Engine:
             self._drain(outputs)
             return
         masked = self.grammar.constrains(batch)
-        if self.pending is not None and (self._process_first(batch) or (masked and not self.cfg.grammar_overlap)):
+        if self.pending is not None and (self._process_first(batch) or (masked and not self.cfg.experiments.grammar_overlap)):
             self._drain(outputs)
         t1 = perf_counter()
         try:
@@ -488,7 +490,7 @@ class Engine:
 
     def _process_first(self, batch: ScheduledBatch) -> bool:
         """Consecutive-prefill switch: finish the previous prefill before the next one."""
-        return (self.cfg.process_before_consecutive_prefill and batch.has_prefill
+        return (self.cfg.experiments.process_before_consecutive_prefill and batch.has_prefill
                 and self.pending.batch.has_prefill)
 
     def _drain(self, outputs: list[StepOutput]) -> None:

@@ -36,7 +36,7 @@ def _engine(path, **kw):
 @pytest.mark.parametrize("overlap", [True, False])
 def test_timeline_one_sane_record_per_step(tiny_preset, tmp_path, overlap):
     path = tmp_path / "steps.jsonl"
-    engine = _engine(tiny_preset, timeline_path=str(path), disable_overlap=not overlap,
+    engine = _engine(tiny_preset, timeline=str(path), disable_overlap=not overlap,
                      chunked_prefill_size=32, enable_mixed_batch=True)
     rng = random.Random(0)
     rids = []

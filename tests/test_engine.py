@@ -10,7 +10,7 @@ import pytest
 
 from tandem import LLM, SamplingParams
 from tandem.engine import Engine
-from tandem.config import EngineConfig
+from tandem.config import EngineConfig, Experiments
 from tiny_models import TEST_DEVICE
 from workload import assert_kv_conserved, random_specs, run_workload
 
@@ -92,7 +92,7 @@ def test_overlap_on_and_off_are_token_identical(tiny_text_model, builtin_tokeniz
     runs = {}
     for overlap in (True, False):
         engine = _engine(tiny_text_model, max_total_tokens=900, chunked_prefill_size=32,
-                         max_prefill_tokens=64, disable_overlap=not overlap, debug_future_map=True)
+                         max_prefill_tokens=64, disable_overlap=not overlap)  # FutureMap checks: conftest's env
         engine.eos_token_ids = {generated[3]}  # make EOS actually happen in a random model
         runs[overlap] = run_workload(engine, specs)
         assert_kv_conserved(engine)
@@ -112,16 +112,17 @@ def test_mixed_batches_match_separate_batches(tiny_text_model):
 def test_consecutive_prefill_switch_keeps_outputs(tiny_text_model):
     specs = random_specs(30, 1000, seed=5)
     runs = [run_workload(_engine(tiny_text_model, max_prefill_tokens=32,
-                                 process_before_consecutive_prefill=flag), specs) for flag in (False, True)]
+                                 experiments=Experiments(process_before_consecutive_prefill=flag)), specs) for flag in (False, True)]
     assert runs[0] == runs[1]
 
 
 BROKEN_STASH = """
-import sys
+import os, sys
+os.environ["TANDEM_DEBUG_FUTURE_MAP"] = "1"
 from tandem.config import EngineConfig
 from tandem.engine import Engine
 from tandem.sampling import SamplingParams
-engine = Engine(EngineConfig(model=sys.argv[1], device=sys.argv[2], dtype="float32", debug_future_map=True))
+engine = Engine(EngineConfig(model=sys.argv[1], device=sys.argv[2], dtype="float32"))
 engine.future_map.stash = lambda slots, ids: None  # test double: forgets to write
 engine.add_request([5, 6, 7], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
 while engine.has_unfinished():

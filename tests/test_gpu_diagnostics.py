@@ -86,7 +86,7 @@ def test_sync_audit_cli_on_the_preset(capsys):
 
 def test_timeline_device_fields_on_cuda(tiny_text_model, tmp_path):
     path = tmp_path / "steps.jsonl"
-    engine = _engine(tiny_text_model, timeline_path=str(path))
+    engine = _engine(tiny_text_model, timeline=str(path))
     first = len(engine.timeline.records)
     torch.cuda.set_sync_debug_mode("error")  # reading the events must not sync
     try:
@@ -126,7 +126,8 @@ import torch
 from tandem import LLM, SamplingParams
 from tandem.diagnostics.errors import EngineDeadError
 logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
-llm = LLM(sys.argv[1], device="cuda", dtype="float32", debug_future_map=True)
+os.environ["TANDEM_DEBUG_FUTURE_MAP"] = "1"  # read when the engine is built
+llm = LLM(sys.argv[1], device="cuda", dtype="float32")
 engine = llm.engine
 for i in range(4):
     engine.add_request([5 + i, 6, 7, 8] * 3, SamplingParams(max_tokens=64, temperature=0, ignore_eos=True))

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tandem import LLM, SamplingParams
-from tandem.config import EngineConfig
+from tandem.config import EngineConfig, Experiments
 from tandem.engine import Engine
 from tandem.sampling import Sampler, SamplingInputs
 from tiny_models import TEST_DEVICE
@@ -106,7 +106,7 @@ def test_overlap_on_equals_off_for_constrained_requests(tiny_text_model, tempera
     runs = []
     for overlap, mask_overlap in ((True, True), (False, True), (True, False)):
         llm = LLM(str(tiny_text_model), device=TEST_DEVICE, dtype="float32", disable_overlap=not overlap,
-                  grammar_overlap=mask_overlap)
+                  experiments=Experiments(grammar_overlap=mask_overlap))
         _compile_first(llm, params)
         runs.append([(o.token_ids, o.finish_reason) for o in
                      llm.generate(prompts + _prompts(4, seed=3), params, use_tqdm=False)])

@@ -93,7 +93,7 @@ def test_cache_on_equals_off_with_eviction_preemption_and_overlap(tiny_text_mode
     for cache, overlap in ((True, True), (False, True), (True, False)):
         engine = _engine(tiny_text_model, max_total_tokens=700, chunked_prefill_size=24,
                          max_prefill_tokens=96, disable_overlap=not overlap,
-                         enable_prefix_caching=cache, debug_prefix_cache=True)
+                         enable_prefix_caching=cache)  # the books are checked: conftest's env
         engine.eos_token_ids = {generated[3]}  # make EOS actually happen in a random model
         runs[cache, overlap] = run_workload(engine, specs, arrive_per_step=16)
         stats[cache, overlap] = engine.stats()

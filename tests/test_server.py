@@ -106,6 +106,17 @@ def test_stream_deltas_equal_non_streamed_text(client, builtin_tokenizer, kind):
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
 
 
+def test_server_info_reports_the_configuration_in_effect(server):
+    info = httpx.get(server + "/server_info").json()
+    engine, args = info["engine_config"], info["server_args"]
+    assert (info["model"], info["max_model_len"]) == ("llama", CONTEXT)
+    assert (engine["max_running_requests"], engine["max_model_len"], engine["device"]) == (64, CONTEXT, "cpu")
+    # The server's own timeline window (for /metrics); no debug switches among the options.
+    assert (engine["timeline"], engine["timeline_max_records"]) == (True, 4096)
+    assert not any("debug" in k for k in engine) and engine["launch"]["nnodes"] == 1
+    assert args["max_request_bytes"] == MAX_BODY and args["api_key"] is None and "max_total_tokens" not in args
+
+
 def test_seeded_choices_logprobs_and_stop(client):
     kw = dict(model="llama", prompt=PROMPT, max_tokens=8, n=3, seed=7, temperature=1.0, logprobs=2)
     a, b = client.completions.create(**kw), client.completions.create(**kw)
@@ -327,9 +338,11 @@ def test_api_key_queue_full_and_engine_death(tiny_text_model, tmp_path):
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0).models.list()
         assert httpx.get(url + "/health").status_code == 200  # probes need no key
-        for path in ("/docs", "/openapi.json"):
+        for path in ("/docs", "/openapi.json", "/server_info"):
             assert httpx.get(url + path).status_code == 401
             assert httpx.get(url + path, headers={"Authorization": "Bearer sekret"}).status_code == 200
+        info = httpx.get(url + "/server_info", headers={"Authorization": "Bearer sekret"}).json()
+        assert info["server_args"]["api_key"] == "<redacted>" and "sekret" not in json.dumps(info)
         engine_pid = httpx.get(url + "/health").json()["engine_pid"]
         asyncio.run(_queue_full_then_engine_killed(url, engine_pid))
         r = httpx.get(url + "/health", timeout=5)

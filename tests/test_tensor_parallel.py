@@ -16,6 +16,7 @@ from tandem import LLM, SamplingParams
 from tandem.distributed.runtime import WorkerDiedError
 from tandem.engine import Engine
 from tandem.config import EngineConfig
+from tandem.distributed.launch import Launch
 from tiny_models import make_tiny_model
 from workload import random_specs, run_workload
 
@@ -137,7 +138,7 @@ def test_two_nodes_on_localhost(tmp_path, monkeypatch):
         env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
     try:
         prompts, params = [[5, 6, 7, 8, 9], [200, 3, 17]], SamplingParams(max_tokens=8, temperature=0)
-        with LLM(str(path), tensor_parallel_size=2, nnodes=2, master_port=port, **OPTS) as llm:
+        with LLM(str(path), tensor_parallel_size=2, launch=Launch(nnodes=2, master_port=port), **OPTS) as llm:
             assert _children() == [node1.pid]  # rank 1 lives on the other "node"
             two = llm.generate(prompts, params, use_tqdm=False)
         assert node1.wait(30) == 0

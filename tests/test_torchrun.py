@@ -17,6 +17,7 @@ from tandem import LLM, SamplingParams
 from tandem.bench.launch import free_port
 from tandem.config import EngineConfig
 from tandem.distributed.auth import SECRET_ENV
+from tandem.distributed.launch import Launch
 from tandem.distributed.runtime import WorkerDiedError
 from tandem.distributed.torchrun import torchrun_env, torchrun_layout
 from test_tensor_parallel import _children
@@ -147,7 +148,7 @@ def test_hand_set_torchrun_env_and_a_dead_rank_fails_generate(tmp_path, monkeypa
 ])
 def test_settings_that_disagree_with_torchrun_are_clear_errors(monkeypatch, env, overrides, match):
     monkeypatch.setenv(SECRET_ENV, SECRET)
-    cfg = EngineConfig(tensor_parallel_size=2, **overrides)
+    cfg = EngineConfig(tensor_parallel_size=2, launch=Launch(**overrides))
     with pytest.raises(ValueError, match=match):
         torchrun_layout(cfg, torchrun_env({**_torchrun_env(0, 2, 29500), **env}))
 

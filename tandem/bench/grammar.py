@@ -7,7 +7,7 @@ random prompts, sampled at temperature 1 with fixed seeds, each constrained by a
 JSON schema. Then the same requests unconstrained, each with max_tokens = its constrained
 output length and EOS ignored, so both runs produce the same number of tokens. Both with
 overlap on and off, and with the overlap on but the masks filled before the forward is
-queued (`grammar_overlap=False`): what hiding the mask work under the forward buys.
+queued (`Experiments(grammar_overlap=False)`): what hiding the mask work under the forward buys.
 
 Per run: output tok/s, host ms per step (engine step time minus the one sanctioned wait)
 split into grammar (mask fill + copy, matcher advance) and other, GPU busy (forward and
@@ -94,7 +94,7 @@ def load_tokenizer(path: str | None):
 
 def run(engine: Engine, prompts: list[list[int]], params: list[SamplingParams], overlap: bool,
         tag: str, mask_overlap: bool = True) -> tuple[GrammarRow, list[list[int]]]:
-    engine.cfg.disable_overlap, engine.cfg.grammar_overlap = not overlap, mask_overlap
+    engine.cfg.disable_overlap, engine.cfg.experiments.grammar_overlap = not overlap, mask_overlap
     engine.reset_prefix_cache()  # runs repeat prompts: each computes its own
     first = len(engine.timeline.records)
     g = engine.grammar

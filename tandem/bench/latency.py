@@ -86,7 +86,7 @@ def replay_ms(engine: Engine, batch: int, repeats: int = 20) -> float | None:
 
 def time_to_first_token(engine: Engine, prompts: list[list[int]], switch: bool) -> dict:
     """All prompts arrive at once; returns TTFT of the first-admitted and the mean, in ms."""
-    engine.cfg.process_before_consecutive_prefill = switch
+    engine.cfg.experiments.process_before_consecutive_prefill = switch
     engine.cfg.disable_overlap = False
     engine.reset_prefix_cache()  # runs repeat prompts: each computes its own
     params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
@@ -98,7 +98,7 @@ def time_to_first_token(engine: Engine, prompts: list[list[int]], switch: bool) 
             first.setdefault(out.request_id, time.perf_counter() - start)
     for rid in rids:
         engine.release(rid)
-    engine.cfg.process_before_consecutive_prefill = False
+    engine.cfg.experiments.process_before_consecutive_prefill = False
     times = sorted(first.values())
     return {"first_ms": times[0] * 1e3, "mean_ms": sum(times) / len(times) * 1e3,
             "last_ms": times[-1] * 1e3}

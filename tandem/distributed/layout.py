@@ -31,12 +31,12 @@ class Layout:
 
 def flags_layout(cfg: EngineConfig) -> Layout:
     """Rank 0's layout when tandem starts the ranks: node 0 runs ranks [0, tp / nnodes)."""
-    n, nnodes = cfg.tensor_parallel_size, cfg.nnodes
+    n, nnodes, launch = cfg.tensor_parallel_size, cfg.launch.nnodes, cfg.launch
     if n % nnodes:
         raise ValueError(f"tensor_parallel_size={n} must be a multiple of nnodes={nnodes}")
-    if nnodes > 1 and cfg.master_port is None:
+    if nnodes > 1 and launch.master_port is None:
         raise ValueError("a multi-node group needs master_port (the rendezvous port on this node)")
-    host = cfg.master_addr if nnodes > 1 else "127.0.0.1"
-    return Layout(size=n, nnodes=nnodes, local_rank=0, store_host=host, store_port=cfg.master_port or 0,
+    host = launch.master_addr if nnodes > 1 else "127.0.0.1"
+    return Layout(size=n, nnodes=nnodes, local_rank=0, store_host=host, store_port=launch.master_port or 0,
                   host_store=True, store_prefix="", channel_bind=host, channel_host=host, spawn=True,
                   secret=group_secret(nnodes))

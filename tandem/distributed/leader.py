@@ -40,7 +40,7 @@ class Leader:
             raise ValueError(f"tensor_parallel_size={n} over {layout.nnodes} node(s) needs {per_node} GPUs "
                              f"per node; this node has {torch.cuda.device_count()}")
         parallel_env()
-        self.cfg, self.device, self.timeout_s = cfg, device, cfg.dist_timeout_s
+        self.cfg, self.device, self.timeout_s = cfg, device, cfg.launch.dist_timeout_s
         self.tp = TPGroup(0, n)
         self.failure: str | None = None
         self._closing = self._ready = False

@@ -23,15 +23,15 @@ log = logging.getLogger("tandem")
 
 def run_node(cfg: EngineConfig) -> int:
     """Blocks until this node's ranks exit; returns the first non-zero exit code (or 0)."""
-    n, nnodes, node = cfg.tensor_parallel_size, cfg.nnodes, cfg.node_rank
+    n, nnodes, node, launch = cfg.tensor_parallel_size, cfg.launch.nnodes, cfg.launch.node_rank, cfg.launch
     if n % nnodes or not 0 < node < nnodes:
         raise ValueError(f"node_rank must be in [1, nnodes) and tensor_parallel_size={n} a multiple "
                          f"of nnodes={nnodes}")
-    if cfg.master_port is None:
+    if launch.master_port is None:
         raise ValueError("a multi-node group needs master_port (rank 0's rendezvous port)")
     secret = group_secret(nnodes)
     per_node = n // nnodes
-    procs = [start_worker(cfg, RankInfo(node * per_node + i, n, i, cfg.master_addr, cfg.master_port), secret)
+    procs = [start_worker(cfg, RankInfo(node * per_node + i, n, i, launch.master_addr, launch.master_port), secret)
              for i in range(per_node)]
     log.info("node %d: ranks %d-%d started", node, node * per_node, (node + 1) * per_node - 1)
     stop = []

@@ -100,10 +100,10 @@ def torchrun_layout(cfg: EngineConfig, env: TorchrunEnv) -> Layout:
 def _check_flags(cfg: EngineConfig, env: TorchrunEnv) -> None:
     """--nnodes/--node-rank/--master-addr/--master-port may be left out under torchrun; given,
     they must say what torchrun says."""
-    defaults = EngineConfig()
+    defaults = EngineConfig().launch
     for name, theirs in (("nnodes", env.nnodes), ("node_rank", env.node_rank),
                          ("master_addr", env.master_addr), ("master_port", env.master_port)):
-        ours = getattr(cfg, name)
+        ours = getattr(cfg.launch, name)
         if ours != getattr(defaults, name) and ours != theirs:
             raise ValueError(f"{name}={ours} disagrees with torchrun's environment ({theirs}); under "
                              f"torchrun leave --{name.replace('_', '-')} out")

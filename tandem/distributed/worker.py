@@ -119,7 +119,7 @@ def run(cfg: EngineConfig, info: RankInfo, secret: str, linger_s: float) -> int:
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 PID` prints where a worker is stuck
     from tandem.config import resolve_device
     from tandem.engine import Engine
-    runtime = WorkerRuntime(info, cfg.dist_timeout_s, resolve_device(cfg.device), secret)
+    runtime = WorkerRuntime(info, cfg.launch.dist_timeout_s, resolve_device(cfg.device), secret)
     try:
         engine = Engine(cfg, parallel=runtime)
     except Exception as exc:

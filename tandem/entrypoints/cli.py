@@ -7,6 +7,7 @@ import os
 import sys
 from pathlib import Path
 
+from tandem import options
 from tandem.config import EngineConfig, resolve_device
 
 _EXAMPLES = {
@@ -22,24 +23,7 @@ _EXAMPLES = {
 
 
 def add_engine_args(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--model", help="HF directory or .gguf file (default: the built-in SmolLM2-135M-Instruct)")
-    ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    ap.add_argument("--dummy-weights", action="store_true", help="random weights (a config.json is enough)")
-    ap.add_argument("--disable-overlap", action="store_true", help="process each step before the next")
-    ap.add_argument("--max-total-tokens", type=int, help="KV pool size in tokens")
-    ap.add_argument("--max-model-len", type=int)
-    ap.add_argument("--cuda-graph", default="auto", choices=["auto", "on", "off"])
-    ap.add_argument("--no-prefix-caching", action="store_false", dest="enable_prefix_caching",
-                    help="recompute every prompt (no KV reuse across requests)")
-    ap.add_argument("--schedule-policy", default="fcfs", choices=["fcfs", "lpm"],
-                    help="admission order: first come first served, or longest cached prefix first")
-    ap.add_argument("--quantization", choices=["fp8"], help="fp8: per-channel e4m3 weights, quantized at load")
-    ap.add_argument("--small-m-gemm", default="auto", choices=["auto", "on", "off"],
-                    help="weight-streaming Triton GEMMs for <= 16 rows (tuned at startup)")
-    ap.add_argument("--timeline", metavar="PATH", help="write every engine step as a JSON line")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--tp", type=int, default=1, help="tensor parallelism: ranks (GPUs)")
+    options.add_engine_options(ap)
     ap.add_argument("--launch-blocking", action="store_true",
                     help="CUDA_LAUNCH_BLOCKING=1: errors at the failing launch (timings meaningless)")
     ap.add_argument("--sync-audit", action="store_true",
@@ -60,13 +44,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     if args.launch_blocking:  # before CUDA starts: it is read at context creation
         from tandem.diagnostics.errors import enable_launch_blocking
         enable_launch_blocking()
-    return EngineConfig(model=args.model, dtype=args.dtype, device=args.device,
-                        dummy_weights=args.dummy_weights, disable_overlap=args.disable_overlap,
-                        max_total_tokens=args.max_total_tokens, max_model_len=args.max_model_len,
-                        cuda_graph=args.cuda_graph, timeline_path=args.timeline, seed=args.seed,
-                        enable_prefix_caching=args.enable_prefix_caching,
-                        schedule_policy=args.schedule_policy, tensor_parallel_size=args.tp,
-                        quantization=args.quantization, small_m_gemm=args.small_m_gemm)
+    return options.engine_config(args)
 
 
 def add_sampling_args(ap: argparse.ArgumentParser) -> None:
@@ -105,12 +83,16 @@ def _parser(command: str, description: str) -> argparse.ArgumentParser:
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
 
 
-def generate_main(argv: list[str]) -> int:
+def generate_parser() -> argparse.ArgumentParser:
     ap = _parser("generate", "Generate text from a prompt, streamed.")
     ap.add_argument("prompt")
     add_engine_args(ap)
     add_sampling_args(ap)
-    args = ap.parse_args(argv)
+    return ap
+
+
+def generate_main(argv: list[str]) -> int:
+    args = generate_parser().parse_args(argv)
     _logging(args.verbose)
     params, cfg = sampling_params(args), engine_config(args)  # both checked before the model loads
     from tandem.engine import Engine
@@ -129,12 +111,16 @@ def generate_main(argv: list[str]) -> int:
     return 1 if report.total else 0
 
 
-def chat_main(argv: list[str]) -> int:
+def chat_parser() -> argparse.ArgumentParser:
     ap = _parser("chat", "Interactive chat (empty line or Ctrl-D quits).")
     add_engine_args(ap)
     add_sampling_args(ap)
     ap.add_argument("--system", help="system prompt")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def chat_main(argv: list[str]) -> int:
+    args = chat_parser().parse_args(argv)
     _logging(args.verbose)
     params, cfg = sampling_params(args), engine_config(args)  # both checked before the model loads
     from tandem.engine import Engine

@@ -41,6 +41,8 @@ class ServerState:
     model_aliases: frozenset[str]  # other names accepted in "model" (the path it was loaded from)
     metrics: Metrics
     fields: FieldPolicy = field(default_factory=FieldPolicy)  # unknown / ignored request fields
+    # GET /server_info: engine configuration and server arguments, secrets redacted (`tandem serve`)
+    server_info: dict = field(default_factory=dict)
     draining: bool = False  # shutting down: no new generations
 
     def __post_init__(self) -> None:
@@ -230,6 +232,12 @@ def create_app(state: ServerState, api_key: str | None = None,
     @app.get("/version")
     async def version() -> Response:
         return _json({"version": __version__})
+
+    @app.get("/server_info")
+    async def server_info() -> Response:
+        """The configuration in effect, like SGLang's /get_server_info."""
+        return _json({"version": __version__, "model": state.model_name, "max_model_len": state.max_model_len,
+                      **state.server_info})
 
     add_tokenizer_routes(app, state)
 

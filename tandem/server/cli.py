@@ -3,53 +3,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import logging
-import types
+import re
 from pathlib import Path
 
+from tandem import options
 from tandem.config import EngineConfig
 from tandem.distributed.torchrun import run_worker_rank, torchrun_env, torchrun_layout
 
 log = logging.getLogger("tandem.server")
 
-# EngineConfig fields that are not plain command-line options.
-_NOT_OPTIONS = {"model", "extra"}
-
-
-def _engine_options(parser: argparse.ArgumentParser) -> None:
-    """One option per EngineConfig field, so new engine knobs appear here without edits."""
-    group = parser.add_argument_group("engine options")
-    for f in dataclasses.fields(EngineConfig):
-        if f.name in _NOT_OPTIONS:
-            continue
-        flag = "--" + f.name.replace("_", "-")
-        kinds = [t for t in (f.type.__args__ if isinstance(f.type, types.UnionType) else (f.type,))
-                 if t is not type(None)]
-        kind, optional = kinds[0], isinstance(f.type, types.UnionType)
-        if kind is bool:
-            if f.default and f.name.startswith("enable_"):  # on by default: --no-<feature> turns it off
-                flag = "--no-" + f.name.removeprefix("enable_").replace("_", "-")
-            group.add_argument(flag, action="store_true" if not f.default else "store_false",
-                               dest=f.name, help=f"(engine) default {f.default}")
-            continue
-        group.add_argument(flag, type=_parser(kind, optional), default=f.default, dest=f.name,
-                           metavar=kind.__name__.upper(),
-                           help=f"(engine) default {f.default}" + ("; 'none' to unset" if optional else ""))
-
-
-def _parser(kind: type, optional: bool):
-    def parse(text: str):
-        if optional and text.lower() == "none":
-            return None
-        return kind(text)
-    parse.__name__ = kind.__name__  # argparse names the type in its error message
-    return parse
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tandem serve", description="OpenAI-compatible HTTP server")
-    p.add_argument("--model", default=None, help="HF directory or .gguf file (default: the built-in model)")
     p.add_argument("--served-model-name", default=None, help="the name clients pass as 'model'")
     p.add_argument("--host", default="127.0.0.1", help="bind address (loopback unless told otherwise)")
     p.add_argument("--port", type=int, default=8000)
@@ -68,9 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--dp", type=int, default=1, metavar="N",
                    help="data parallelism: N engine replicas (each with --tp GPUs), one front end")
-    _engine_options(p)
-    p.add_argument("--tp", type=int, dest="tensor_parallel_size", metavar="N", default=argparse.SUPPRESS,
-                   help="tensor parallelism: N ranks per engine (= --tensor-parallel-size)")
+    options.add_engine_options(p, launch=True)
     return p
 
 
@@ -89,8 +52,7 @@ def main(argv: list[str]) -> int:
     if args.max_request_bytes < 1024:
         log.error("--max-request-bytes must be >= 1024")
         return 2
-    cfg = EngineConfig(model=args.model, **{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)
-                                            if f.name not in _NOT_OPTIONS})
+    cfg = options.engine_config(args)
     torchrun = torchrun_env() if cfg.tensor_parallel_size > 1 else None
     if torchrun is not None and (args.dp > 1 or args.restart_engine):  # torchrun's ranks serve one engine
         log.error("--dp > 1 and --restart-engine do not work with --tp > 1 under torchrun: its ranks "
@@ -98,11 +60,12 @@ def main(argv: list[str]) -> int:
         return 2
     if torchrun is not None and torchrun.rank > 0:  # a torchrun worker rank: its engine only, no HTTP
         return run_worker_rank(cfg, torchrun, torchrun_layout(cfg, torchrun))
-    if cfg.node_rank > 0:  # a multi-node group's other node: its ranks only, no HTTP
+    if cfg.launch.node_rank > 0:  # a multi-node group's other node: its ranks only, no HTTP
         from tandem.distributed.node import run_node
         return run_node(cfg)
-    # The step timeline feeds /metrics (GPU busy, CPU lead, host ms); a bounded window of it.
-    cfg.timeline = True
+    # The step timeline feeds /metrics (GPU busy, CPU lead, host ms): always on, a bounded
+    # window of it in memory; `--timeline PATH` also writes every step there.
+    cfg.timeline = cfg.timeline or True
     cfg.timeline_max_records = cfg.timeline_max_records or 4096
     try:
         return asyncio.run(_serve(args, cfg))
@@ -141,7 +104,7 @@ async def _serve(args: argparse.Namespace, cfg: EngineConfig) -> int:
         return 1
     name = args.served_model_name or (path.stem if path.is_file() else path.name)
     state = ServerState(client, tokenizer, name, frozenset({str(cfg.model or path), str(path)}), metrics,
-                        FieldPolicy(args.strict_api))
+                        FieldPolicy(args.strict_api), server_info=server_info(args, cfg))
     app = create_app(state, args.api_key, args.max_request_bytes)
     # uvicorn's own deadline is a backstop: the drain fails what is left at --shutdown-timeout.
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
@@ -154,6 +117,23 @@ async def _serve(args: argparse.Namespace, cfg: EngineConfig) -> int:
     finally:
         await client.close()
     return 0 if server.started else 1
+
+
+def server_info(args: argparse.Namespace, cfg: EngineConfig) -> dict:
+    """What `GET /server_info` reports: the engine configuration in effect (the server's
+    timeline included) and the server's own arguments, secrets redacted."""
+    import msgspec
+    engine = set(options.engine_dests())
+    return {"engine_config": _redacted(msgspec.to_builtins(cfg)),
+            "server_args": _redacted({k: v for k, v in vars(args).items() if k not in engine})}
+
+
+_SECRET = re.compile(r"(^|_)(key|secret|password|token)$")
+
+
+def _redacted(values: dict) -> dict:
+    return {k: _redacted(v) if isinstance(v, dict) else "<redacted>" if _SECRET.search(k) and v is not None else v
+            for k, v in values.items()}
 
 
 def _engine_client(cfg: EngineConfig, args: argparse.Namespace, metrics, client_cls):
