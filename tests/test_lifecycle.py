@@ -75,3 +75,18 @@ def test_six_create_close_cycles_keep_memory_flat(tiny_text_model):
     assert all(r() is None for r in pools)
     # The first cycles warm allocator caches and lazily built state; after that, flat.
     assert max(rss[2:]) - rss[1] < 48, rss
+
+
+def test_an_engine_taken_from_a_dropped_llm_keeps_working(tiny_text_model):
+    """`engine = LLM(...).engine`: the LLM is gone at once, its engine serves on while held (it
+    used to be closed under the caller by the LLM's finalizer), and is freed with its last holder."""
+    engine = LLM(str(tiny_text_model), device=TEST_DEVICE, dtype="float32").engine
+    gc.collect()
+    rid = engine.add_request([5, 6, 7], GREEDY)
+    while engine.has_unfinished():
+        engine.step()
+    assert len(engine.output(rid).token_ids) == GREEDY.max_tokens
+    engine.release(rid)
+    refs, engine_ref = _kv_refs(engine), weakref.ref(engine)
+    del engine
+    assert engine_ref() is None and all(r() is None for r in refs)
