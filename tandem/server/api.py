@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 import msgspec
@@ -19,47 +19,16 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from tandem import __version__
 from tandem.server import protocol as P
-from tandem.server.client import EngineClient
 from tandem.server.errors import APIError, EngineDead, error_body
 from tandem.server.errors_http import (DEFAULT_MAX_REQUEST_BYTES, ApiKeyMiddleware, BodySizeLimit,
                                        install_error_handlers)
-from tandem.server.fields import FieldPolicy
 from tandem.server.generation import Generation
 from tandem.server.inputs import EngineInputs, chat_inputs, completion_inputs
-from tandem.server.metrics import Metrics
 from tandem.server.openai_schemas import ChatCompletionRequest, CompletionRequest, StreamOptions
 from tandem.server.responses import Choice, Envelope, TokenNames, best_choices, chat_logprobs, usage
 from tandem.server.structured import ToolCalls, ToolMode, tool_mode
+from tandem.server.state import ServerState
 from tandem.server.tokenize import add_tokenizer_routes
-
-
-@dataclass
-class ServerState:
-    client: EngineClient
-    tokenizer: Any
-    model_name: str
-    model_aliases: frozenset[str]  # other names accepted in "model" (the path it was loaded from)
-    metrics: Metrics
-    fields: FieldPolicy = field(default_factory=FieldPolicy)  # unknown / ignored request fields
-    # GET /server_info: engine configuration and server arguments, secrets redacted (`tandem serve`)
-    server_info: dict = field(default_factory=dict)
-    draining: bool = False  # shutting down: no new generations
-
-    def __post_init__(self) -> None:
-        self.names = TokenNames(self.tokenizer)
-
-    @property
-    def max_model_len(self) -> int:
-        return self.client.ready.max_model_len
-
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name and model not in self.model_aliases:
-            raise APIError(404, f"the model {model!r} does not exist; this server serves "
-                                f"{self.model_name!r}", "model", "model_not_found")
-
-    def model_card(self) -> dict:
-        return {"id": self.model_name, "object": "model", "created": 0, "owned_by": "tandem",
-                "root": self.model_name, "parent": None, "max_model_len": self.max_model_len}
 
 
 def _json(body: dict, status: int = 200) -> Response:

@@ -2,8 +2,6 @@
 clients that count tokens or build prompts the way the server will."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import msgspec
 from fastapi import FastAPI
 from fastapi.responses import Response
@@ -11,16 +9,14 @@ from fastapi.responses import Response
 from tandem.server.errors import APIError
 from tandem.server.inputs import render_chat
 from tandem.server.openai_schemas import DetokenizeRequest, TokenizeRequest
-
-if TYPE_CHECKING:
-    from tandem.server.api import ServerState
+from tandem.server.state import ServerState
 
 
 def _json(body: dict) -> Response:
     return Response(msgspec.json.encode(body), media_type="application/json")
 
 
-def add_tokenizer_routes(app: FastAPI, state: "ServerState") -> None:
+def add_tokenizer_routes(app: FastAPI, state: ServerState) -> None:
     def tokenizer():
         if state.tokenizer is None:
             raise APIError(400, "this model has no tokenizer")
