@@ -221,7 +221,8 @@ class Engine:
                                   mirror=self.parallel.sender)
         self.scheduler = Scheduler(
             SchedulerConfig(rows, cfg.max_prefill_tokens, cfg.chunked_prefill_size, cfg.enable_mixed_batch,
-                            cfg.schedule_policy, max_reused_tokens_per_step=reused),
+                            cfg.schedule_policy, max_reused_tokens_per_step=reused,
+                            mixed_prefill_budget=cfg.mixed_prefill_budget),
             self.prefix_cache, self.req_slots, on_admit=self.runner.admit)
 
     def _capture_graphs(self) -> DecodeGraphs | None:

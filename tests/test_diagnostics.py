@@ -28,7 +28,7 @@ def tiny_preset():
 
 def _engine(path, **kw):
     cfg = EngineConfig(model=path, dummy_weights=True, device="cpu", max_total_tokens=4096,
-                       max_running_requests=16, max_model_len=256, timeline=True, **kw)
+                       max_running_requests=16, max_model_len=256, **{"timeline": True, **kw})
     return Engine(cfg)
 
 
