@@ -92,7 +92,7 @@ def test_overlap_on_and_off_are_token_identical(tiny_text_model, builtin_tokeniz
     runs = {}
     for overlap in (True, False):
         engine = _engine(tiny_text_model, max_total_tokens=900, chunked_prefill_size=32,
-                         max_prefill_tokens=64, disable_overlap=not overlap)  # FutureMap checks: conftest's env
+                         max_prefill_tokens=64, disable_overlap=not overlap)  # FutureMap checked: conftest
         engine.eos_token_ids = {generated[3]}  # make EOS actually happen in a random model
         runs[overlap] = run_workload(engine, specs)
         assert_kv_conserved(engine)
@@ -112,7 +112,8 @@ def test_mixed_batches_match_separate_batches(tiny_text_model):
 def test_consecutive_prefill_switch_keeps_outputs(tiny_text_model):
     specs = random_specs(30, 1000, seed=5)
     runs = [run_workload(_engine(tiny_text_model, max_prefill_tokens=32,
-                                 experiments=Experiments(process_before_consecutive_prefill=flag)), specs) for flag in (False, True)]
+                                 experiments=Experiments(process_before_consecutive_prefill=flag)), specs)
+            for flag in (False, True)]
     assert runs[0] == runs[1]
 
 
