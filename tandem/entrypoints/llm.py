@@ -24,7 +24,8 @@ class LLM:
         known = {f.name for f in dataclasses.fields(EngineConfig)}
         for key in options.keys() - known:
             close = difflib.get_close_matches(key, known, 1)
-            raise TypeError(f"LLM() got an unknown option {key!r}" + (f"; did you mean {close[0]!r}?" if close else ""))
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise TypeError(f"LLM() got an unknown option {key!r}{hint}")
         self.engine = Engine(EngineConfig(model=model, **options))
         self.tokenizer = self.engine.tokenizer
         # `del llm` releases the engine too (without waiting for the garbage collector); not
