@@ -142,7 +142,8 @@ class EngineConfig:
     allow_pickle: bool = knob(False, "load pickle (.bin) checkpoints, which can run code")
     disable_overlap: bool = knob(False, "process each step before the next is launched")
     max_total_tokens: int | None = knob(None, "KV pool size in tokens (None: sized from memory)")
-    gpu_memory_utilization: float = knob(0.85, "fraction of the GPU's memory for weights, activations, graphs and KV")
+    gpu_memory_utilization: float = knob(0.85, "fraction of the GPU's memory for weights, activations, "
+                                               "graphs and KV")
     cpu_kv_cache_bytes: int = knob(1 << 30, "KV budget on the CPU, in bytes")
     max_running_requests: int = knob(256, "requests decoding at once")
     max_prefill_tokens: int = knob(8192, "per-step token budget for prefill chunks")

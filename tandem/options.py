@@ -34,7 +34,8 @@ def add_engine_options(parser: argparse.ArgumentParser, *, launch: bool = False)
         EngineConfig, "")
     if launch:
         _add_fields(parser.add_argument_group(
-            "tensor-parallel launch", "where a group's ranks run when it spans nodes (tandem.distributed.launch)"),
+            "tensor-parallel launch", "where a group's ranks run when it spans nodes "
+                                      "(tandem.distributed.launch)"),
             Launch, _LAUNCH)
 
 

@@ -132,8 +132,11 @@ _SECRET = re.compile(r"(^|_)(key|secret|password|token)$")
 
 
 def _redacted(values: dict) -> dict:
-    return {k: _redacted(v) if isinstance(v, dict) else "<redacted>" if _SECRET.search(k) and v is not None else v
-            for k, v in values.items()}
+    def value(key: str, v):
+        if isinstance(v, dict):
+            return _redacted(v)
+        return "<redacted>" if v is not None and _SECRET.search(key) else v
+    return {k: value(k, v) for k, v in values.items()}
 
 
 def _engine_client(cfg: EngineConfig, args: argparse.Namespace, metrics, client_cls):
