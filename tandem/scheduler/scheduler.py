@@ -25,6 +25,13 @@ class SchedulerConfig:
     schedule_policy: str = "fcfs"  # or "lpm": longest cached prefix first
     # Table entries of reused prefixes one step may write (they travel in the staging buffer).
     max_reused_tokens_per_step: int = 1 << 16
+    # Mixed batches, decode first: prefill tokens a step may carry beside its decodes. None:
+    # one chunk (chunked_prefill_size) less the decodes. A step without decodes gets
+    # max_prefill_tokens either way.
+    mixed_prefill_budget: int | None = None
+    # Separate batches: prefill-only steps in a row while requests wait to decode (see
+    # Scheduler._decode_turn for why one).
+    max_prefill_steps_between_decodes: int = 1
 
 
 @dataclass
@@ -32,6 +39,7 @@ class _Journal:
     """What one `schedule()` changed, so that a plan that never launched can be given back."""
 
     step: int
+    prefill_steps_in_a_row: int  # the count before this plan
     kv_slots: list[int] = field(default_factory=list)  # allocated for the plan's rows
     admitted: list[Request] = field(default_factory=list)
     committed: list[tuple[Row, int]] = field(default_factory=list)  # (row, the request's last_step before)
@@ -51,6 +59,11 @@ class Scheduler:
         if cfg.schedule_policy not in SCHEDULE_POLICIES:
             raise ValueError(f"schedule_policy must be one of {', '.join(SCHEDULE_POLICIES)}; "
                              f"got {cfg.schedule_policy!r}")
+        if cfg.mixed_prefill_budget is not None and cfg.mixed_prefill_budget < 1:
+            # 0 would never admit a request while any decodes: the queue would starve.
+            raise ValueError(f"mixed_prefill_budget must be at least 1 or None; got {cfg.mixed_prefill_budget}")
+        if cfg.max_prefill_steps_between_decodes < 1:
+            raise ValueError("max_prefill_steps_between_decodes must be at least 1")
         self.cfg = cfg
         self.cache, self.req_slots = cache, req_slots
         self.on_admit = on_admit  # engine hook: reset per-slot device state (penalties)
@@ -59,6 +72,7 @@ class Scheduler:
         self._deferred: list[Request] = []  # finished, but queued GPU work may still read their KV
         self.num_preemptions = 0
         self._journal: _Journal | None = None  # the last plan's changes, until the next plan
+        self._prefill_steps_in_a_row = 0  # planned steps without a decode row since the last with one
 
     # ---- queue ----
     def add(self, req: Request) -> None:
@@ -103,7 +117,7 @@ class Scheduler:
 
         Transactional: if planning raises, everything it admitted or allocated is given back;
         if the plan's launch fails, `rollback` gives it back."""
-        self._journal = _Journal(step)
+        self._journal = _Journal(step, self._prefill_steps_in_a_row)
         try:
             rows = self._plan(step, drain)
             if not rows and self.has_work():
@@ -115,6 +129,7 @@ class Scheduler:
                     rows = self._plan(step, drain)
             for row in rows:
                 self._commit(row, step)
+            self._count_prefill_steps(rows)
         except BaseException:
             self.rollback(step)
             raise
@@ -127,6 +142,7 @@ class Scheduler:
         free at once (a partly queued forward's writes are ordered before any later reader)."""
         journal, self._journal = self._journal, None
         assert journal is not None and journal.step == step, "rollback of a plan that is not the last"
+        self._prefill_steps_in_a_row = journal.prefill_steps_in_a_row
         for row, last_step in reversed(journal.committed):
             req = row.req
             del req.kv_slots[len(req.kv_slots) - row.num_new:]
@@ -154,14 +170,39 @@ class Scheduler:
         if self.cfg.enable_mixed_batch:
             decode = self._decode_rows(step, drain)
             return decode + self._prefill_rows(self._mixed_prefill_budget(len(decode)))
+        if self._decode_turn():
+            return self._decode_rows(step, drain) or self._prefill_rows(self.cfg.max_prefill_tokens)
         return self._prefill_rows(self.cfg.max_prefill_tokens) or self._decode_rows(step, drain)
 
+    def _decode_turn(self) -> bool:
+        """Separate batches: after `max_prefill_steps_between_decodes` prefill-only steps, the
+        requests that can decode get a step, even while prompts wait. Prefill first without
+        this bound lets a burst of arrivals take step after step while every running stream
+        gets nothing (300 prompts on the CPU: a 20.9 s gap). One is the bound: each prefill
+        step still batches prompts up to max_prefill_tokens, so a burst takes as many prefill
+        steps as before, and the decode step between two is work the running requests need
+        anyway, a small forward next to a full prefill one (a few ms on a GPU). The burst's
+        first tokens come that much later; a running stream waits one prefill step, not all."""
+        return (self._prefill_steps_in_a_row >= self.cfg.max_prefill_steps_between_decodes
+                and any(r.can_decode for r in self.running))
+
+    def _count_prefill_steps(self, rows: list[Row]) -> None:
+        if any(r.prefill_ids is None for r in rows):
+            self._prefill_steps_in_a_row = 0
+        elif rows:
+            self._prefill_steps_in_a_row += 1
+
     def _mixed_prefill_budget(self, num_decodes: int) -> int:
-        """Decode first: while requests decode, a step's prefill share is at most one chunk, so
-        the step (every decoding request's next token) stays short; alone, prefill gets the
-        whole budget."""
+        """Decode first: while requests decode, a step carries all of them plus at most
+        `mixed_prefill_budget` prefill tokens (None: one chunk less the decodes), so the step
+        (every decoding request's next token) stays short; alone, prefill gets the whole
+        max_prefill_tokens."""
         budget = self.cfg.max_prefill_tokens
-        if num_decodes and self.cfg.chunked_prefill_size is not None:
+        if not num_decodes:
+            return budget
+        if self.cfg.mixed_prefill_budget is not None:
+            return min(budget, self.cfg.mixed_prefill_budget)
+        if self.cfg.chunked_prefill_size is not None:
             budget = min(budget, self.cfg.chunked_prefill_size)
         return budget - num_decodes
 
