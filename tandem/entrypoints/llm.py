@@ -6,6 +6,7 @@ import time
 import weakref
 from typing import Sequence
 
+import torch
 from tqdm import tqdm
 
 from tandem.config import EngineConfig
@@ -26,16 +27,14 @@ class LLM:
             close = difflib.get_close_matches(key, known, 1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
             raise TypeError(f"LLM() got an unknown option {key!r}{hint}")
-        self.engine = Engine(EngineConfig(model=model, **options))
-        self.tokenizer = self.engine.tokenizer
-        # `del llm` releases the engine too (without waiting for the garbage collector); not
-        # at interpreter exit, where the process gives everything back anyway.
-        self._finalizer = weakref.finalize(self, self.engine.close)
-        self._finalizer.atexit = False
+        self.engine = engine = Engine(EngineConfig(model=model, **options))
+        self.tokenizer = engine.tokenizer
+        _finalize_with_engine(engine)
 
     def close(self) -> None:
-        """Release the engine: its device memory, graphs and buffers. Idempotent."""
-        self._finalizer()
+        """Release the engine: its device memory, graphs and buffers, also for whoever else
+        holds `llm.engine` (it is closed for them too). Idempotent."""
+        self.engine.close()
 
     def __enter__(self) -> "LLM":
         return self
@@ -101,6 +100,24 @@ class LLM:
         ids = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
                                                  tokenize=True, return_dict=False)
         return list(ids)
+
+
+def _finalize_with_engine(engine: Engine) -> None:
+    """The engine lives as long as anyone holds it, the LLM or not (`engine = LLM(...).engine`
+    keeps working). An engine has no reference cycles, so dropping its last holder frees its
+    memory at once; this finalizer, tied to the engine's lifetime and holding no reference to
+    it, does the rest of close(). Not at interpreter exit: the process gives it all back."""
+    finalizer = weakref.finalize(engine, _after_engine, engine.parallel, engine.fatal, engine.device)
+    finalizer.atexit = False
+
+
+def _after_engine(parallel, fatal, device: torch.device) -> None:
+    """Once an engine is gone without close(): stop its tensor-parallel workers and hand cached
+    device memory back (never on a context a sticky error poisoned)."""
+    parallel.close()
+    if device.type == "cuda" and not fatal.dead and parallel.failure is None:
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
 
 
 def _merge(outs: list[RequestOutput], sp: SamplingParams) -> RequestOutput:
