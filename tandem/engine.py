@@ -19,7 +19,7 @@ from tandem import lifetime
 from tandem.attention import make_attention_backend
 from tandem.diagnostics.debug_checks import DebugChecks
 from tandem.diagnostics.errors import EngineDeadError, FatalErrorGuard, first_line, is_out_of_memory
-from tandem.distributed import start_parallel
+from tandem.distributed.runtime import SingleProcess
 from tandem.diagnostics.timeline import StepRecord, Timeline
 from tandem.grammar import GrammarManager
 from tandem.limits import context_error
@@ -53,16 +53,21 @@ log = logging.getLogger("tandem")
 
 class Engine:
     def __init__(self, cfg: EngineConfig, parallel=None):
-        """`parallel`: a tensor-parallel worker's runtime; None on rank 0 (which starts the
-        workers itself when cfg.tensor_parallel_size > 1)."""
+        """`parallel`: this process's part in a tensor-parallel group (rank 0's `Leader` or a
+        worker's runtime), built by the entry point (`tandem.entrypoints.ranks.build_engine`);
+        None for one process. The engine owns it from here: close() or a failed start closes it."""
         self.cfg = cfg
         self.closed = False
-        self.device = resolve_device(cfg.device)
-        path = cfg.model if cfg.model is not None else builtin_model_path()
-        ckpt = open_checkpoint(path, allow_pickle=cfg.allow_pickle, config_only=cfg.dummy_weights)
-        self.model_config = ModelConfig.from_hf(ckpt.config)
-        self.parallel = parallel if parallel is not None else start_parallel(cfg, self.model_config, self.device)
+        self.parallel = parallel if parallel is not None else SingleProcess()
         try:
+            if self.parallel.tp.size != cfg.tensor_parallel_size:
+                raise ValueError(f"tensor_parallel_size={cfg.tensor_parallel_size} needs its ranks: build "
+                                 "the engine with tandem.entrypoints.ranks.build_engine (LLM() and the "
+                                 "commands do)")
+            self.device = resolve_device(cfg.device)
+            path = cfg.model if cfg.model is not None else builtin_model_path()
+            ckpt = open_checkpoint(path, allow_pickle=cfg.allow_pickle, config_only=cfg.dummy_weights)
+            self.model_config = ModelConfig.from_hf(ckpt.config)
             self._build(cfg, ckpt, path)
         except BaseException:
             self.parallel.close()  # no worker outlives a failed start
@@ -88,6 +93,8 @@ class Engine:
         self._build_memory()
         self.parallel.connect(self.device)
         self._build_loop()
+        # A worker's steps are rank 0's plan: the same step loop, fed by the step channel.
+        self.scheduler = self.parallel.plan_source(self.scheduler, self.runner.admit)
         self.parallel.ready()
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
@@ -249,6 +256,7 @@ class Engine:
             self.timeline.close()
         if self.runner.graphs is not None:
             self.runner.graphs.close()
+        self.grammar.shutdown()  # its compile threads end; queued compilations are cancelled
         # Drop every reference to device state; the scheduler's admit hook refers back to
         # the engine, so this also breaks the engine's reference cycles.
         for name in _DEVICE_STATE:

@@ -14,7 +14,7 @@ import torch
 
 from tandem import LLM, SamplingParams
 from tandem.distributed.runtime import WorkerDiedError
-from tandem.engine import Engine
+from tandem.entrypoints.ranks import build_engine
 from tandem.config import EngineConfig
 from tandem.distributed.launch import Launch
 from tiny_models import make_tiny_model
@@ -75,8 +75,8 @@ def test_tp2_overlap_on_equals_off(tmp_path):
     specs = random_specs(40, 1000, seed=3)
     runs = {}
     for overlap in (True, False):
-        engine = Engine(EngineConfig(model=str(path), tensor_parallel_size=2, disable_overlap=not overlap,
-                                     chunked_prefill_size=16, **{**OPTS, "max_total_tokens": 500}))
+        engine = build_engine(EngineConfig(model=str(path), tensor_parallel_size=2, disable_overlap=not overlap,
+                                           chunked_prefill_size=16, **{**OPTS, "max_total_tokens": 500}))
         try:
             runs[overlap] = run_workload(engine, specs)
             assert engine.scheduler.num_preemptions > 0

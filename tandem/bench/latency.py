@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass
 from tandem.bench.presets import preset_dir
 from tandem.config import EngineConfig
 from tandem.engine import Engine
+from tandem.entrypoints.ranks import build_engine
 from tandem.sampling import SamplingParams
 
 
@@ -130,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
                        max_running_requests=max(256, max(sizes)))
     cfg.cuda_graph, cfg.tensor_parallel_size = args.cuda_graph, args.tp
     cfg.quantization, cfg.small_m_gemm = args.quantization, args.small_m_gemm
-    engine = Engine(cfg)
+    engine = build_engine(cfg)  # --tp: starts the ranks
     rows = []
     for b in sizes:
         for overlap in (True, False):

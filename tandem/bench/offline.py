@@ -28,6 +28,7 @@ from tandem.bench.presets import preset_dir
 from tandem.bench.roofline import Hardware, ModelCost, measure_hardware, model_cost, roofline
 from tandem.config import EngineConfig
 from tandem.engine import Engine
+from tandem.entrypoints.ranks import build_engine
 from tandem.sampling import SamplingParams
 
 
@@ -295,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg.cuda_graph, cfg.tensor_parallel_size = args.cuda_graph, args.tp
     cfg.quantization, cfg.small_m_gemm = args.quantization, args.small_m_gemm
     t0 = time.perf_counter()
-    engine = Engine(cfg)
+    engine = build_engine(cfg)  # --tp: starts the ranks
     device, dtype = engine.device, engine.dtype
     _log(f"engine ready in {time.perf_counter() - t0:.1f} s ({device}, {dtype})")
     wl = make_workload(args.num_requests, engine.model_config.vocab_size, args.min_len, args.max_len,

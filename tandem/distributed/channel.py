@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import select
 import socket
+import sys
 import time
 from multiprocessing.connection import Connection
 from operator import attrgetter
@@ -76,9 +77,9 @@ class StepSender:
         self.listener.close()  # everyone is in: from now on the port refuses connections
 
     def admit(self, slot: int, prompt_ids: list[int], params: SamplingParams, outputs: list[int]) -> None:
-        # Workers need a slot's params for sampling; its history only when penalties read it.
-        history = params.uses_penalties
-        self.admits.append(Admit(slot, prompt_ids if history else [], params, list(outputs) if history else []))
+        # Workers need a slot's params for sampling, its prompt only when penalties read it, and
+        # its outputs (none but after a preemption): their step loop checks each row's sample index.
+        self.admits.append(Admit(slot, prompt_ids if params.uses_penalties else [], params, list(outputs)))
 
     def launch(self, batch: ScheduledBatch) -> None:
         admits, self.admits = self.admits, []
@@ -106,7 +107,7 @@ class StepSender:
 
 
 class StepReceiver:
-    """A worker's side: turns messages back into start_request calls and ScheduledBatches."""
+    """A worker's side: turns messages back into admitted requests and ScheduledBatches."""
 
     def __init__(self, conn: Connection):
         self.conn = conn
@@ -130,8 +131,14 @@ class StepReceiver:
             return None
         return self.decoder.decode(self.conn.recv_bytes())
 
-    def admit(self, a: Admit) -> None:
-        self.reqs[a.slot] = Request("", [], a.params, 0, max_samples=0, slot=a.slot)
+    def admit(self, a: Admit) -> Request:
+        """The slot's request as this rank knows it: what sampling reads, and the tokens so far.
+        It never ends by itself (no stop ids, no length): rank 0 decides that, and stops
+        sending its rows."""
+        req = Request("", a.prompt_ids, a.params, 0, max_samples=sys.maxsize, slot=a.slot,
+                      output_token_ids=list(a.outputs))
+        self.reqs[a.slot] = req
+        return req
 
     def batch(self, msg: Step) -> ScheduledBatch:
         rows = []

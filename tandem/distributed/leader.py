@@ -1,6 +1,6 @@
 """Rank 0: starts the workers of its node, supervises them, and sends them each step.
 
-Workers are plain subprocesses (`python -m tandem.distributed.worker`): they work from a
+Workers are plain subprocesses (`python -m tandem.entrypoints.ranks`): they work from a
 daemonic parent too (the server's engine process) and die with their parent (PDEATHSIG).
 A watchdog thread polls them, and the step channel of every rank (ranks on other nodes or
 started by torchrun are not our children: their channel closing says they ended); when one
@@ -73,6 +73,9 @@ class Leader:
         self.sender.accept(set(range(1, self.info.size)), self.timeout_s, watch=self.rdv.poll)
         threading.Thread(target=self._watchdog, name="tandem-tp-watchdog", daemon=True).start()
         self._ready = True
+
+    def plan_source(self, scheduler, on_admit):
+        return scheduler  # rank 0 plans every rank's steps
 
     def _watch_startup(self) -> None:
         for rank, proc in self.procs.items():

@@ -55,6 +55,10 @@ class SingleProcess:
     def ready(self) -> None:
         pass
 
+    def plan_source(self, scheduler, on_admit):
+        """Who plans this rank's steps: its own scheduler (a worker's runtime says otherwise)."""
+        return scheduler
+
     def check(self, grace_s: float = 0.0) -> None:
         pass
 

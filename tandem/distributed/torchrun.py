@@ -109,14 +109,14 @@ def _check_flags(cfg: EngineConfig, env: TorchrunEnv) -> None:
                              f"torchrun leave --{name.replace('_', '-')} out")
 
 
-def run_worker_rank(cfg: EngineConfig, env: TorchrunEnv, layout: Layout) -> int:
-    """A rank > 0: build this rank's engine and serve rank 0's steps until it stops; the
-    process's exit code."""
+def worker_runtime(cfg: EngineConfig, env: TorchrunEnv, layout: Layout, device):
+    """A rank > 0's runtime: it joins rank 0's group; the entry point builds its engine and
+    steps rank 0's plan until rank 0 stops, then ends the process."""
     from tandem.distributed.runtime import RankInfo  # torch: only once a rank starts
-    from tandem.distributed.worker import run
+    from tandem.distributed.worker import WorkerRuntime
     # torchrun stops a job with SIGTERM to every rank: a worker stays until rank 0 (finishing
     # its in-flight requests) stops it or its channel closes; torchrun's SIGKILL follows anyway.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     info = RankInfo(env.rank, env.world_size, env.local_rank, layout.store_host, layout.store_port,
                     layout.store_prefix)
-    return run(cfg, info, layout.secret, linger_s=_FAILURE_LINGER_S)
+    return WorkerRuntime(info, cfg.launch.dist_timeout_s, device, layout.secret, linger_s=_FAILURE_LINGER_S)

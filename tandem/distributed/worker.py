@@ -1,13 +1,13 @@
-"""A tensor-parallel worker: builds the same engine as rank 0 on its shard, then launches
-each step rank 0 sends (`python -m tandem.distributed.worker SPEC`, started by `start_worker`;
-the step channel's secret comes in the environment)."""
+"""A tensor-parallel worker's runtime: its place in the group, its end of the step channel,
+and `StepFollower`, which stands in for the scheduler so that the worker's engine runs the
+same step loop as rank 0 on rank 0's plan. The process itself (`python -m
+tandem.entrypoints.ranks SPEC`, started by `start_worker`; the channel's secret comes in the
+environment) lives with the entry points: it builds an Engine, which this package must not
+import."""
 from __future__ import annotations
 
-import ctypes
-import faulthandler
 import logging
 import os
-import signal
 import subprocess
 import sys
 
@@ -21,11 +21,14 @@ from tandem.distributed.channel import StepReceiver
 from tandem.distributed.group import TPGroup
 from tandem.distributed.runtime import RankInfo, Rendezvous, open_store
 from tandem.distributed.wire import Stop
+from tandem.scheduler.batch import ScheduledBatch
 
 log = logging.getLogger("tandem")
 
 # While no step comes, check this often that rank 0 is still there.
 _IDLE_POLL_S = 1.0
+# The worker process's main module: named, not imported (it imports the engine).
+WORKER_MAIN = "tandem.entrypoints.ranks"
 
 
 class Spec(msgspec.Struct):
@@ -37,13 +40,17 @@ class Spec(msgspec.Struct):
 
 def start_worker(cfg: EngineConfig, info: RankInfo, secret: str) -> subprocess.Popen:
     spec = msgspec.json.encode(Spec(info, cfg)).decode()
-    return subprocess.Popen([sys.executable, "-m", "tandem.distributed.worker", spec],
+    return subprocess.Popen([sys.executable, "-m", WORKER_MAIN, spec],
                             env={**os.environ, SECRET_ENV: secret})
 
 
 class WorkerRuntime:
-    def __init__(self, info: RankInfo, timeout_s: float, device: torch.device, secret: str):
-        self.info, self.timeout_s, self.secret = info, timeout_s, secret
+    """`linger_s`: after a start-up failure, wait that long for rank 0 to read it (`fail`)."""
+
+    def __init__(self, info: RankInfo, timeout_s: float, device: torch.device, secret: str,
+                 linger_s: float = 0.0):
+        self.info, self.timeout_s, self.secret, self.linger_s = info, timeout_s, secret, linger_s
+        self.parent = os.getppid()  # a spawned worker's rank 0 (torchrun's agent under torchrun)
         if device.type == "cuda":
             torch.cuda.set_device(info.local_rank)
         _, self.store = open_store(info, False, timeout_s)
@@ -62,8 +69,16 @@ class WorkerRuntime:
         host, _, port = self.store.get("steps").decode().rpartition(":")
         self.receiver = StepReceiver.connect(host, int(port), self.info.rank, self.secret.encode(), self.timeout_s)
 
+    def plan_source(self, scheduler, on_admit) -> StepFollower:
+        """A worker plans nothing: its engine steps rank 0's plan as it arrives."""
+        return StepFollower(self, on_admit)
+
     def check(self, grace_s: float = 0.0) -> None:
         pass
+
+    def fail(self, exc: BaseException) -> None:
+        """Tell rank 0 why this rank could not start (it reports it and stops the group)."""
+        self.rdv.fail(f"{type(exc).__name__}: {exc}", self.linger_s)
 
     def close(self) -> None:
         if self.receiver is not None:
@@ -72,73 +87,59 @@ class WorkerRuntime:
             dist.destroy_process_group()
 
 
-def serve(engine, receiver: StepReceiver, parent: int) -> bool:
-    """Launch every step rank 0 sends, in order, keeping one step in flight as rank 0 does
-    (lifetime rule of the staging and result rings: step N - 2 is complete before step N).
-    True when rank 0 said stop; False when rank 0 is gone."""
-    runner, pending = engine.runner, None
-    while True:
+class StepFollower:
+    """A worker's scheduler: `schedule` hands the engine the step rank 0 planned (after the
+    requests it admitted), so the worker keeps a step in flight exactly as rank 0 does: the
+    same `Engine.step`. Everything a scheduler does with the results is rank 0's business."""
+
+    running = waiting = ()  # Engine.stats(): a worker holds no requests of its own
+    num_preemptions = 0
+
+    def __init__(self, runtime: WorkerRuntime, on_admit):
+        self.runtime, self.on_admit = runtime, on_admit
+        self.ended: str | None = None  # "stop" (rank 0 said so) or "gone" (rank 0 vanished)
+
+    def schedule(self, step: int, drain) -> ScheduledBatch | None:
+        """Rank 0's step `step`, or None (no message yet, or the end: see `ended`); the engine
+        then processes its in-flight step, as rank 0 does when it has nothing to launch."""
+        msg = self._receive()
+        if msg is None:
+            return None
+        if isinstance(msg, Stop):
+            self.ended = "stop"
+            return None
+        assert msg.step == step, f"rank 0 sent step {msg.step}, this rank is at step {step}"
+        receiver = self.runtime.receiver
+        for a in msg.admits:
+            self.on_admit(receiver.admit(a))
+        return receiver.batch(msg)
+
+    def _receive(self):
         try:
-            msg = receiver.recv(_IDLE_POLL_S)
-            gone = msg is None and os.getppid() != parent
+            msg = self.runtime.receiver.recv(_IDLE_POLL_S)
+            gone = msg is None and os.getppid() != self.runtime.parent
         except (EOFError, OSError):  # the channel closed without a Stop
             msg, gone = None, True
         if gone:
-            log.warning("rank %d: rank 0 is gone; exiting", engine.parallel.info.rank)
-            return False
-        if msg is None:
-            continue
-        if isinstance(msg, Stop):
-            break
-        for a in msg.admits:
-            receiver.admit(a)
-            runner.start_request(a.slot, a.prompt_ids, a.params, a.outputs)
-        launched = runner.launch(receiver.batch(msg))
-        if pending is not None:
-            pending.host.wait()
-        pending = launched
-    if pending is not None:
-        pending.host.wait()
-    return True
+            log.warning("rank %d: rank 0 is gone; exiting", self.runtime.info.rank)
+            self.ended = "gone"
+        return msg
 
+    def has_work(self) -> bool:
+        return self.ended is None
 
-def main(argv: list[str]) -> int:
-    spec = msgspec.json.decode(argv[0], type=Spec)
-    secret = os.environ.pop(SECRET_ENV, "")  # not inherited by anything this process starts
-    _die_with_parent()
-    return run(spec.config, spec.info, secret, linger_s=0.0)
+    def rollback(self, step: int) -> None:
+        # A step this rank failed to launch runs on the others: the ranks cannot agree again.
+        raise RuntimeError(f"tensor-parallel rank {self.runtime.info.rank}: step {step} failed to launch")
 
+    def on_step_completed(self, step: int) -> None:
+        pass  # KV and slots are rank 0's to free
 
-def run(cfg: EngineConfig, info: RankInfo, secret: str, linger_s: float) -> int:
-    """Build this rank's engine and serve rank 0's steps until it stops; the exit code.
-    `linger_s`: after a start-up failure, wait that long for rank 0 to read it."""
-    parent = os.getppid()
-    logging.basicConfig(level=logging.INFO,
-                        format=f"%(asctime)s tp-rank{info.rank} %(levelname)s %(message)s")
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the group; rank 0 stops us
-    faulthandler.register(signal.SIGUSR1)  # `kill -USR1 PID` prints where a worker is stuck
-    from tandem.config import resolve_device
-    from tandem.engine import Engine
-    runtime = WorkerRuntime(info, cfg.launch.dist_timeout_s, resolve_device(cfg.device), secret)
-    try:
-        engine = Engine(cfg, parallel=runtime)
-    except Exception as exc:
-        log.exception("rank %d failed to start", info.rank)
-        runtime.rdv.fail(f"{type(exc).__name__}: {exc}", linger_s)
-        return 1
-    try:
-        return 0 if serve(engine, runtime.receiver, parent) else 1
-    finally:
-        runtime.close()
-
-
-def _die_with_parent() -> None:
-    """Linux: SIGKILL this process when its parent exits (no orphans whatever kills rank 0)."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
+    def finish(self, req, step: int) -> None:
         pass
 
+    def kv_holders(self) -> list:
+        return []
 
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    def add(self, req) -> None:
+        raise RuntimeError("a tensor-parallel worker takes no requests: rank 0 sends its steps")

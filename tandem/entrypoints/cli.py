@@ -95,8 +95,8 @@ def generate_main(argv: list[str]) -> int:
     args = generate_parser().parse_args(argv)
     _logging(args.verbose)
     params, cfg = sampling_params(args), engine_config(args)  # both checked before the model loads
-    from tandem.engine import Engine
-    engine = Engine(cfg)
+    from tandem.entrypoints.ranks import build_engine
+    engine = build_engine(cfg)
     sys.stdout.write(args.prompt)
     if not args.sync_audit:
         stream(engine, args.prompt, params)
@@ -123,8 +123,8 @@ def chat_main(argv: list[str]) -> int:
     args = chat_parser().parse_args(argv)
     _logging(args.verbose)
     params, cfg = sampling_params(args), engine_config(args)  # both checked before the model loads
-    from tandem.engine import Engine
-    engine = Engine(cfg)
+    from tandem.entrypoints.ranks import build_engine
+    engine = build_engine(cfg)
     if engine.tokenizer is None or not getattr(engine.tokenizer, "chat_template", None):
         print("this model has no chat template", file=sys.stderr)
         return 2

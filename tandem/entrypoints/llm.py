@@ -11,6 +11,7 @@ from tqdm import tqdm
 
 from tandem.config import EngineConfig
 from tandem.engine import Engine
+from tandem.entrypoints.ranks import build_engine
 from tandem.entrypoints.interrupts import interrupts_between_steps
 from tandem.outputs import RequestOutput
 from tandem.sampling import SamplingParams
@@ -27,7 +28,7 @@ class LLM:
             close = difflib.get_close_matches(key, known, 1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
             raise TypeError(f"LLM() got an unknown option {key!r}{hint}")
-        self.engine = engine = Engine(EngineConfig(model=model, **options))
+        self.engine = engine = build_engine(EngineConfig(model=model, **options))
         self.tokenizer = engine.tokenizer
         _finalize_with_engine(engine)
 

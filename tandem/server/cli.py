@@ -9,7 +9,7 @@ from pathlib import Path
 
 from tandem import options
 from tandem.config import EngineConfig
-from tandem.distributed.torchrun import run_worker_rank, torchrun_env, torchrun_layout
+from tandem.distributed.torchrun import torchrun_env
 
 log = logging.getLogger("tandem.server")
 
@@ -59,7 +59,8 @@ def main(argv: list[str]) -> int:
                   "serve one engine (WORLD_SIZE = --tp) and end with it")
         return 2
     if torchrun is not None and torchrun.rank > 0:  # a torchrun worker rank: its engine only, no HTTP
-        return run_worker_rank(cfg, torchrun, torchrun_layout(cfg, torchrun))
+        from tandem.entrypoints.ranks import serve_rank, start_runtime
+        return serve_rank(cfg, start_runtime(cfg))
     if cfg.launch.node_rank > 0:  # a multi-node group's other node: its ranks only, no HTTP
         from tandem.distributed.node import run_node
         return run_node(cfg)

@@ -51,8 +51,8 @@ def run_engine(config: bytes, inbound: str, outbound: str, max_waiting: int, gpu
     push.setsockopt(zmq.LINGER, 2000)
     enc = P.encoder()
     try:
-        from tandem.engine import Engine  # heavy import: after the sockets, inside the try
-        engine = Engine(msgspec.msgpack.decode(config, type=EngineConfig))
+        from tandem.entrypoints.ranks import build_engine  # heavy import: after the sockets, inside the try
+        engine = build_engine(msgspec.msgpack.decode(config, type=EngineConfig))
     except Exception as exc:  # any start-up failure is reported, not just logged
         log.exception("engine failed to start")
         push.send(enc.encode(P.Failed(f"{type(exc).__name__}: {exc}")))
