@@ -149,7 +149,8 @@ def chat_main(argv: list[str]) -> int:
 def bench_main(argv: list[str]) -> int:
     kinds = {"latency": "tandem.bench.latency:main", "offline": "tandem.bench.offline:main",
              "serve": "tandem.bench.serve:bench_serve_main", "prefix": "tandem.bench.prefix:main",
-             "grammar": "tandem.bench.grammar:main", "soak": "tandem.bench.soak:main"}
+             "grammar": "tandem.bench.grammar:main", "soak": "tandem.bench.soak:main",
+             "suite": "tandem.bench.suite:main", "wheels": "tandem.bench.wheels:main"}
     if not argv or argv[0] not in kinds:
         print(f"usage: tandem bench {{{','.join(kinds)}}} [options]", file=sys.stderr)
         return 2

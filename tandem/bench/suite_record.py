@@ -1,0 +1,114 @@
+"""The suite's record: one JSON file per run, the comparison with the previous record of the
+same device and preset, and the printed table.
+
+A figure regresses when it moved the wrong way by more than the tolerance: "higher" figures
+(throughput, fractions, ratios) below old x (1 - tol), "lower" ones (latencies, times) above
+old x (1 + tol). "none" figures (counts, hit rates) are printed, never judged.
+"""
+from __future__ import annotations
+
+import fnmatch
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+SCHEMA = 1
+HEADLINE = ("tests.*", "offline.*.output_tok_s", "offline.*.roofline_fraction", "offline.*.overlap_on_over_off",
+            "latency.*.b*.tok_s", "latency.*.ttft_1024_ms", "prefix.*.cache_on_over_off",
+            "prefix.*.cache_on.ttft_p50_ms", "grammar.*.constrained_over_unconstrained", "*fp8_over_bf16*",
+            "serve.*.startup_s", "serve.*.rate*.output_tok_s", "serve.*.rate*.ttft_p50_ms",
+            "serve.*.rate*.tpot_p50_ms", "serve.*.rate*.gpu_busy", "serve.*.serve_over_engine")
+
+
+@dataclass
+class Change:
+    figure: str
+    old: float
+    new: float
+    better: str
+    tolerance: float
+
+    @property
+    def rel(self) -> float:
+        return (self.new - self.old) / abs(self.old)
+
+    @property
+    def regression(self) -> bool:
+        if self.better == "higher":
+            return self.new < self.old * (1 - self.tolerance)
+        if self.better == "lower":
+            return self.new > self.old * (1 + self.tolerance)
+        return False
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "rel": self.rel, "regression": self.regression}
+
+
+def tolerance_for(name: str, default: float, overrides: dict[str, float]) -> float:
+    """The last matching `--tolerance-for GLOB=FRACTION` wins; else the default."""
+    tol = default
+    for pattern, value in overrides.items():
+        if fnmatch.fnmatchcase(name, pattern):
+            tol = value
+    return tol
+
+
+def compare(new: dict, old: dict, tolerance: float, overrides: dict[str, float]) -> list[Change]:
+    """Figures present in both records with a finite, non-zero old value."""
+    changes = []
+    for name, fig in sorted(new["figures"].items()):
+        prev = old.get("figures", {}).get(name)
+        if prev is None or not _usable(fig.get("value")) or not _usable(prev.get("value")) or prev["value"] == 0:
+            continue
+        changes.append(Change(name, float(prev["value"]), float(fig["value"]), fig["better"],
+                              tolerance_for(name, tolerance, overrides)))
+    return changes
+
+
+def _usable(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def previous_record(history: Path, device: str, preset: str, exclude: Path | None = None) -> Path | None:
+    """The newest record (by its date field) of the same device and preset."""
+    best: tuple[str, Path] | None = None
+    for path in sorted(history.glob("*.json")) if history.is_dir() else []:
+        if exclude is not None and path.resolve() == exclude.resolve():
+            continue
+        try:
+            rec = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if rec.get("schema") != SCHEMA or rec.get("device") != device or rec.get("preset") != preset:
+            continue
+        if best is None or rec.get("date", "") > best[0]:
+            best = (rec.get("date", ""), path)
+    return None if best is None else best[1]
+
+
+def record_name(date: str, commit: str) -> str:
+    """2026-12-01T1106Z-6b19fd3.json: sorts by date, says which commit."""
+    return f"{date[:10]}T{date[11:13]}{date[14:16]}Z-{commit}.json"
+
+
+def format_table(record: dict, changes: list[Change]) -> str:
+    by_name = {c.figure: c for c in changes}
+    lines = [f"tandem bench suite: {record['commit']} on {record['device']} ({record['preset']}), {record['date']}",
+             "", f"{'part':<8} {'status':<8} {'s':>6}  note"]
+    for name, part in record["parts"].items():
+        lines.append(f"{name:<8} {part['status']:<8} {part['duration_s']:>6.1f}  {part.get('note', '')}")
+    lines += ["", f"{'figure':<58} {'value':>12} {'previous':>12} {'change':>8}"]
+    for name, fig in record["figures"].items():
+        c = by_name.get(name)
+        if not (c and c.regression) and not any(fnmatch.fnmatchcase(name, g) for g in HEADLINE):
+            continue  # the record has every figure; the table the ones to read first
+        prev = f"{c.old:,.4g}" if c else "-"
+        delta = f"{c.rel:+.1%}" if c else ""
+        flag = "  REGRESSION" if c and c.regression else ""
+        lines.append(f"{name:<58} {_fmt(fig['value']):>12} {prev:>12} {delta:>8}{flag}")
+    return "\n".join(lines)
+
+
+def _fmt(v) -> str:
+    return "n/a" if v is None else f"{v:,.4g}"

@@ -1,0 +1,258 @@
+"""What `tandem bench suite` runs: one subprocess per configuration, through the existing
+benchmark commands, and the figures read back from each one's JSON.
+
+Full sizes are the H200's (DESIGN.md's standard workload and docs/benchmarks.md's history);
+`quick` shrinks every workload to the `tiny` preset for the CPU, through the same code.
+Budgets are seconds of wall time per run on the H200 (process start, engine build and
+warm-up included), from the durations docs/benchmarks.md records; a run past its budget is
+stopped and counts as failed.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+PY = [sys.executable, "-m"]
+
+
+@dataclass
+class Figure:
+    value: float | None
+    unit: str
+    better: str  # "higher", "lower", or "none" (reported, never a regression)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+Figures = dict[str, Figure]
+
+
+@dataclass
+class Ctx:
+    quick: bool
+    device: str  # passed to the benchmarks: auto, cuda or cpu
+    raw: Path  # each run's JSON and log
+    tokenizer: str | None  # a saved tokenizer directory (.model/tokenizer), if there is one
+    test_paths: list[str] = field(default_factory=lambda: ["tests"])
+
+    def model(self, preset: str) -> str:
+        return "tiny" if self.quick else preset
+
+
+@dataclass
+class RunSpec:
+    part: str
+    name: str
+    argv: list[str]
+    budget_s: float
+    figures: Callable[[Path, Path], Figures]  # (its JSON, its log) -> figures
+    env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def json(self) -> str:
+        return f"{self.name}.json"
+
+
+def _hi(v, unit: str = "tok/s") -> Figure:
+    return Figure(v, unit, "higher")
+
+
+def _lo(v, unit: str = "ms") -> Figure:
+    return Figure(v, unit, "lower")
+
+
+def _info(v, unit: str = "") -> Figure:
+    return Figure(v, unit, "none")
+
+
+# ---- offline (and its FP8 twin) ----
+def offline(ctx: Ctx, preset: str, quant: str | None, overlap_off: bool, budget: float) -> RunSpec:
+    model = ctx.model(preset)
+    tag = f"offline-{model}" + (f"-{quant}" if quant else "")
+    sizes = ["--num-requests", "8", "--min-len", "4", "--max-len", "16"] if ctx.quick else []
+    argv = [*PY, "tandem.bench.offline", "--preset", model, "--device", ctx.device, *sizes,
+            *(["--quantization", quant] if quant else []), *([] if overlap_off else ["--no-overlap-off"]),
+            "--json", str(ctx.raw / f"{tag}.json")]
+    key = f"offline.{model}" + (f".{quant}" if quant else "")
+    return RunSpec("fp8" if quant else "offline", tag, argv, budget, lambda j, _: _offline_figures(j, key))
+
+
+def _offline_figures(path: Path, key: str) -> Figures:
+    rows = {r["overlap"]: r for r in json.loads(path.read_text())["rows"] if r["engine"] == "tandem"}
+    on = rows[True]
+    figs = {f"{key}.output_tok_s": _hi(on["output_tok_s"]),
+            f"{key}.roofline_fraction": _hi(on["roofline_fraction"], "fraction"),
+            f"{key}.gpu_busy": _hi(on["gpu_busy"], "fraction"),
+            f"{key}.wall_s": _lo(on["wall_s"], "s")}
+    if False in rows:
+        figs[f"{key}.overlap_off.output_tok_s"] = _hi(rows[False]["output_tok_s"])
+        figs[f"{key}.overlap_on_over_off"] = _hi(on["output_tok_s"] / rows[False]["output_tok_s"], "x")
+    return figs
+
+
+# ---- decode latency ----
+def latency(ctx: Ctx, preset: str, quant: str | None, budget: float) -> RunSpec:
+    model = ctx.model(preset)
+    tag = f"latency-{model}" + (f"-{quant}" if quant else "")
+    sizes = (["--batch-sizes", "1,4", "--steps", "5", "--warmup", "2", "--prompt-len", "8", "--ttft-burst", "2"]
+             if ctx.quick else ["--batch-sizes", "1,16,64", "--steps", "40"])
+    argv = [*PY, "tandem.bench.latency", "--preset", model, "--device", ctx.device, *sizes,
+            *(["--quantization", quant] if quant else []), "--json", str(ctx.raw / f"{tag}.json")]
+    key = f"latency.{model}" + (f".{quant}" if quant else "")
+    return RunSpec("fp8" if quant else "latency", tag, argv, budget, lambda j, _: _latency_figures(j, key))
+
+
+def _latency_figures(path: Path, key: str) -> Figures:
+    report = json.loads(path.read_text())
+    figs: Figures = {}
+    for r in report["rows"]:
+        mode = "" if r["overlap"] else ".overlap_off"
+        figs[f"{key}.b{r['batch']}{mode}.tok_s"] = _hi(r["tokens_per_s"])
+        if r["overlap"]:
+            figs[f"{key}.b{r['batch']}.step_ms"] = _lo(r["step_ms"])
+            figs[f"{key}.b{r['batch']}.gpu_busy"] = _hi(r["gpu_busy"], "fraction")
+    figs[f"{key}.ttft_1024_ms"] = _lo(report["ttft_single_1024"]["first_ms"])
+    return figs
+
+
+# ---- prefix cache on vs off: one process per configuration ----
+def prefix(ctx: Ctx, preset: str, cache: str, budget: float) -> RunSpec:
+    model = ctx.model(preset)
+    sizes = (["--groups", "2", "--per-group", "2", "--system-len", "32", "--question-len", "8", "--output-len", "8"]
+             if ctx.quick else ["--max-running-requests", "512"])  # 512: docs/benchmarks.md, run 2
+    argv = [*PY, "tandem.bench.prefix", "--preset", model, "--device", ctx.device, "--workload", "shared",
+            *sizes, "--cache", cache]
+    key = f"prefix.{model}.shared.cache_{cache}"
+    return RunSpec("prefix", f"prefix-{model}-shared-{cache}", argv, budget, lambda _, log: _prefix_figures(log, key))
+
+
+def _prefix_figures(log: Path, key: str) -> Figures:
+    """`tandem bench prefix` without --compare prints its row as the last JSON line."""
+    line = [s for s in log.read_text(errors="replace").splitlines() if s.startswith('{"workload"')][-1]
+    row = json.loads(line)
+    return {f"{key}.output_tok_s": _hi(row["output_tok_s"]), f"{key}.ttft_p50_ms": _lo(row["ttft_p50_ms"]),
+            f"{key}.ttft_p99_ms": _lo(row["ttft_p99_ms"]), f"{key}.hit_rate": _info(row["hit_rate"], "fraction"),
+            f"{key}.gpu_busy": _hi(row["gpu_busy"], "fraction")}
+
+
+# ---- structured output ----
+def grammar(ctx: Ctx, preset: str, budget: float) -> RunSpec:
+    model = ctx.model(preset)
+    sizes = (["--num-requests", "2", "--prompt-len", "8", "--max-tokens", "24", "--grammar-threads", "1",
+              "--no-overlap-off"]  # a 49,152-token vocabulary on the CPU: few steps
+             if ctx.quick else ["--num-requests", "128", "--grammar-threads", "8"])
+    tok = ["--tokenizer", ctx.tokenizer] if ctx.tokenizer else []
+    argv = [*PY, "tandem.bench.grammar", "--preset", model, "--device", ctx.device, *sizes, *tok,
+            "--json", str(ctx.raw / f"grammar-{model}.json")]
+    return RunSpec("grammar", f"grammar-{model}", argv, budget, lambda j, _: _grammar_figures(j, f"grammar.{model}"))
+
+
+def _grammar_figures(path: Path, key: str) -> Figures:
+    report = json.loads(path.read_text())
+    rows = {(r["constrained"], r["overlap"], r["mask_overlap"]): r for r in report["rows"]}
+    c, u, early = rows[(True, True, True)], rows[(False, True, True)], rows.get((True, True, False))
+    figs = {f"{key}.constrained.output_tok_s": _hi(c["output_tok_s"]),
+            f"{key}.unconstrained.output_tok_s": _hi(u["output_tok_s"]),
+            f"{key}.constrained_over_unconstrained": _hi(c["output_tok_s"] / u["output_tok_s"], "x"),
+            f"{key}.constrained.gpu_busy": _hi(c["gpu_busy"], "fraction"),
+            f"{key}.constrained.grammar_ms_per_step": _lo(c["grammar_ms_per_step"]),
+            f"{key}.valid_fraction": _info(c["valid"] / c["requests"], "fraction")}
+    if early is not None:
+        figs[f"{key}.masks_before_forward.output_tok_s"] = _hi(early["output_tok_s"])
+    return figs
+
+
+# ---- serving ----
+def serve(ctx: Ctx, preset: str, mode: str, budget: float) -> RunSpec:
+    model = ctx.model(preset)
+    sizes = (["--num-prompts", "8", "--input-len", "4:16", "--output-len", "4:16", "--token-id-range", "3:500"]
+             if ctx.quick else ["--num-prompts", "200", "--input-len", "100:1024", "--output-len", "100:1024"])
+    rates = ["--rates", "16,128"] if mode == "server" else ["--rates", "128"]  # the engine: the comparison rate
+    argv = [*PY, "tandem.bench.suite_serve", mode, "--preset", model, *sizes, *rates,
+            "--json", str(ctx.raw / f"serve-{mode}-{model}.json")]
+    key = f"serve.{model}" + ("" if mode == "server" else ".engine")
+    return RunSpec("serve", f"serve-{mode}-{model}", argv, budget, lambda j, _: _serve_figures(j, key))
+
+
+def _serve_figures(path: Path, key: str) -> Figures:
+    report = json.loads(path.read_text())
+    figs = {f"{key}.startup_s": _lo(report["startup_s"], "s")} if "startup_s" in report else {}
+    for r in report["rates"]:
+        k = f"{key}.rate{float(r['request_rate']):g}"
+        figs.update({f"{k}.output_tok_s": _hi(r["output_token_throughput"]),
+                     f"{k}.ttft_p50_ms": _lo(r["ttft_ms"]["p50"]), f"{k}.ttft_p99_ms": _lo(r["ttft_ms"]["p99"]),
+                     f"{k}.tpot_p50_ms": _lo(r["tpot_ms"]["p50"]), f"{k}.tpot_p99_ms": _lo(r["tpot_ms"]["p99"]),
+                     f"{k}.failed": _info(r["failed"], "requests")})
+        if r.get("gpu_busy"):  # the gauge stays 0 without CUDA (no device events)
+            figs[f"{k}.gpu_busy"] = _hi(r["gpu_busy"], "fraction")
+    return figs
+
+
+# ---- derived figures: ratios across runs of one part ----
+def derived(figs: Figures) -> Figures:
+    out: Figures = {}
+    for name, fig in figs.items():
+        for pattern, other, ratio in _RATIOS:
+            if name.endswith(pattern) and fig.value:
+                base = figs.get(name[: -len(pattern)] + other)
+                if base is not None and base.value:
+                    out[name[: -len(pattern)] + ratio] = _hi(fig.value / base.value, "x")
+    for name, fig in figs.items():  # FP8 over bf16: offline.M.fp8.X over offline.M.X
+        for kind in ("offline", "latency"):
+            if name.startswith(f"{kind}.") and ".fp8." in name and name.endswith("tok_s") and fig.value:
+                base = figs.get(name.replace(".fp8.", ".", 1))
+                if base is not None and base.value:
+                    out[name.replace(".fp8.", ".fp8_over_bf16.", 1)] = _hi(fig.value / base.value, "x")
+    return out
+
+
+_RATIOS = [  # (suffix of a figure, suffix of its baseline, suffix of the ratio)
+    (".shared.cache_on.output_tok_s", ".shared.cache_off.output_tok_s", ".shared.cache_on_over_off"),
+    (".rate128.output_tok_s", ".engine.rate128.output_tok_s", ".rate128.serve_over_engine"),
+]
+
+
+# ---- tests ----
+def tests(ctx: Ctx, budget: float) -> RunSpec:
+    junit = ctx.raw / "tests.xml"
+    argv = [*PY, "pytest", *ctx.test_paths, "-p", "tandem.bench.suite_tests", "-p", "no:cacheprovider",
+            "-v", "-rfE", "--continue-on-collection-errors", "--durations=15", f"--junitxml={junit}"]
+    env = {"TANDEM_TEST_DEVICE": "cpu" if ctx.device == "cpu" else "cuda"}
+    if ctx.tokenizer:
+        env["TANDEM_TEST_TOKENIZER"] = ctx.tokenizer
+    return RunSpec("tests", "tests", argv, budget, lambda _, log: _test_figures(junit, log), env)
+
+
+def _test_figures(junit: Path, log: Path) -> Figures:
+    from tandem.bench.suite_tests import summarize
+    s = summarize(junit, log)
+    return {f"tests.{k}": _info(getattr(s, k), "tests") for k in ("passed", "failed", "errors", "skipped")}
+
+
+def plan(ctx: Ctx) -> list[RunSpec]:
+    """Every run, in the order they go (tests first: they gate the record). The 8B standard
+    workload is the big one (~14 s of generation after a ~16 s start on the H200). Quick mode
+    keeps one run per part where the full suite has two of a kind (process start-up is most of
+    a tiny run's time), so every section is there at the least cost."""
+    if ctx.quick:
+        return [tests(ctx, 60), offline(ctx, "tiny", None, True, 60), latency(ctx, "tiny", None, 60),
+                serve(ctx, "tiny", "server", 90), serve(ctx, "tiny", "engine", 60),
+                prefix(ctx, "tiny", "on", 60), grammar(ctx, "tiny", 60), offline(ctx, "tiny", "fp8", False, 60)]
+    return [tests(ctx, 200),
+            offline(ctx, "qwen3-0.6b", None, True, 60),
+            offline(ctx, "llama-3.1-8b", None, False, 70),
+            latency(ctx, "qwen3-0.6b", None, 45),
+            serve(ctx, "qwen3-0.6b", "server", 90),
+            serve(ctx, "qwen3-0.6b", "engine", 50),
+            prefix(ctx, "qwen3-0.6b", "on", 40),
+            prefix(ctx, "qwen3-0.6b", "off", 45),
+            grammar(ctx, "qwen3-0.6b", 50),
+            latency(ctx, "qwen3-0.6b", "fp8", 45),
+            offline(ctx, "llama-3.1-8b", "fp8", False, 70)]
+
+
+PARTS = ("tests", "offline", "latency", "prefix", "grammar", "fp8", "serve")
