@@ -1,10 +1,15 @@
-"""close() gives back what the engine started: the grammar compiler's threads and, under
-tensor parallelism, the worker processes."""
+"""close() gives back what the engine started: the grammar compiler's threads, under
+tensor parallelism the worker processes, and in the server the engine process and its IPC
+files."""
+import asyncio
 import os
 import threading
 import time
 
 from tandem import LLM, SamplingParams
+from tandem.config import EngineConfig
+from tandem.server.client import EngineClient
+from tandem.server.metrics import Metrics
 from tiny_models import TEST_DEVICE, make_tiny_model
 
 
@@ -44,3 +49,21 @@ def test_close_ends_the_tensor_parallel_workers(tmp_path):
     llm.close()
     assert workers[0].poll() == 0  # stopped by rank 0 and reaped: exit code 0, no zombie
     assert not os.path.exists(f"/proc/{workers[0].pid}")
+
+
+def test_server_client_close_ends_the_engine_process_and_removes_its_ipc_files(tmp_path):
+    path = make_tiny_model(tmp_path, "llama")
+    cfg = EngineConfig(model=str(path), device="cpu", dtype="float32", max_total_tokens=256,
+                       max_running_requests=4)
+
+    async def start_and_close():
+        client = EngineClient(cfg, max_waiting=8, metrics=Metrics())
+        await client.start()
+        ipc_dir, proc = client._dir, client.proc
+        assert os.listdir(ipc_dir)  # the two sockets
+        await client.close()
+        return ipc_dir, proc
+
+    ipc_dir, proc = asyncio.run(start_and_close())
+    assert not os.path.exists(ipc_dir)
+    assert proc.exitcode == 0
