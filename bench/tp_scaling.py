@@ -32,18 +32,18 @@ def run_phase(preset: str, tp: int, requests: int, out: Path) -> None:
     from tandem.bench.presets import preset_dir
     from tandem.bench.roofline import measure_hardware, model_cost
     from tandem.config import EngineConfig
-    from tandem.engine import Engine
+    from tandem.entrypoints.ranks import build_engine  # starts the ranks
     t0 = time.perf_counter()
     cfg = EngineConfig(model=preset_dir(preset), dummy_weights=True, timeline=True,
                        tensor_parallel_size=tp, max_running_requests=256)
     error = None
     try:
-        engine = Engine(cfg)
+        engine = build_engine(cfg)
     except Exception as exc:  # e.g. a collective that cannot be captured: measure without graphs
         error = f"{type(exc).__name__}: {exc}"
         print(f"[tp_scaling] start failed ({error}); retrying with cuda_graph=off", flush=True)
         cfg.cuda_graph = "off"
-        engine = Engine(cfg)
+        engine = build_engine(cfg)
     result = {"preset": preset, "tp": tp, "startup_s": time.perf_counter() - t0, "start_error": error,
               "cuda_graphs": engine.runner.graphs is not None, "kv_tokens": engine.kv_slots.count}
     try:
