@@ -1,6 +1,6 @@
 """Rank 0: starts the workers of its node, supervises them, and sends them each step.
 
-Workers are plain subprocesses (`python -m tandem.entrypoints.ranks`): they work from a
+Workers are plain subprocesses (`python -m tandem.entrypoints.worker`): they work from a
 daemonic parent too (the server's engine process) and die with their parent (PDEATHSIG).
 A watchdog thread polls them, and the step channel of every rank (ranks on other nodes or
 started by torchrun are not our children: their channel closing says they ended); when one

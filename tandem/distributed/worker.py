@@ -1,7 +1,7 @@
 """A tensor-parallel worker's runtime: its place in the group, its end of the step channel,
 and `StepFollower`, which stands in for the scheduler so that the worker's engine runs the
 same step loop as rank 0 on rank 0's plan. The process itself (`python -m
-tandem.entrypoints.ranks SPEC`, started by `start_worker`; the channel's secret comes in the
+tandem.entrypoints.worker SPEC`, started by `start_worker`; the channel's secret comes in the
 environment) lives with the entry points: it builds an Engine, which this package must not
 import."""
 from __future__ import annotations
@@ -28,7 +28,7 @@ log = logging.getLogger("tandem")
 # While no step comes, check this often that rank 0 is still there.
 _IDLE_POLL_S = 1.0
 # The worker process's main module: named, not imported (it imports the engine).
-WORKER_MAIN = "tandem.entrypoints.ranks"
+WORKER_MAIN = "tandem.entrypoints.worker"
 
 
 class Spec(msgspec.Struct):

@@ -2,28 +2,22 @@
 
 One process, or rank 0 of a tensor-parallel group: `build_engine` returns the Engine, with
 the runtime that starts and supervises the workers. A worker (spawned by rank 0 as `python
--m tandem.entrypoints.ranks SPEC`, or a torchrun rank > 0): `serve_rank` builds the same
+-m tandem.entrypoints.worker SPEC`, or a torchrun rank > 0): `serve_rank` builds the same
 engine on its shard and runs its step loop on rank 0's plan (`StepFollower`) until rank 0
 stops. The engine only receives its runtime; it never starts processes itself, so the engine
 and the distributed runtime do not import each other.
 """
 from __future__ import annotations
 
-import ctypes
 import faulthandler
 import logging
-import os
 import signal
-import sys
-
-import msgspec
 
 from tandem.config import EngineConfig, ModelConfig, resolve_device
 from tandem.distributed import start_parallel
-from tandem.distributed.auth import SECRET_ENV
 from tandem.distributed.leader import Leader
 from tandem.distributed.runtime import SingleProcess
-from tandem.distributed.worker import Spec, WorkerRuntime
+from tandem.distributed.worker import WorkerRuntime
 from tandem.engine import Engine
 from tandem.models.checkpoint import builtin_model_path, open_checkpoint
 
@@ -79,25 +73,3 @@ def _step_until_stopped(engine: Engine) -> int:
         log.exception("rank %d: a step failed", engine.parallel.info.rank)
         return 1
     return 0 if follower.ended == "stop" else 1
-
-
-def main(argv: list[str]) -> int:
-    """A worker that rank 0 (or `tandem serve --node-rank N`) started: `start_worker`."""
-    spec = msgspec.json.decode(argv[0], type=Spec)
-    secret = os.environ.pop(SECRET_ENV, "")  # not inherited by anything this process starts
-    _die_with_parent()
-    cfg = spec.config
-    runtime = WorkerRuntime(spec.info, cfg.launch.dist_timeout_s, resolve_device(cfg.device), secret)
-    return serve_rank(cfg, runtime)
-
-
-def _die_with_parent() -> None:
-    """Linux: SIGKILL this process when its parent exits (no orphans whatever kills rank 0)."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
