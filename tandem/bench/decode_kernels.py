@@ -1,6 +1,6 @@
 """Where a steady decode step's device time goes: kernel time by name, from torch.profiler.
 
-    PYTHONPATH=. python3 bench/profile_decode.py --preset qwen3-0.6b --batch 1 --batch 64
+    python3 -m tandem.bench.decode_kernels --preset qwen3-0.6b --batch 1 --batch 64
 """
 import argparse
 import random
@@ -53,4 +53,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from tandem.entrypoints.cli import exit_quietly
+    raise SystemExit(exit_quietly(main() or 0))

@@ -214,8 +214,8 @@ def verdict(record: dict, changes: list[rec.Change]) -> tuple[int, list[str]]:
     return (1 if reasons else 0), reasons
 
 
-def report(record: dict, changes: list[rec.Change]) -> int:
-    print(rec.format_table(record, changes))
+def report(record: dict, changes: list[rec.Change], every_figure: bool = False) -> int:
+    print(rec.format_table(record, changes, every_figure))
     code, reasons = verdict(record, changes)
     prev = record["comparison"]["previous"]
     print(f"\ncompared with {prev}" if prev else "\nno earlier record of this device and preset to compare with")
@@ -231,7 +231,7 @@ def compare_only(args: argparse.Namespace) -> int:
     record = json.loads(path.read_text())
     old = Path(args.against) if args.against else rec.previous_record(
         Path(args.history), record["device"], record["preset"], exclude=path)
-    return report(record, judge(record, old, args))
+    return report(record, judge(record, old, args), args.all_figures)
 
 
 # ---- command line ----
@@ -260,6 +260,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--tests", nargs="+", help="test paths (default: tests; quick: tests/test_gpu_diagnostics.py)")
     ap.add_argument("--tokenizer", default=".model/tokenizer", help="saved tokenizer (tandem bench wheels)")
     ap.add_argument("--commit", help="the commit measured (the GPU machine's copy has no .git)")
+    ap.add_argument("--all-figures", action="store_true", help="print every figure, not the headline ones")
     ap.add_argument("--compare-only", metavar="RECORD", help="judge this record again; run nothing")
     ap.add_argument("--against", metavar="RECORD", help="with --compare-only: the record to compare with")
     return ap
@@ -298,9 +299,9 @@ def main(argv: list[str] | None = None) -> int:
     path = out / rec.record_name(record["date"], record["commit"])
     record["raw"] = raw.name
     changes = judge(record, rec.previous_record(Path(args.history), record["device"], record["preset"], path), args)
-    code = report(record, changes)
+    code = report(record, changes, args.all_figures)
     path.write_text(json.dumps(record, indent=1) + "\n")
-    print(f"record: {path}")
+    print(f"record: {path}\nfor docs/benchmarks.md: {rec.summary_line(record, path.name)}")
     return code
 
 

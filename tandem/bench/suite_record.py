@@ -92,7 +92,7 @@ def record_name(date: str, commit: str) -> str:
     return f"{date[:10]}T{date[11:13]}{date[14:16]}Z-{commit}.json"
 
 
-def format_table(record: dict, changes: list[Change]) -> str:
+def format_table(record: dict, changes: list[Change], every_figure: bool = False) -> str:
     by_name = {c.figure: c for c in changes}
     lines = [f"tandem bench suite: {record['commit']} on {record['device']} ({record['preset']}), {record['date']}",
              "", f"{'part':<8} {'status':<8} {'s':>6}  note"]
@@ -101,7 +101,7 @@ def format_table(record: dict, changes: list[Change]) -> str:
     lines += ["", f"{'figure':<58} {'value':>12} {'previous':>12} {'change':>8}"]
     for name, fig in record["figures"].items():
         c = by_name.get(name)
-        if not (c and c.regression) and not any(fnmatch.fnmatchcase(name, g) for g in HEADLINE):
+        if not every_figure and not (c and c.regression) and not any(fnmatch.fnmatchcase(name, g) for g in HEADLINE):
             continue  # the record has every figure; the table the ones to read first
         prev = f"{c.old:,.4g}" if c else "-"
         delta = f"{c.rel:+.1%}" if c else ""
@@ -112,3 +112,24 @@ def format_table(record: dict, changes: list[Change]) -> str:
 
 def _fmt(v) -> str:
     return "n/a" if v is None else f"{v:,.4g}"
+
+
+def summary_line(record: dict, path_name: str) -> str:
+    """The dated line docs/benchmarks.md gets for this record."""
+    f = {k: v["value"] for k, v in record["figures"].items()}
+    t = record["tests"]
+    bits = [f"tests {t.get('passed', 0)} passed / {t.get('failed', 0) + t.get('errors', 0)} failed"]
+    for key, label in _SUMMARY:
+        value = next((v for k, v in f.items() if fnmatch.fnmatchcase(k, key) and v is not None), None)
+        if value is not None:
+            bits.append(f"{label} {value:,.3g}" if abs(value) < 10 else f"{label} {value:,.0f}")
+    return (f"{record['date'][:10]} — {record['device']}, suite at {record['commit']}: " + "; ".join(bits)
+            + f" (docs/bench-records/{path_name})")
+
+
+_SUMMARY = [("offline.llama-3.1-8b.output_tok_s", "8B offline out tok/s"),
+            ("offline.llama-3.1-8b.roofline_fraction", "roofline"),
+            ("offline.llama-3.1-8b.fp8.output_tok_s", "8B FP8"),
+            ("offline.qwen3-0.6b.output_tok_s", "0.6B offline"), ("latency.*.b1.tok_s", "b=1 tok/s"),
+            ("serve.*.rate128.output_tok_s", "serve 128 req/s out tok/s"),
+            ("serve.*.rate128.serve_over_engine", "serve/engine")]

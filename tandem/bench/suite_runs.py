@@ -16,6 +16,9 @@ from pathlib import Path
 from typing import Callable
 
 PY = [sys.executable, "-m"]
+# `tandem bench X`, as users run it (and its exit skips Triton's teardown report, which would
+# otherwise fill the log tail the record keeps).
+BENCH = [sys.executable, "-m", "tandem", "bench"]
 
 
 @dataclass
@@ -74,7 +77,7 @@ def offline(ctx: Ctx, preset: str, quant: str | None, overlap_off: bool, budget:
     model = ctx.model(preset)
     tag = f"offline-{model}" + (f"-{quant}" if quant else "")
     sizes = ["--num-requests", "8", "--min-len", "4", "--max-len", "16"] if ctx.quick else []
-    argv = [*PY, "tandem.bench.offline", "--preset", model, "--device", ctx.device, *sizes,
+    argv = [*BENCH, "offline", "--preset", model, "--device", ctx.device, *sizes,
             *(["--quantization", quant] if quant else []), *([] if overlap_off else ["--no-overlap-off"]),
             "--json", str(ctx.raw / f"{tag}.json")]
     key = f"offline.{model}" + (f".{quant}" if quant else "")
@@ -100,7 +103,7 @@ def latency(ctx: Ctx, preset: str, quant: str | None, budget: float) -> RunSpec:
     tag = f"latency-{model}" + (f"-{quant}" if quant else "")
     sizes = (["--batch-sizes", "1,4", "--steps", "5", "--warmup", "2", "--prompt-len", "8", "--ttft-burst", "2"]
              if ctx.quick else ["--batch-sizes", "1,16,64", "--steps", "40"])
-    argv = [*PY, "tandem.bench.latency", "--preset", model, "--device", ctx.device, *sizes,
+    argv = [*BENCH, "latency", "--preset", model, "--device", ctx.device, *sizes,
             *(["--quantization", quant] if quant else []), "--json", str(ctx.raw / f"{tag}.json")]
     key = f"latency.{model}" + (f".{quant}" if quant else "")
     return RunSpec("fp8" if quant else "latency", tag, argv, budget, lambda j, _: _latency_figures(j, key))
@@ -124,7 +127,7 @@ def prefix(ctx: Ctx, preset: str, cache: str, budget: float) -> RunSpec:
     model = ctx.model(preset)
     sizes = (["--groups", "2", "--per-group", "2", "--system-len", "32", "--question-len", "8", "--output-len", "8"]
              if ctx.quick else ["--max-running-requests", "512"])  # 512: docs/benchmarks.md, run 2
-    argv = [*PY, "tandem.bench.prefix", "--preset", model, "--device", ctx.device, "--workload", "shared",
+    argv = [*BENCH, "prefix", "--preset", model, "--device", ctx.device, "--workload", "shared",
             *sizes, "--cache", cache]
     key = f"prefix.{model}.shared.cache_{cache}"
     return RunSpec("prefix", f"prefix-{model}-shared-{cache}", argv, budget, lambda _, log: _prefix_figures(log, key))
@@ -146,7 +149,7 @@ def grammar(ctx: Ctx, preset: str, budget: float) -> RunSpec:
               "--no-overlap-off"]  # a 49,152-token vocabulary on the CPU: few steps
              if ctx.quick else ["--num-requests", "128", "--grammar-threads", "8"])
     tok = ["--tokenizer", ctx.tokenizer] if ctx.tokenizer else []
-    argv = [*PY, "tandem.bench.grammar", "--preset", model, "--device", ctx.device, *sizes, *tok,
+    argv = [*BENCH, "grammar", "--preset", model, "--device", ctx.device, *sizes, *tok,
             "--json", str(ctx.raw / f"grammar-{model}.json")]
     return RunSpec("grammar", f"grammar-{model}", argv, budget, lambda j, _: _grammar_figures(j, f"grammar.{model}"))
 

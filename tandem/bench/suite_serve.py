@@ -151,4 +151,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from tandem.entrypoints.cli import exit_quietly
+    raise SystemExit(exit_quietly(main()))

@@ -1,6 +1,6 @@
 """Tensor and data parallelism on one multi-GPU host, dummy weights: one process per figure.
 
-  python bench/tp_scaling.py --out DIR [--budget-s 280]
+  python3 -m tandem.bench.tp_scaling --out DIR [--budget-s 280]   (2 GPUs: nvidia-h200-x2)
 
 Phases (each a fresh process, skipped when the budget is spent): Llama-3.1-8B shape with
 TP=1 and TP=2 (batch-1 decode tok/s, then the standard offline workload: output tok/s,
@@ -112,7 +112,7 @@ def main() -> int:
         t = time.monotonic()
         with open(out / f"{name}.log", "w") as log:
             try:
-                code = subprocess.run([sys.executable, __file__, "--phase", name, "--out", str(out),
+                code = subprocess.run([sys.executable, "-m", "tandem.bench.tp_scaling", "--phase", name, "--out", str(out),
                                        "--budget-s", str(left - 5)], stdout=log, stderr=subprocess.STDOUT,
                                       timeout=left - 2).returncode
             except subprocess.TimeoutExpired:

@@ -75,7 +75,7 @@ def _qk_norm_rope_kernel(
 
 def default_heads_per_program(num_tokens: int, num_q_heads: int) -> int:
     """One head per program for small batches (parallelism over SMs); four for large ones
-    (fewer, fatter programs). `bench/gpu_fused.py` times the alternatives."""
+    (fewer, fatter programs); docs/benchmarks.md (fused Triton kernels, 2026-11-30) has the timings."""
     return 1 if num_tokens <= 64 else min(4, triton.next_power_of_2(num_q_heads))
 
 

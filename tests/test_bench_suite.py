@@ -1,0 +1,113 @@
+"""`tandem bench suite --quick --device cpu`: the GPU suite's own code, run in CI on the tiny
+preset. One run against planted earlier records: the record has every section, and the
+newest record of the same device and preset, whose figures are better, makes it fail."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tandem.bench import suite
+from tandem.bench.suite_runs import PARTS
+from tandem.bench.suite_tests import from_verbose_log
+
+pytest.importorskip("xgrammar")  # the grammar part
+pytest.importorskip("fastapi")  # the serve part
+
+# Figures the quick run reports, set far better than a CPU reaches: each must be a regression.
+PLANTED = {"offline.tiny.output_tok_s": (1e9, "higher"), "latency.tiny.b1.tok_s": (1e9, "higher"),
+           "serve.tiny.rate128.ttft_p50_ms": (1e-6, "lower")}
+
+
+def _record(device: str, preset: str, date: str, scale: float) -> dict:
+    """An earlier record: PLANTED's figures times `scale` (1: better than any run; 1e-12 for
+    the "higher" ones and 1e12 for the "lower": worse than any), plus one "none" figure."""
+    figs = {k: {"value": v * (scale if b == "higher" else 1 / scale), "unit": "", "better": b}
+            for k, (v, b) in PLANTED.items()}
+    figs["serve.tiny.rate16.failed"] = {"value": -1.0, "unit": "requests", "better": "none"}
+    return {"schema": 1, "device": device, "preset": preset, "date": date, "commit": "planted", "figures": figs}
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("records")
+    device = suite.machine("cpu")
+    planted = {"1999-newest-same.json": _record(device, "quick", "2000-06-01T00:00:00Z", 1.0),
+               "1999-older-same.json": _record(device, "quick", "2000-01-01T00:00:00Z", 1e-12),
+               "1999-other-preset.json": _record(device, "full", "2001-01-01T00:00:00Z", 1e-12),
+               "1999-other-device.json": _record("NVIDIA H200", "quick", "2002-01-01T00:00:00Z", 1e-12)}
+    for name, record in planted.items():
+        (out / name).write_text(json.dumps(record))
+    proc = subprocess.run([sys.executable, "-m", "tandem", "bench", "suite", "--quick", "--device", "cpu",
+                           "--out", str(out)], capture_output=True, text=True, timeout=600)
+    new = [p for p in out.glob("*.json") if p.name not in planted]
+    assert len(new) == 1, proc.stdout + proc.stderr
+    return proc, json.loads(new[0].read_text()), new[0]
+
+
+def test_record_has_every_section(run):
+    proc, record, _ = run
+    assert {"schema", "commit", "date", "device", "preset", "versions", "tests", "parts", "figures",
+            "comparison"} <= set(record)
+    assert record["preset"] == "quick" and record["versions"]["torch"]
+    assert set(record["parts"]) == set(PARTS)
+    for name, part in record["parts"].items():
+        assert part["status"] == "ok", (name, part.get("note"), proc.stdout[-3000:])
+        assert part["runs"] and all("log_tail" in r and r["duration_s"] > 0 for r in part["runs"].values())
+    for section in PARTS[1:]:  # every benchmark part reported figures
+        assert any(k.startswith(section + ".") or (section == "fp8" and ".fp8." in k) for k in record["figures"]), section
+    assert all(set(f) == {"value", "unit", "better"} for f in record["figures"].values())
+    assert {"passed", "failed", "skipped", "errors", "failing"} <= set(record["tests"])
+    assert record["tests"]["failing"] == []
+    assert "serve.tiny.rate128.serve_over_engine" in record["figures"]
+    assert "offline.tiny.fp8_over_bf16.output_tok_s" in record["figures"]
+
+
+def test_better_previous_record_fails_the_run(run):
+    proc, record, _ = run
+    assert proc.returncode == 1, proc.stdout[-3000:]
+    assert record["comparison"]["previous"] == "1999-newest-same.json"
+    assert sorted(c["figure"] for c in record["comparison"]["regressions"]) == sorted(PLANTED)
+    for name in PLANTED:
+        assert f"REGRESSION {name}" in proc.stdout
+
+
+def _compare(tmp_path, record: dict, old: dict, *extra: str) -> int:
+    new_path, old_path = tmp_path / "new.json", tmp_path / "old.json"
+    new_path.write_text(json.dumps(record))
+    old_path.write_text(json.dumps(old))
+    return suite.main(["--compare-only", str(new_path), "--against", str(old_path), *extra])
+
+
+def _scaled(record: dict, name: str, factor: float) -> dict:
+    old = json.loads(json.dumps(record))
+    old["figures"][name]["value"] *= factor
+    return old
+
+
+def test_tolerance_decides_what_regresses(run, tmp_path, capsys):
+    _, record, _ = run
+    ok = {**record, "parts": {k: {**v, "status": "ok"} for k, v in record["parts"].items()}}
+    assert _compare(tmp_path, ok, ok) == 0  # itself: nothing moved
+    tput, ttft = "offline.tiny.output_tok_s", "serve.tiny.rate128.ttft_p50_ms"
+    assert _compare(tmp_path, ok, _scaled(ok, tput, 1.05)) == 0  # 4.8 % lower: within 7 %
+    assert _compare(tmp_path, ok, _scaled(ok, tput, 1.10)) == 1  # 9.1 % lower
+    assert _compare(tmp_path, ok, _scaled(ok, tput, 1.10), "--tolerance", "0.2") == 0
+    assert _compare(tmp_path, ok, _scaled(ok, ttft, 0.90)) == 1  # latency 11 % higher
+    assert _compare(tmp_path, ok, _scaled(ok, ttft, 0.90), "--tolerance-for", "serve.*.ttft_*=0.15") == 0
+    assert _compare(tmp_path, ok, _scaled(ok, ttft, 1.50)) == 0  # latency lower: better
+    assert f"REGRESSION {ttft}" in capsys.readouterr().out
+
+
+def test_a_failed_part_fails_the_record(run, tmp_path):
+    _, record, _ = run
+    broken = json.loads(json.dumps(record))
+    broken["parts"]["serve"]["status"] = "timeout"
+    assert _compare(tmp_path, broken, broken) == 1
+
+
+def test_test_outcomes_read_from_a_cut_log():
+    s = from_verbose_log("tests/test_a.py::test_x PASSED [ 10%]\ntests/test_a.py::test_y[2] FAILED [ 20%]\n"
+                         "tests/test_b.py::test_z SKIPPED (needs a CUDA device) [ 30%]\n")
+    assert (s.passed, s.failed, s.skipped, s.failing, s.complete) == (1, 1, 1, ["tests/test_a.py::test_y[2]"], False)
