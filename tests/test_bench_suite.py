@@ -4,7 +4,6 @@ newest record of the same device and preset, whose figures are better, makes it 
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 

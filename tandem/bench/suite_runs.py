@@ -245,7 +245,7 @@ def plan(ctx: Ctx) -> list[RunSpec]:
         return [tests(ctx, 60), offline(ctx, "tiny", None, True, 60), latency(ctx, "tiny", None, 60),
                 serve(ctx, "tiny", "server", 90), serve(ctx, "tiny", "engine", 60),
                 prefix(ctx, "tiny", "on", 60), grammar(ctx, "tiny", 60), offline(ctx, "tiny", "fp8", False, 60)]
-    return [tests(ctx, 200),
+    return [tests(ctx, 220),
             offline(ctx, "qwen3-0.6b", None, True, 60),
             offline(ctx, "llama-3.1-8b", None, False, 70),
             latency(ctx, "qwen3-0.6b", None, 45),
