@@ -290,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     raw = out / f"raw-{stamp}"
     raw.mkdir(parents=True, exist_ok=True)
-    tokenizer = args.tokenizer if Path(args.tokenizer).is_dir() else None
+    tokenizer = str(Path(args.tokenizer).resolve()) if Path(args.tokenizer).is_dir() else None
     ctx = Ctx(args.quick, args.device, raw.resolve(), tokenizer, args.tests)
     runs = [r for r in plan(ctx) if r.part in args.parts]
     for r in runs:
