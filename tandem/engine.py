@@ -461,6 +461,8 @@ class Engine:
         the error as their status, and the engine keeps serving the rest; anything else (an
         interrupt, a bug, a sticky CUDA error) propagates to the caller, who may step on."""
         self._fence_failed_launch()
+        with self.streams.use(self.streams.forward):
+            self.future_map.forget_reads()  # the retry reads the decode inputs this attempt read
         self.scheduler.rollback(batch.step)
         self.scheduler.on_step_completed(self.completed_step)  # releases a rollback made due
         if self.runner.mirror is not None:  # the workers already run this step: ranks cannot agree now

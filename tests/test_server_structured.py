@@ -3,6 +3,7 @@ import json
 from typing import Annotated, Literal
 
 import jsonschema
+import httpx
 import openai
 import pytest
 from pydantic import BaseModel, Field
@@ -32,11 +33,21 @@ class Person(BaseModel):
 
 
 @pytest.fixture(scope="module")
-def client(tiny_text_model, tmp_path_factory):
+def served(tiny_text_model, tmp_path_factory):
     log = tmp_path_factory.mktemp("server_structured") / "server.log"
     with running_server(tiny_text_model, log, "--max-running-requests", "16", "--max-model-len", "256") as (url, proc):
-        yield openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        yield url, proc
     assert proc.returncode == 0, log.read_text()
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    return openai.OpenAI(base_url=served[0] + "/v1", api_key="none", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def server_pid(served):
+    return served[1].pid
 
 
 def _check_calls(calls, names=None, single=False):
@@ -196,3 +207,44 @@ def test_auto_streams_text_and_holds_back_a_starting_call():
     deltas, reason = calls.stream("", True, "stop")
     assert reason == "tool_calls"
     assert [d["tool_calls"][0]["function"] for d in deltas] == [{"name": "get_time", "arguments": '{"zone": 1}'}]
+
+
+HOSTILE = [  # constraints that leave no token once the grammar is complete (min_tokens bans EOS)
+    dict(regex="(yes|no)", min_tokens=8),
+    dict(regex="[ab]", min_tokens=3, stop_token_ids=[7]),
+    dict(ebnf='root ::= "ok"', min_tokens=6),
+]
+
+
+def _engine_pids(server_pid: int) -> set[int]:
+    import psutil
+    return {p.pid for p in psutil.Process(server_pid).children(recursive=True)}
+
+
+def test_constraints_that_leave_no_token_never_hurt_other_streams(client, server_pid):
+    """Each hostile request gets a 400 (or an error event when streamed) while canary streams
+    run beside it: they finish with every token, the engine process is the same, /health 200."""
+    import threading
+    pids = _engine_pids(server_pid)
+    canaries: list = []
+
+    def canary() -> None:
+        stream = client.completions.create(model="llama", prompt="Once upon a time", max_tokens=120,
+                                           temperature=0, stream=True, extra_body={"ignore_eos": True})
+        canaries.append([c.choices[0].finish_reason for c in stream if c.choices][-1])
+
+    threads = [threading.Thread(target=canary) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for body in HOSTILE:
+        with pytest.raises(openai.BadRequestError, match="no token satisfies"):
+            client.completions.create(model="llama", prompt="Answer:", max_tokens=16, extra_body=body)
+        with pytest.raises(openai.APIError, match="no token satisfies"):
+            for _ in client.completions.create(model="llama", prompt="Answer:", max_tokens=16, stream=True,
+                                               extra_body=body):
+                pass
+    for t in threads:
+        t.join(timeout=120)
+    assert canaries == ["length"] * 3
+    assert _engine_pids(server_pid) == pids
+    assert httpx.get(str(client.base_url).removesuffix("/v1/") + "/health").status_code == 200

@@ -239,3 +239,43 @@ def test_out_of_memory_in_deferred_sampling_fails_only_that_steps_requests(
     _assert_only_failed_differ(results, grammar_reference, set().union(*faults.failed_batches))
     assert_kv_conserved(engine)
     _serves_next_100(engine)
+
+
+class _StalledFailingForward:
+    """The model, except that its first call stalls the forward stream, then copies the staged
+    input ids it would read (queued behind the stall), then fails with out of memory: the
+    failed launch leaves device work queued that still reads the staging ring slot."""
+
+    def __init__(self, model, captured: torch.Tensor):
+        self.model, self.captured, self.calls = model, captured, 0
+
+    def __call__(self, batch, kv, backend):
+        self.calls += 1
+        if self.calls > 1:
+            return self.model(batch, kv, backend)
+        torch.cuda._sleep(500_000_000)  # about a quarter second of GPU time on the forward stream
+        self.captured.copy_(batch.input_ids[:len(self.captured)])
+        raise _oom()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_failed_launch_fences_its_staging_slot_before_the_retry_overwrites_it(tiny_text_model):
+    """The retry of a failed step number stages into the same ring slot. Its inputs must not
+    land before the failed attempt's queued reads ran: the stalled reader sees the failed
+    step's own prompt, not the retry's (fails without the write-after-read fence)."""
+    engine = Engine(EngineConfig(model=str(tiny_text_model), device="cuda", dtype="float32", cuda_graph="off",
+                                 warm_up="off"))
+    first, retry = list(range(10, 74)), list(range(500, 564))
+    captured = torch.full((len(first),), -1, dtype=torch.int64, device="cuda")
+    engine.runner.model = _StalledFailingForward(engine.runner.model, captured)
+    failed = engine.add_request(first, GREEDY)
+    outs = engine.step()
+    assert [(o.request_id, o.finish_reason) for o in outs] == [(failed, "error")]
+    again = engine.add_request(retry, GREEDY)
+    while engine.has_unfinished():
+        engine.step()
+    torch.cuda.synchronize()
+    assert captured.tolist() == first
+    assert engine.output(again).finish_reason == "length"
+    engine.close()

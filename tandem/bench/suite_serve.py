@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import signal
 import subprocess
 import sys
@@ -38,6 +39,8 @@ def _load_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--start-timeout", type=float, default=300.0)
     ap.add_argument("--json", required=True)
+    ap.add_argument("--server-flags", default="",
+                    help="extra `tandem serve` flags, for A/B sweeps (the suite itself passes none)")
 
 
 def _bench_argv(args: argparse.Namespace, url: str, rate: float, out: Path) -> list[str]:
@@ -51,7 +54,8 @@ def run_server(args: argparse.Namespace) -> dict:
     model, port = preset_dir(args.preset), launch.free_port()
     url = f"http://127.0.0.1:{port}"
     log = Path(args.json).with_suffix(".server.log")
-    cmd = [sys.executable, "-m", "tandem", "serve", "--model", model, "--dummy-weights", "--port", str(port)]
+    cmd = [sys.executable, "-m", "tandem", "serve", "--model", model, "--dummy-weights", "--port", str(port),
+           *shlex.split(args.server_flags)]
     t0 = time.perf_counter()
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)

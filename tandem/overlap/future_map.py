@@ -14,9 +14,20 @@ class FutureMap:
         # Debug: -1 marks "no token written"; a resolve of it fails on the device.
         self.buf = torch.full((max_slots + 1,), -1 if debug else 0, dtype=torch.int64, device=device)
         self.buf[0] = 0
+        # Debug: the map as the stashes left it, without the read marks (see forget_reads).
+        self.stashed = self.buf.clone() if debug else None
 
     def stash(self, slots: torch.Tensor, token_ids: torch.Tensor) -> None:
         self.buf[slots] = token_ids
+        if self.stashed is not None:
+            self.stashed[slots] = token_ids
+
+    def forget_reads(self) -> None:
+        """Debug: a rolled-back step's reads did not happen; its retry reads the same slots
+        again. Without debug reads mark nothing, so there is nothing to undo. Queue it on the
+        forward stream, where the reads were."""
+        if self.stashed is not None:
+            self.buf.copy_(self.stashed)
 
     def resolve(self, slots: torch.Tensor) -> torch.Tensor:
         ids = self.buf[slots]
