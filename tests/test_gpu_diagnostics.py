@@ -50,8 +50,8 @@ def test_sync_audit_flags_a_planted_item(tiny_text_model):
     engine = _engine(tiny_text_model)
     launch = engine.runner.launch
 
-    def launch_with_item(batch):  # test double: the runner, plus a host read of a device value
-        pending = launch(batch)
+    def launch_with_item(batch, **kwargs):  # test double: the runner, plus a host read of a device value
+        pending = launch(batch, **kwargs)
         engine.future_map.buf[0].item()  # PLANTED-SYNC
         return pending
 
@@ -87,7 +87,8 @@ def test_sync_audit_cli_on_the_preset(capsys):
 def test_timeline_device_fields_on_cuda(tiny_text_model, tmp_path):
     path = tmp_path / "steps.jsonl"
     engine = _engine(tiny_text_model, timeline=str(path))
-    first = len(engine.timeline.records)
+    # Warm-up steps (CUDA) ran before the timeline existed: step numbers start past them.
+    first, first_step = len(engine.timeline.records), engine.step_id
     torch.cuda.set_sync_debug_mode("error")  # reading the events must not sync
     try:
         _run(engine, "t")
@@ -95,14 +96,14 @@ def test_timeline_device_fields_on_cuda(tiny_text_model, tmp_path):
         torch.cuda.set_sync_debug_mode(0)
     engine.timeline.close()
     recs = engine.timeline.records[first:]
-    assert [r.step for r in recs] == list(range(first, engine.step_id))
+    assert [r.step for r in recs] == list(range(first_step, engine.step_id))
     for r in recs:
         assert r.gpu_forward_ms is not None and r.gpu_forward_ms > 0
         assert r.gpu_idle_before_ms is not None and r.gpu_idle_before_ms >= 0
         assert r.cpu_lead_ms is not None
     s = engine.timeline.summary(skip=first)
     assert 0 < s["gpu_busy_fraction"] <= 1 and "mean_cpu_lead_ms" in s
-    assert len(read_timeline(path)) == engine.step_id
+    assert len(read_timeline(path)) == len(engine.timeline.records)  # every recorded step is in the file
 
 
 def test_profile_on_cuda(tiny_text_model, tmp_path):
