@@ -34,6 +34,11 @@ def _run_step(sched: Scheduler, step: int) -> ScheduledBatch | None:
     """Plan one step and complete it at once, as a disable_overlap engine would: every row
     that samples gets a token, and a request with all its samples finishes."""
     batch = sched.schedule(step, drain=lambda: None)
+    _complete(sched, batch, step)
+    return batch
+
+
+def _complete(sched: Scheduler, batch: ScheduledBatch | None, step: int) -> None:
     for row in batch.sample_rows if batch else []:
         req = row.req
         req.output_token_ids.append(5)
@@ -43,7 +48,6 @@ def _run_step(sched: Scheduler, step: int) -> ScheduledBatch | None:
     sched.on_step_completed(step)
     if sched.cache.debug:
         sched.cache.check(sched.kv_holders())
-    return batch
 
 
 def _longest_decode_gap(sched: Scheduler, stream: Request, burst: list[Request]) -> tuple[int, list]:
@@ -99,6 +103,33 @@ def test_mixed_prefill_budget_bounds_the_prefill_share():
     assert max(b.num_tokens for b in filter(None, batches)) > 40  # decodes come on top
     with pytest.raises(ValueError, match="mixed_prefill_budget"):
         _scheduler(True, mixed_prefill_budget=0)
+
+
+def test_separate_prefill_steps_are_sized_to_the_measured_pace():
+    """A slow device (here 1 ms a prefill token, as the CPU runs a small model): while the
+    stream decodes, a prefill step carries about prefill_step_target_s of work, not the
+    whole max_prefill_tokens (4096: the 40 prompts in one 2.4 s step)."""
+    now = [0.0]
+    cfg = SchedulerConfig(max_running_requests=64, max_prefill_tokens=4096, chunked_prefill_size=None,
+                          enable_mixed_batch=False, prefill_step_target_s=0.5)
+    sched = Scheduler(cfg, PrefixCache(SlotAllocator(1 << 14)), SlotAllocator(64), on_admit=lambda req: None,
+                      clock=lambda: now[0])
+    stream = _request("stream", 8, 0, max_samples=1000)
+    sched.add(stream)
+    step, last_token, longest = 0, 0.0, 0.0
+    burst = [_request(f"b{i}", PROMPT_LEN, 7 * i, max_samples=4) for i in range(BURST)]
+    while any(not r.finished for r in burst):
+        if step == 3:
+            for req in burst:
+                sched.add(req)
+        batch = sched.schedule(step, drain=lambda: None)
+        now[0] += 1e-3 * sum(r.num_new for r in batch.rows if r.prefill_ids is not None) + 0.02
+        _complete(sched, batch, step)
+        if any(r.req is stream for r in batch.sample_rows):
+            longest, last_token = max(longest, now[0] - last_token), now[0]
+        step += 1
+    assert sched.prefill_pace.seconds_per_token == pytest.approx(1e-3, rel=0.1)
+    assert longest < 0.5 + 2 * 0.02 + PROMPT_LEN * 1e-3, longest  # a step of whole prompts may go one over
 
 
 def test_rollback_restores_the_prefill_step_count():

@@ -6,6 +6,7 @@ newest sampled token of every request is still on the GPU when the next step is 
 KV slots come from the prefix cache, which evicts unused cached prefixes before the
 scheduler considers preempting a running request.
 """
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
@@ -32,6 +33,9 @@ class SchedulerConfig:
     # Separate batches: prefill-only steps in a row while requests wait to decode (see
     # Scheduler._decode_turn for why one).
     max_prefill_steps_between_decodes: int = 1
+    # Separate batches: while requests decode, a prefill step is sized (from the measured
+    # pace) to take about this long: the longest a running stream waits for a token.
+    prefill_step_target_s: float = 0.5
 
 
 @dataclass
@@ -45,6 +49,40 @@ class _Journal:
     committed: list[tuple[Row, int]] = field(default_factory=list)  # (row, the request's last_step before)
 
 
+class PrefillPace:
+    """Seconds per prefill token, measured from a prefill-only step's plan to its completion
+    (the scheduler sees no device time; this latency is what a waiting stream sees)."""
+
+    MIN_TOKENS = 256  # the smallest step it sizes: below, the per-step fixed cost dominates
+    MEASURED_TOKENS = 64  # steps this small or smaller are not measured (mostly fixed cost)
+
+    def __init__(self, clock: Callable[[], float]):
+        self.clock = clock
+        self.seconds_per_token: float | None = None
+        self._planned: dict[int, tuple[float, int]] = {}  # step -> (plan time, prefill tokens)
+
+    def planned(self, step: int, tokens: int) -> None:
+        if tokens > self.MEASURED_TOKENS:
+            self._planned[step] = (self.clock(), tokens)  # a retried step number overwrites
+
+    def forget(self, step: int) -> None:
+        self._planned.pop(step, None)  # never launched: nothing to measure
+
+    def completed(self, step: int) -> None:
+        now = self.clock()
+        for s in [s for s in self._planned if s <= step]:
+            start, tokens = self._planned.pop(s)
+            rate = (now - start) / tokens
+            old = self.seconds_per_token
+            self.seconds_per_token = rate if old is None else (old + rate) / 2
+
+    def tokens_within(self, seconds: float, most: int) -> int:
+        """Prefill tokens one step can carry in about `seconds`; MIN_TOKENS until measured."""
+        if self.seconds_per_token is None:
+            return min(most, self.MIN_TOKENS)  # a first step that measures the pace
+        return max(min(most, int(seconds / max(self.seconds_per_token, 1e-9))), min(most, self.MIN_TOKENS))
+
+
 SCHEDULE_POLICIES = ("fcfs", "lpm")
 # Above this many waiting requests, lpm falls back to fcfs: matching each one costs host time.
 LPM_MAX_WAITING = 128
@@ -55,7 +93,7 @@ SHARED_PREFILL_MIN_TOKENS = PROMPT_HASH_BLOCK
 
 class Scheduler:
     def __init__(self, cfg: SchedulerConfig, cache: PrefixCache, req_slots: SlotAllocator,
-                 on_admit: Callable[[Request], None]):
+                 on_admit: Callable[[Request], None], clock: Callable[[], float] = time.monotonic):
         if cfg.schedule_policy not in SCHEDULE_POLICIES:
             raise ValueError(f"schedule_policy must be one of {', '.join(SCHEDULE_POLICIES)}; "
                              f"got {cfg.schedule_policy!r}")
@@ -73,6 +111,7 @@ class Scheduler:
         self.num_preemptions = 0
         self._journal: _Journal | None = None  # the last plan's changes, until the next plan
         self._prefill_steps_in_a_row = 0  # planned steps without a decode row since the last with one
+        self.prefill_pace = PrefillPace(clock)
 
     # ---- queue ----
     def add(self, req: Request) -> None:
@@ -98,6 +137,7 @@ class Scheduler:
 
     def on_step_completed(self, step: int) -> None:
         """Every step up to `step` finished on the device: free what only they could read."""
+        self.prefill_pace.completed(step)
         still = []
         for req in self._deferred:
             (self._release(req) if req.last_step <= step else still.append(req))
@@ -129,7 +169,7 @@ class Scheduler:
                     rows = self._plan(step, drain)
             for row in rows:
                 self._commit(row, step)
-            self._count_prefill_steps(rows)
+            self._count_prefill_steps(step, rows)
         except BaseException:
             self.rollback(step)
             raise
@@ -143,6 +183,7 @@ class Scheduler:
         journal, self._journal = self._journal, None
         assert journal is not None and journal.step == step, "rollback of a plan that is not the last"
         self._prefill_steps_in_a_row = journal.prefill_steps_in_a_row
+        self.prefill_pace.forget(step)
         for row, last_step in reversed(journal.committed):
             req = row.req
             del req.kv_slots[len(req.kv_slots) - row.num_new:]
@@ -172,25 +213,38 @@ class Scheduler:
             return decode + self._prefill_rows(self._mixed_prefill_budget(len(decode)))
         if self._decode_turn():
             return self._decode_rows(step, drain) or self._prefill_rows(self.cfg.max_prefill_tokens)
-        return self._prefill_rows(self.cfg.max_prefill_tokens) or self._decode_rows(step, drain)
+        return self._prefill_rows(self._separate_prefill_budget()) or self._decode_rows(step, drain)
+
+    def _separate_prefill_budget(self) -> int:
+        """A stream decoding beside a burst waits one prefill step (see _decode_turn). Prefill
+        steps of max_prefill_tokens take milliseconds on a GPU but seconds on the CPU (the
+        built-in model: 8192 tokens, about 20 s), so while requests decode a step carries what
+        fits in prefill_step_target_s at the measured pace. On a GPU that is more than
+        max_prefill_tokens (no change); on the CPU, a few hundred tokens, where the matmuls
+        are already as efficient per token as in bigger steps."""
+        most = self.cfg.max_prefill_tokens
+        if not any(r.can_decode for r in self.running):
+            return most
+        return self.prefill_pace.tokens_within(self.cfg.prefill_step_target_s, most)
 
     def _decode_turn(self) -> bool:
         """Separate batches: after `max_prefill_steps_between_decodes` prefill-only steps, the
         requests that can decode get a step, even while prompts wait. Prefill first without
         this bound lets a burst of arrivals take step after step while every running stream
-        gets nothing (300 prompts on the CPU: a 20.9 s gap). One is the bound: each prefill
-        step still batches prompts up to max_prefill_tokens, so a burst takes as many prefill
-        steps as before, and the decode step between two is work the running requests need
-        anyway, a small forward next to a full prefill one (a few ms on a GPU). The burst's
-        first tokens come that much later; a running stream waits one prefill step, not all."""
+        gets nothing. One is the bound: each prefill step still batches prompts up to its
+        token budget, so a burst takes as many prefill steps as before, and the decode step
+        between two is work the running requests need anyway, a small forward next to a full
+        prefill one (a few ms on a GPU). The burst's first tokens come that much later; a
+        running stream waits one prefill step, not all of them."""
         return (self._prefill_steps_in_a_row >= self.cfg.max_prefill_steps_between_decodes
                 and any(r.can_decode for r in self.running))
 
-    def _count_prefill_steps(self, rows: list[Row]) -> None:
+    def _count_prefill_steps(self, step: int, rows: list[Row]) -> None:
         if any(r.prefill_ids is None for r in rows):
             self._prefill_steps_in_a_row = 0
         elif rows:
             self._prefill_steps_in_a_row += 1
+            self.prefill_pace.planned(step, sum(r.num_new for r in rows))
 
     def _mixed_prefill_budget(self, num_decodes: int) -> int:
         """Decode first: while requests decode, a step carries all of them plus at most
