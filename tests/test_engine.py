@@ -135,9 +135,10 @@ def test_broken_stash_is_caught_by_debug_future_map(tiny_text_model):
     # A subprocess: on CUDA the device-side assert poisons the whole process.
     proc = subprocess.run([sys.executable, "-c", BROKEN_STASH, str(tiny_text_model), TEST_DEVICE],
                           capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(  # the repo first, then the rest
+                              [str(Path(__file__).parents[1]), *filter(None, [os.environ.get("PYTHONPATH")])])})
     assert proc.returncode != 0
-    assert "FutureMap: read of a slot with no stashed token" in proc.stderr
+    assert "FutureMap: read of a slot with no stashed token" in proc.stderr, proc.stderr[-2000:]
 
 
 def test_seeded_sampling_is_reproducible_across_batches(tiny_text_model):
