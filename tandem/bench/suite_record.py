@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import fnmatch
 import json
+import re
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -89,7 +90,9 @@ def previous_record(history: Path, device: str, preset: str, exclude: Path | Non
 
 def record_name(date: str, commit: str) -> str:
     """2026-12-01T1106Z-6b19fd3.json: sorts by date, says which commit."""
-    return f"{date[:10]}T{date[11:13]}{date[14:16]}Z-{commit}.json"
+    # Letters, digits, '.', '_' and '-' only: the device tool brings back no other names.
+    safe = re.sub(r"[^A-Za-z0-9._-]", "-", commit)
+    return f"{date[:10]}T{date[11:13]}{date[14:16]}Z-{safe}.json"
 
 
 def format_table(record: dict, changes: list[Change], every_figure: bool = False) -> str:
