@@ -244,13 +244,15 @@ class Scheduler:
             self._prefill_steps_in_a_row = 0
         elif rows:
             self._prefill_steps_in_a_row += 1
-            self.prefill_pace.planned(step, sum(r.num_new for r in rows))
+        # A mixed step's decodes count as prefill time: the pace errs slow, the steps short.
+        self.prefill_pace.planned(step, sum(r.num_new for r in rows if r.prefill_ids is not None))
 
     def _mixed_prefill_budget(self, num_decodes: int) -> int:
         """Decode first: while requests decode, a step carries all of them plus at most
-        `mixed_prefill_budget` prefill tokens (None: one chunk less the decodes), so the step
-        (every decoding request's next token) stays short; alone, prefill gets the whole
-        max_prefill_tokens."""
+        `mixed_prefill_budget` prefill tokens, so the step (every decoding request's next
+        token) stays short; alone, prefill gets the whole max_prefill_tokens. None: one chunk
+        less the decodes, and no more than the measured pace fits in prefill_step_target_s
+        (a slow device, as for separate batches); a set budget is exact (GPU sweeps set it)."""
         budget = self.cfg.max_prefill_tokens
         if not num_decodes:
             return budget
@@ -258,7 +260,7 @@ class Scheduler:
             return min(budget, self.cfg.mixed_prefill_budget)
         if self.cfg.chunked_prefill_size is not None:
             budget = min(budget, self.cfg.chunked_prefill_size)
-        return budget - num_decodes
+        return min(budget - num_decodes, self.prefill_pace.tokens_within(self.cfg.prefill_step_target_s, budget))
 
     def _commit(self, row: Row, step: int) -> None:
         req = row.req
