@@ -1,7 +1,8 @@
 """The soak's fuzzed request plan: well-formed requests of every shape, and bad inputs.
 
 Well-formed requests mix both endpoints, streamed and not, n > 1, prompt lists, token-id
-prompts, stop strings, penalties, logprobs and random max_tokens; prompts are built from a
+prompts, stop strings, penalties, logprobs, structured output (regex, EBNF, JSON schema) and
+random max_tokens; prompts are built from a
 few shared documents cut at random points, so the prefix cache sees hits, partial matches
 and splits. Some clients leave: a stream is dropped after a few chunks (disconnect), a
 non-streamed request is cancelled after a random delay (abort). Bad inputs must be refused
@@ -94,6 +95,8 @@ class Planner:
                 body["logprobs"], body["top_logprobs"] = True, r.randint(0, 3)
             else:
                 body["logprobs"] = r.randint(0, 3)
+        if r.random() < 0.1:
+            body.update(self._constraint(chat))
         stream = r.random() < 0.5
         if stream:
             body["stream"] = True
@@ -106,6 +109,16 @@ class Planner:
             leave, after = "abort", r.uniform(0.0, 0.4)
         return Case(i, "good", "chat/completions" if chat else "completions", _dump(body), stream, leave,
                     after, greedy)
+
+    def _constraint(self, chat: bool) -> dict:
+        """Structured output: a regex or an EBNF grammar (extra fields, both endpoints), or a
+        JSON schema through response_format (chat). Greedy answers are compared like any."""
+        kind = self.rng.choice(("regex", "ebnf", "json") if chat else ("regex", "ebnf"))
+        if kind == "regex":
+            return {"regex": self.rng.choice(_REGEXES)}
+        if kind == "ebnf":
+            return {"ebnf": self.rng.choice(_EBNFS)}
+        return {"response_format": {"type": "json_schema", "json_schema": {"name": "item", "schema": _SCHEMA}}}
 
     def _words(self, n: int) -> str:
         return " ".join(self.rng.choice(_WORDS) for _ in range(n))
@@ -148,6 +161,11 @@ def _prompt_count(body: dict) -> int:
 def _dump(body) -> bytes:
     return json.dumps(body).encode()  # ensure_ascii: a lone surrogate travels as a \\ud800 escape
 
+
+_REGEXES = ("[a-z ]{1,20}", "(yes|no|maybe)", "[0-9]{2,4}-[a-z]{1,3}")
+_EBNFS = ('root ::= "(" [0-9]+ ("," [0-9]+)* ")"', 'root ::= ("ab" | "c")+')
+_SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "count"],
+           "properties": {"name": {"type": "string", "maxLength": 8}, "count": {"type": "integer"}}}
 
 _C, _H = "completions", "chat/completions"
 _HI = [{"role": "user", "content": "hi"}]
@@ -195,4 +213,12 @@ BAD = {
     "body_oversize": lambda p: (_C, {"prompt": "x" * (p.max_request_bytes + 16)}, "POST"),
     "unknown_route": lambda p: ("nowhere", {"prompt": "hi"}, "POST"),
     "wrong_method": lambda p: (_C, b"", "GET"),
+    # Constraints that leave no token once the grammar is complete: min_tokens bans the end of
+    # sequence, the only token left. A 400 for that request; every other stream goes on.
+    "no_token_regex_min_tokens": lambda p: (_C, {"prompt": "Answer:", "regex": "(yes|no)", "min_tokens": 8,
+                                                 "max_tokens": 16}, "POST"),
+    "no_token_ebnf_min_tokens": lambda p: (_C, {"prompt": "hi", "ebnf": 'root ::= "ok"', "min_tokens": 6,
+                                                "max_tokens": 16, "temperature": 0.9}, "POST"),
+    "no_token_chat_regex": lambda p: (_H, {"messages": _HI, "regex": "[ab]", "min_tokens": 4,
+                                           "max_tokens": 16}, "POST"),
 }
