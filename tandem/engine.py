@@ -602,6 +602,13 @@ class Engine:
         return self.fatal.dead or self.parallel.failure is not None
 
     # ---- introspection ----
+    def resolved_settings(self) -> dict[str, str | int | bool]:
+        """What this engine made of its configuration's "auto" values and budgets."""
+        return {"device": str(self.device), "dtype": str(self.dtype).removeprefix("torch."),
+                "max_model_len": self.max_model_len, "kv_capacity_tokens": self.kv_slots.count,
+                "attention_backend": self.backend.name, "cuda_graphs": self.runner.graphs is not None,
+                "tensor_parallel_size": self.parallel.tp.size}
+
     def stats(self) -> dict:
         cached = self.prefix_cache.evictable_tokens
         used = self.kv_slots.count - self.kv_slots.num_free - cached

@@ -115,6 +115,10 @@ def test_server_info_reports_the_configuration_in_effect(server):
     assert (engine["timeline"], engine["timeline_max_records"]) == (True, 4096)
     assert not any("debug" in k for k in engine) and engine["launch"]["nnodes"] == 1
     assert args["max_request_bytes"] == MAX_BODY and args["api_key"] is None and "max_total_tokens" not in args
+    # What the engine resolved: "auto" device and dtype, the KV pool it sized.
+    resolved = info["engine"]
+    assert (resolved["device"], resolved["dtype"], resolved["max_model_len"]) == ("cpu", "float32", CONTEXT)
+    assert resolved["kv_capacity_tokens"] > CONTEXT and resolved["cuda_graphs"] is False
 
 
 def test_seeded_choices_logprobs_and_stop(client):

@@ -206,7 +206,7 @@ def create_app(state: ServerState, api_key: str | None = None,
     async def server_info() -> Response:
         """The configuration in effect, like SGLang's /get_server_info."""
         return _json({"version": __version__, "model": state.model_name, "max_model_len": state.max_model_len,
-                      **state.server_info})
+                      "engine": state.client.ready.resolved, **state.server_info})
 
     add_tokenizer_routes(app, state)
 

@@ -60,7 +60,8 @@ def run_engine(config: bytes, inbound: str, outbound: str, max_waiting: int, gpu
         push.close()
         ctx.term()  # waits (LINGER) until Failed is delivered
         raise SystemExit(1) from None
-    push.send(enc.encode(P.Ready(engine.max_model_len, engine.model_config.vocab_size, _stats(engine))))
+    push.send(enc.encode(P.Ready(engine.max_model_len, engine.model_config.vocab_size, _stats(engine),
+                                 engine.resolved_settings())))
     try:
         _EngineLoop(engine, pull, push, max_waiting, parent).run()
     finally:

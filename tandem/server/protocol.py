@@ -112,6 +112,9 @@ class Ready(msgspec.Struct, tag=True):
     max_model_len: int
     vocab_size: int
     stats: Stats
+    # What the engine resolved from the configuration ("auto" device and dtype, the KV pool it
+    # sized, the attention backend, CUDA graphs): /server_info's "engine".
+    resolved: dict[str, str | int | bool] = {}
 
 
 class Failed(msgspec.Struct, tag=True):
