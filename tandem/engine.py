@@ -423,8 +423,6 @@ class Engine:
             return
         if self.timeline is not None:
             launched.record = _step_record(batch, t0, t1, perf_counter())
-            self.timeline.add(launched.record)
-        self.step_id += 1
         previous, self.pending = self.pending, launched  # in flight before anything else can fail
         try:
             if previous is not None:
@@ -432,15 +430,24 @@ class Engine:
             if masked:  # N's tokens are known now: fill N+1's masks, then queue its sampling
                 self._sample_masked(launched)
         except BaseException as exc:
-            if launched.host is not None:  # N+1 is fully queued: it stays in flight
-                raise
-            self.pending = None  # N+1's sampling never ran: undo the step as a failed launch
-            self._launch_failed(batch, exc)
-            return
+            if launched.host is None:  # N+1's sampling never ran: undo the step as a failed launch
+                self.pending = None
+                self._launch_failed(batch, exc)  # its step number is planned again, like a launch's
+                return
+            self._count_launched(launched)  # N+1 is fully queued: it stays in flight
+            raise
+        self._count_launched(launched)
         if self.cfg.disable_overlap:
             self._drain(outputs)
         if self.prefix_cache.debug:
             self.prefix_cache.check(self.scheduler.kv_holders())
+
+    def _count_launched(self, launched: PendingResult) -> None:
+        """A step is numbered and recorded once it is fully queued (a step undone before that
+        gives its number to the retry)."""
+        self.step_id += 1
+        if launched.record is not None:
+            self.timeline.add(launched.record)
 
     def _sample_masked(self, launched: PendingResult) -> None:
         """Queue a constrained step's sampling behind its token masks. A request whose
