@@ -25,15 +25,18 @@ OPTS = dict(device="cpu", dtype="float32", max_total_tokens=4096, max_running_re
 
 
 def _children() -> list[int]:
-    """Live child processes of this process (from /proc; zombies are reaped by Popen.wait)."""
+    """Live child processes of this process (from /proc; zombies are reaped by Popen.wait).
+    Python's multiprocessing resource tracker is not counted: an earlier test's spawned engine
+    process starts it once, and it lives as long as the test process by design."""
     me, kids = str(os.getpid()), []
     for pid in os.listdir("/proc"):
         if pid.isdigit():
             try:
                 fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+                cmdline = open(f"/proc/{pid}/cmdline", "rb").read()
             except OSError:
                 continue
-            if fields[1] == me and fields[0] != "Z":
+            if fields[1] == me and fields[0] != "Z" and b"multiprocessing.resource_tracker" not in cmdline:
                 kids.append(int(pid))
     return kids
 
