@@ -42,7 +42,7 @@ from tandem.overlap.streams import StreamSet
 from tandem.request import Request, Status
 from tandem.runner import ModelRunner, PendingResult
 from tandem.sampling import Sampler, SamplingParams
-from tandem.sampling.bias import BadWordsMask, min_tokens_bias, static_bias
+from tandem.sampling.bias import BAN, BadWordsMask, min_tokens_bias, static_bias
 from tandem.sampling.params import check_unicode
 from tandem.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from tandem.text import RequestText
@@ -288,7 +288,7 @@ class Engine:
         if params.constraint is not None and self.parallel.tp.size > 1:
             raise ValueError("structured output (constraint) is not supported with tensor_parallel_size > 1 yet")
         bias, bad_words = static_bias(params, self.tokenizer, self.model_config.vocab_size)
-        if sum(value == float("-inf") for _, value in bias) >= self.model_config.vocab_size:
+        if sum(value == BAN for _, value in bias) >= self.model_config.vocab_size:
             raise ValueError(f"{NO_TOKEN_ERROR}: bad_words ban every token of the vocabulary")
         if bad_words and params.constraint is not None:
             raise ValueError("bad_words of several tokens cannot be combined with structured output yet")
@@ -413,7 +413,8 @@ class Engine:
             self._drain(outputs)
             return
         masked = self.grammar.constrains(batch)
-        if self.pending is not None and (self._process_first(batch) or (masked and not self.cfg.experiments.grammar_overlap)):
+        masks_first = masked and not self.cfg.experiments.grammar_overlap  # the A/B: masks before the forward
+        if self.pending is not None and (self._process_first(batch) or masks_first):
             self._drain(outputs)
         t1 = perf_counter()
         try:

@@ -6,7 +6,6 @@ from dataclasses import dataclass
 from time import perf_counter
 
 import numpy as np
-
 import torch
 
 from tandem.grammar.mask import GrammarMask
@@ -14,6 +13,7 @@ from tandem.grammar.stager import MaskStager
 from tandem.overlap.streams import StreamSet
 from tandem.request import Request
 from tandem.sampling import SamplingParams
+from tandem.sampling.bias import BAN
 from tandem.scheduler.batch import ScheduledBatch
 
 
@@ -151,7 +151,7 @@ class GrammarManager:
 def _bans_every_allowed_token(mask_row: torch.Tensor, row) -> bool:
     """True when the sample's bans (min_tokens' stop ids, single-token bad words) cover every
     token the grammar allows. Host-only: the mask row is host memory, the bans host data."""
-    bans = [t for t, value in row.req.bias_at(row.sample_index) if value == float("-inf")]
+    bans = [t for t, value in row.req.bias_at(row.sample_index) if value == BAN]
     if not bans:
         return False  # a grammar that is not terminated allows at least one token
     words = mask_row.numpy().view(np.uint32)
