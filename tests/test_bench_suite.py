@@ -9,7 +9,7 @@ import pytest
 
 from tandem.bench import suite
 from tandem.bench.suite_runs import PARTS
-from tandem.bench.suite_tests import from_verbose_log
+from tandem.bench.suite_tests import from_verbose_log, read_summary
 
 pytest.importorskip("xgrammar")  # the grammar part
 pytest.importorskip("fastapi")  # the serve part
@@ -110,3 +110,21 @@ def test_test_outcomes_read_from_a_cut_log():
     s = from_verbose_log("tests/test_a.py::test_x PASSED [ 10%]\ntests/test_a.py::test_y[2] FAILED [ 20%]\n"
                          "tests/test_b.py::test_z SKIPPED (needs a CUDA device) [ 30%]\n")
     assert (s.passed, s.failed, s.skipped, s.failing, s.complete) == (1, 1, 1, ["tests/test_a.py::test_y[2]"], False)
+
+
+def test_test_outcomes_read_from_a_cut_xdist_log():
+    s = from_verbose_log("[gw1] [ 12%] PASSED tests/test_a.py::test_x \n"
+                         "[gw0] [ 25%] ERROR tests/test_a.py::test_y[cuda] \n"
+                         "[gw0] [ 37%] SKIPPED tests/test_b.py::test_z \n")
+    assert (s.passed, s.errors, s.skipped, s.failing, s.complete) == (1, 1, 1, ["tests/test_a.py::test_y[cuda]"], False)
+
+
+def test_a_stopped_driver_is_summed_from_each_pass(tmp_path):
+    """No tests.json (the budget stopped the driver): the finished pass's junit plus the cut
+    pass's log lines, marked incomplete."""
+    (tmp_path / "tests-shared.xml").write_text(
+        '<testsuites><testsuite><testcase classname="tests.test_a" name="test_x"/>'
+        '<testcase classname="tests.test_a" name="test_y"><failure/></testcase></testsuite></testsuites>')
+    (tmp_path / "tests-whole-gpu.log").write_text("tests/test_m.py::test_pool PASSED [ 50%]\n")
+    s = read_summary(tmp_path)
+    assert (s.passed, s.failed, s.failing, s.complete) == (2, 1, ["tests/test_a.py::test_y"], False)

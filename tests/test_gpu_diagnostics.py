@@ -76,6 +76,7 @@ def test_sync_audit_real_loop_is_clean(tiny_text_model):
     assert report.sites == [], report.format()
 
 
+@pytest.mark.whole_gpu  # the preset's pool is sized from the whole device
 def test_sync_audit_cli_on_the_preset(capsys):
     """The real loop at the qwen3-0.6b shape (dummy bf16 weights): zero syncs, exit 0."""
     rc = sync_audit_main(["--num-requests", "8", "--prompt-len", "48", "--max-tokens", "16"])

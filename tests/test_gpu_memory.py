@@ -13,7 +13,7 @@ from tandem import LLM, SamplingParams
 from tandem.bench.presets import preset_dir
 from tandem.memory.kv_cache import KVCache
 
-pytestmark = [pytest.mark.gpu,
+pytestmark = [pytest.mark.gpu, pytest.mark.whole_gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 GiB = 2**30

@@ -187,10 +187,9 @@ def _part(name: str, runs: list[RunResult], selected: list[str]) -> dict:
 def _tests_section(run: RunResult | None) -> dict:
     if run is None:
         return {"status": "skipped", "passed": 0, "failed": 0, "errors": 0, "skipped": 0, "failing": []}
-    from tandem.bench.suite_tests import summarize
-    junit = Path(next(a.split("=", 1)[1] for a in run.command if a.startswith("--junitxml=")))
-    s = summarize(junit, junit.with_name("tests.log"))
-    return {"status": run.status, **s.to_dict()}
+    from tandem.bench.suite_tests import read_summary
+    raw = Path(run.command[run.command.index("--raw") + 1])
+    return {"status": run.status, **read_summary(raw).to_dict()}
 
 
 # ---- comparison and exit status ----
@@ -258,6 +257,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="another time budget for one run (names as in the record's parts)")
     ap.add_argument("--deadline", type=float, help="seconds for the whole suite (default 540; quick 300)")
     ap.add_argument("--tests", nargs="+", help="test paths (default: tests; quick: tests/test_gpu_diagnostics.py)")
+    ap.add_argument("--test-workers", type=int, help="processes for the tests' shared pass "
+                    "(default: one per ~2.5 cores, at most 6, with pytest-xdist on a GPU; else 1)")
     ap.add_argument("--tokenizer", default=".model/tokenizer", help="saved tokenizer (tandem bench wheels)")
     ap.add_argument("--commit", help="the commit measured (the GPU machine's copy has no .git)")
     ap.add_argument("--all-figures", action="store_true", help="print every figure, not the headline ones")
@@ -291,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     raw = out / f"raw-{stamp}"
     raw.mkdir(parents=True, exist_ok=True)
     tokenizer = str(Path(args.tokenizer).resolve()) if Path(args.tokenizer).is_dir() else None
-    ctx = Ctx(args.quick, args.device, raw.resolve(), tokenizer, args.tests)
+    ctx = Ctx(args.quick, args.device, raw.resolve(), tokenizer, args.tests, args.test_workers)
     runs = [r for r in plan(ctx) if r.part in args.parts]
     for r in runs:
         r.budget_s = args.budget.get(r.name, r.budget_s)

@@ -41,6 +41,7 @@ class Ctx:
     raw: Path  # each run's JSON and log
     tokenizer: str | None  # a saved tokenizer directory (.model/tokenizer), if there is one
     test_paths: list[str] = field(default_factory=lambda: ["tests"])
+    test_workers: int | None = None  # processes for the tests' shared pass (None: from the machine)
 
     def model(self, preset: str) -> str:
         return "tiny" if self.quick else preset
@@ -221,18 +222,19 @@ _RATIOS = [  # (suffix of a figure, suffix of its baseline, suffix of the ratio)
 
 # ---- tests ----
 def tests(ctx: Ctx, budget: float) -> RunSpec:
-    junit = ctx.raw / "tests.xml"
-    argv = [*PY, "pytest", *ctx.test_paths, "-p", "tandem.bench.suite_tests", "-p", "no:cacheprovider",
-            "-v", "-rfE", "--continue-on-collection-errors", "--durations=15", f"--junitxml={junit}"]
+    """Both passes of the test part (tandem/bench/suite_tests.py's driver); its summary is tests.json."""
+    from tandem.bench.suite_tests import default_workers
+    argv = [*PY, "tandem.bench.suite_tests", *ctx.test_paths, "--raw", str(ctx.raw),
+            "--workers", str(ctx.test_workers or default_workers(ctx.device))]
     env = {"TANDEM_TEST_DEVICE": "cpu" if ctx.device == "cpu" else "cuda"}
     if ctx.tokenizer:
         env["TANDEM_TEST_TOKENIZER"] = ctx.tokenizer
-    return RunSpec("tests", "tests", argv, budget, lambda _, log: _test_figures(junit, log), env)
+    return RunSpec("tests", "tests", argv, budget, lambda _, log: _test_figures(ctx.raw), env)
 
 
-def _test_figures(junit: Path, log: Path) -> Figures:
-    from tandem.bench.suite_tests import summarize
-    s = summarize(junit, log)
+def _test_figures(raw: Path) -> Figures:
+    from tandem.bench.suite_tests import read_summary
+    s = read_summary(raw)
     return {f"tests.{k}": _info(getattr(s, k), "tests") for k in ("passed", "failed", "errors", "skipped")}
 
 
@@ -245,7 +247,7 @@ def plan(ctx: Ctx) -> list[RunSpec]:
         return [tests(ctx, 60), offline(ctx, "tiny", None, True, 60), latency(ctx, "tiny", None, 60),
                 serve(ctx, "tiny", "server", 90), serve(ctx, "tiny", "engine", 60),
                 prefix(ctx, "tiny", "on", 60), grammar(ctx, "tiny", 60), offline(ctx, "tiny", "fp8", False, 60)]
-    return [tests(ctx, 220),
+    return [tests(ctx, 240),
             offline(ctx, "qwen3-0.6b", None, True, 60),
             offline(ctx, "llama-3.1-8b", None, False, 70),
             latency(ctx, "qwen3-0.6b", None, 45),
