@@ -121,6 +121,8 @@ class SamplingParams:
             if not isinstance(self.bad_words, (list, tuple)) or not all(
                     isinstance(w, str) and w.strip() for w in self.bad_words):
                 raise ValueError(f"bad_words must be None or a list of non-blank str, got {self.bad_words!r}")
+            for w in self.bad_words:  # the tokenizer cannot encode a lone surrogate
+                check_unicode(w, "bad_words")
             self.bad_words = list(self.bad_words)
         self._check_constraint()
 

@@ -8,6 +8,7 @@ streaming by racing the work against the ASGI disconnect message.
 from __future__ import annotations
 
 import asyncio
+import logging
 import uuid
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
@@ -30,6 +31,7 @@ from tandem.server.structured import ToolCalls, ToolMode, tool_mode
 from tandem.server.state import ServerState
 from tandem.server.tokenize import add_tokenizer_routes
 
+log = logging.getLogger("tandem.server")
 
 def _json(body: dict, status: int = 200) -> Response:
     return Response(msgspec.json.encode(body), status, media_type="application/json")
@@ -43,7 +45,7 @@ class _AbortingStream(StreamingResponse):
     """A stream whose unfinished engine requests are aborted however the response ends."""
 
     def __init__(self, content: AsyncIterator[bytes], gen: Generation):
-        super().__init__(content, media_type="text/event-stream",
+        super().__init__(_guarded(content), media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         self._gen = gen
 
@@ -52,6 +54,17 @@ class _AbortingStream(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             self._gen.abort()
+
+
+async def _guarded(content: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """Once headers are sent, a failure can only be told as the stream's last event: without
+    this the client sees a cut connection (and the handler's own 500 comes too late)."""
+    try:
+        async for chunk in content:
+            yield chunk
+    except Exception as exc:
+        log.exception("unhandled error in a stream")
+        yield _sse(error_body(500, f"internal error: {type(exc).__name__}"))
 
 
 async def _until_disconnected(request: Request) -> None:

@@ -1,6 +1,7 @@
 """Errors as OpenAI shapes them: {"error": {"message", "type", "param", "code"}}."""
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
@@ -23,9 +24,14 @@ class APIError(Exception):
         return error_body(self.status, self.message, self.param, self.code)
 
 
+# A native library's source location in its messages (xgrammar: "[13:59:27] /project/cpp/
+# json_schema_converter.cc:5082: "): nothing a client can act on, and it describes the build.
+_NATIVE_LOCATION = re.compile(r"\[\d\d:\d\d:\d\d\] [^\s:]+:\d+: ")
+
+
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
     kind = _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+    return {"error": {"message": _NATIVE_LOCATION.sub("", message), "type": kind, "param": param, "code": code}}
 
 
 class EngineDead(Exception):

@@ -55,6 +55,9 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(HTTPException)
     async def http_error(_: Request, exc: HTTPException) -> Response:
+        if isinstance(exc.__cause__, UnicodeDecodeError):  # FastAPI says only "error parsing the body"
+            return _json(error_body(400, f"the request body is not valid UTF-8: {exc.__cause__.reason} at "
+                                         f"byte {exc.__cause__.start}"), 400)
         return _json(error_body(exc.status_code, str(exc.detail)), exc.status_code, exc.headers)
 
     @app.exception_handler(Exception)

@@ -75,7 +75,10 @@ def chat_inputs(body: ChatCompletionRequest, tokenizer: Any, max_model_len: int,
     name = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    sp = _sampling_params(body, 1, max_tokens, name, logprobs, tokenizer, vocab_size, constraint(body, tools))
+    # A named or required tool choice constrains the output to its tools' schemas: their errors name tools.
+    source = "tools" if tools is not None and tools.kind != "auto" else None
+    sp = _sampling_params(body, 1, max_tokens, name, logprobs, tokenizer, vocab_size, constraint(body, tools),
+                          source)
     ids = render_chat(tokenizer, body.messages, body.add_generation_prompt, body.continue_final_message,
                       body.chat_template_kwargs, tools)  # the costly part: after the cheap checks
     return _choices([ids], sp, max_tokens, max_tokens is not None, name, "messages", logprobs, max_model_len)
@@ -93,6 +96,9 @@ def render_chat(tokenizer: Any, messages: list[ChatMessage], add_generation_prom
             "continue_final_message needs add_generation_prompt set to false")
     conversation = [_message(m) for m in messages]
     extra = {"tools": [t.model_dump(exclude_none=True) for t in tools.tools]} if tools is not None else {}
+    # Names, ids and arguments reach the tokenizer and (a tool's name) the response too.
+    _check_texts(conversation, "messages")
+    _check_texts(extra.get("tools", []), "tools")
     try:
         ids = tokenizer.apply_chat_template(
             conversation, add_generation_prompt=bool(add_generation_prompt),
@@ -122,11 +128,12 @@ def _arguments(args: Any) -> Any:
 
 
 def _sampling_params(body, num_prompts: int, max_tokens: int | None, max_name: str, logprobs: int | None,
-                     tokenizer: Any, vocab_size: int, constrained: dict) -> SamplingParams:
+                     tokenizer: Any, vocab_size: int, constrained: dict,
+                     constraint_source: str | None = None) -> SamplingParams:
     """The cheap checks, before any tokenization: every sampling field, then the choice count."""
     fields = {k: getattr(body, k) for k in _SAMPLING_FIELDS if getattr(body, k) is not None}
     _check_int64(fields)
-    sp = _validate({**fields, **constrained}, max_tokens, logprobs, max_name)
+    sp = _validate({**fields, **constrained}, max_tokens, logprobs, max_name, constraint_source)
     if sp.best_of is not None and sp.best_of > sp.n and body.stream:
         raise APIError(400, "best_of greater than n cannot be streamed", "best_of")
     if num_prompts * sp.num_samples > MAX_CHOICES:
@@ -157,8 +164,10 @@ def _choices(prompts: list[list[int]], sp: SamplingParams, max_tokens: int | Non
     return EngineInputs(out_prompts, out_params, sp.n, sp.num_samples, logprobs is not None)
 
 
-def _validate(fields: dict, max_tokens: int | None, logprobs: int | None, max_name: str) -> SamplingParams:
-    """SamplingParams is the one place that knows valid ranges; its message names the field."""
+def _validate(fields: dict, max_tokens: int | None, logprobs: int | None, max_name: str,
+              constraint_source: str | None = None) -> SamplingParams:
+    """SamplingParams is the one place that knows valid ranges; its message names the field
+    (a constraint's: `constraint_source` where the request field is not the usual one)."""
     try:
         sp = SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **fields)
         if sp.constraint is not None:  # parse the grammar here too: the 400 names the API field
@@ -170,7 +179,7 @@ def _validate(fields: dict, max_tokens: int | None, logprobs: int | None, max_na
         if param == "max_tokens":
             param, msg = max_name, msg.replace("max_tokens", max_name, 1)
         elif param in ("json_schema", "grammar"):
-            param = constraint_param(param)
+            param = constraint_source or constraint_param(param)
             msg = msg.replace(msg.split(" ", 1)[0], param, 1)
         raise APIError(400, msg, param) from None
 
@@ -198,10 +207,7 @@ def _prompt_ids(prompt: str | list[int], tokenizer: Any, vocab_size: int, max_mo
     if isinstance(prompt, str):
         if tokenizer is None:
             raise APIError(400, "this model has no tokenizer: send prompts as token ids", "prompt")
-        _check_text(prompt, "prompt")
-        if len(prompt) > max_model_len * MAX_CHARS_PER_TOKEN:  # certainly too long: not worth tokenizing
-            raise APIError(400, f"the prompt has {len(prompt)} characters, far more than this model's "
-                                f"context of {max_model_len} tokens holds", "prompt")
+        check_prompt_text(prompt, max_model_len)
         ids = list(tokenizer.encode(prompt))
     else:
         ids = prompt
@@ -211,6 +217,14 @@ def _prompt_ids(prompt: str | list[int], tokenizer: Any, vocab_size: int, max_mo
     if not ids:
         raise APIError(400, "prompt is empty", "prompt")
     return ids
+
+
+def check_prompt_text(prompt: str, max_model_len: int) -> None:
+    """A prompt worth tokenizing: valid Unicode, and not certainly longer than the context."""
+    _check_text(prompt, "prompt")
+    if len(prompt) > max_model_len * MAX_CHARS_PER_TOKEN:
+        raise APIError(400, f"the prompt has {len(prompt)} characters, far more than this model's "
+                            f"context of {max_model_len} tokens holds", "prompt")
 
 
 def _content(content: str | list | None) -> str:
@@ -236,6 +250,19 @@ def _check_text(text: str, param: str) -> None:
         check_unicode(text, param)
     except ValueError as exc:
         raise APIError(400, str(exc), param) from None
+
+
+def _check_texts(value: Any, param: str) -> None:
+    """Every string in a JSON-like value (keys too) is valid Unicode."""
+    if isinstance(value, str):
+        _check_text(value, param)
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _check_texts(k, param)
+            _check_texts(v, param)
+    elif isinstance(value, list):
+        for v in value:
+            _check_texts(v, param)
 
 
 def _refuse(condition: bool, param: str, message: str) -> None:

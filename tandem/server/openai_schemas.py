@@ -102,6 +102,7 @@ class CompletionRequest(_Sampling):
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool | None = False
     suffix: str | None = None  # accepted only when null
+    response_format: ResponseFormat | None = None  # vLLM takes it here too (structured output)
 
 
 class FunctionCall(_Lenient):
