@@ -128,3 +128,32 @@ def test_a_stopped_driver_is_summed_from_each_pass(tmp_path):
     (tmp_path / "tests-whole-gpu.log").write_text("tests/test_m.py::test_pool PASSED [ 50%]\n")
     s = read_summary(tmp_path)
     assert (s.passed, s.failed, s.failing, s.complete) == (2, 1, ["tests/test_a.py::test_y"], False)
+
+
+def test_noisy_figures_get_their_measured_tolerance_and_flags_override_it():
+    from tandem.bench.suite_record import tolerance_for
+    assert tolerance_for("offline.qwen3-0.6b.output_tok_s", 0.07, {}) == 0.07
+    assert tolerance_for("latency.qwen3-0.6b.fp8.b64.overlap_off.tok_s", 0.07, {}) == 0.25
+    assert tolerance_for("serve.qwen3-0.6b.rate128.ttft_p99_ms", 0.07, {}) == 2.0
+    assert tolerance_for("serve.qwen3-0.6b.rate128.ttft_p99_ms", 0.07, {"serve.*": 0.3}) == 0.3
+
+
+def test_a_run_that_leaves_a_process_behind_has_it_killed(tmp_path):
+    """A benchmark whose server outlives it must not load the machine under the next run."""
+    pid_file = tmp_path / "pid"
+    spec = suite.RunSpec("x", "x", ["sh", "-c", f"sleep 60 & echo $! > {pid_file}; exit 0"], 30,
+                         lambda _j, _l: {})
+    ctx = suite.Ctx(True, "cpu", tmp_path, None)
+    result = suite.execute(spec, ctx, deadline=float("inf"))
+    pid = int(pid_file.read_text())
+    assert result.status == "ok" and "left processes running" in result.note
+    import os
+    import time
+    for _ in range(50):  # killed; reaped by init soon after
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError(f"process {pid} still running")

@@ -26,9 +26,9 @@ import torch
 
 from tandem.bench.presets import preset_dir
 from tandem.bench.roofline import Hardware, ModelCost, measure_hardware, model_cost, roofline
-from tandem.config import EngineConfig
 from tandem.engine import Engine
 from tandem.entrypoints.ranks import build_engine
+from tandem.options import add_engine_options, engine_config
 from tandem.sampling import SamplingParams
 
 
@@ -261,23 +261,11 @@ def _free(device: torch.device) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="tandem bench offline", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", help="model path (default: --preset with dummy weights)")
-    ap.add_argument("--preset", default="qwen3-0.6b")
-    ap.add_argument("--dummy-weights", action="store_true", help="with --model: random weights, config only")
+    ap.add_argument("--preset", default="qwen3-0.6b", help="the model when --model is not given (dummy weights)")
     ap.add_argument("--num-requests", type=int, default=256)
     ap.add_argument("--min-len", type=int, default=100)
     ap.add_argument("--max-len", type=int, default=1024)
     ap.add_argument("--output-len", type=int, help="fix every output length (e.g. 562) instead of uniform")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--device", default="auto")
-    ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--max-total-tokens", type=int)
-    ap.add_argument("--max-running-requests", type=int, default=256)
-    ap.add_argument("--attention-backend", default="auto")
-    ap.add_argument("--cuda-graph", default="auto", choices=["auto", "on", "off"])
-    ap.add_argument("--quantization", choices=["fp8"])
-    ap.add_argument("--small-m-gemm", default="auto", choices=["auto", "on", "off"])
-    ap.add_argument("--tp", type=int, default=1, help="tensor parallelism: ranks (GPUs)")
     ap.add_argument("--no-overlap-off", action="store_true", help="skip the overlap-off run")
     ap.add_argument("--no-warmup", action="store_true")
     ap.add_argument("--compare-hf", action="store_true",
@@ -285,16 +273,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hf-attn", default="paged|sdpa", help="attn_implementation for transformers")
     ap.add_argument("--hf-timeout", type=float, help="give up on transformers after this many seconds")
     ap.add_argument("--json", help="write results here")
+    add_engine_options(ap)  # the engine as users configure it; --seed also seeds the workload
     args = ap.parse_args(argv)
     logging.getLogger("transformers").setLevel(logging.ERROR)
 
-    path = args.model or preset_dir(args.preset)
-    cfg = EngineConfig(model=path, dummy_weights=args.model is None or args.dummy_weights,
-                       device=args.device, dtype=args.dtype, timeline=True,
-                       max_total_tokens=args.max_total_tokens, attention_backend=args.attention_backend,
-                       max_running_requests=args.max_running_requests)
-    cfg.cuda_graph, cfg.tensor_parallel_size = args.cuda_graph, args.tp
-    cfg.quantization, cfg.small_m_gemm = args.quantization, args.small_m_gemm
+    cfg = engine_config(args)
+    if cfg.model is None:
+        cfg.model, cfg.dummy_weights = preset_dir(args.preset), True
+    cfg.timeline = cfg.timeline or True  # the roofline is counted from the step timeline
     t0 = time.perf_counter()
     engine = build_engine(cfg)  # --tp: starts the ranks
     device, dtype = engine.device, engine.dtype
@@ -327,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
         _free(device)
         if device.type == "cuda":
             _log(f"free for transformers: {torch.cuda.mem_get_info(device)[0] / 2**30:.1f} GiB")
-        model = build_hf_model(path, dtype, device, args.hf_attn)
+        model = build_hf_model(cfg.model, dtype, device, args.hf_attn)
         try:
             rows.append(run_hf(model, wl, device, args.hf_timeout))
             _log(f"transformers: {rows[-1].wall_s:.2f} s, {rows[-1].output_tok_s:,.0f} output tok/s")

@@ -51,6 +51,7 @@ class RunResult:
     log_tail: str
     figures: dict = field(default_factory=dict)
     note: str = ""
+    host_load: float | None = None  # 1-minute load average at its start: host-bound figures move with it
 
 
 def execute(run: RunSpec, ctx: Ctx, deadline: float) -> RunResult:
@@ -61,16 +62,19 @@ def execute(run: RunSpec, ctx: Ctx, deadline: float) -> RunResult:
                          note="no time left before the suite's deadline")
     log = ctx.raw / f"{run.name}.log"
     print(f"[suite] {run.name}: up to {budget:.0f} s", file=sys.stderr, flush=True)
-    start = time.monotonic()
+    load, start = os.getloadavg()[0], time.monotonic()
     with open(log, "w") as out:
         proc = subprocess.Popen(run.argv, stdout=out, stderr=subprocess.STDOUT, env=_env(run.env),
                                 start_new_session=True)
         rc, timed_out = _wait(proc, budget)
     duration = time.monotonic() - start
+    leftovers = _end_leftovers(proc)
     tail = log.read_text(errors="replace")[-2500:]
     result = RunResult(run.name, run.part, "timeout" if timed_out else ("ok" if rc == 0 else "failed"),
-                       duration, run.budget_s, rc, run.argv, tail)
+                       duration, run.budget_s, rc, run.argv, tail, host_load=round(load, 2))
     _read_figures(run, ctx, log, result)
+    if leftovers:
+        result.note = (result.note + "; " if result.note else "") + "left processes running (killed)"
     print(f"[suite] {run.name}: {result.status} in {duration:.1f} s {result.note}", file=sys.stderr, flush=True)
     return result
 
@@ -90,6 +94,16 @@ def _wait(proc: subprocess.Popen, timeout: float) -> tuple[int | None, bool]:
             except subprocess.TimeoutExpired:
                 continue
         return proc.returncode, True
+
+
+def _end_leftovers(proc: subprocess.Popen) -> bool:
+    """Kill whatever the finished run left in its session (a server, a worker), so that it
+    cannot load the GPU or the host under the next run. True if there was something."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True
 
 
 def _read_figures(run: RunSpec, ctx: Ctx, log: Path, result: RunResult) -> None:
@@ -180,7 +194,8 @@ def _part(name: str, runs: list[RunResult], selected: list[str]) -> dict:
             "duration_s": sum(r.duration_s for r in runs),
             "note": "; ".join(f"{r.name}: {r.status} {r.note}".strip() for r in runs if r.status != "ok" or r.note),
             "runs": {r.name: {"status": r.status, "duration_s": r.duration_s, "budget_s": r.budget_s,
-                              "returncode": r.returncode, "command": r.command, "note": r.note,
+                              "host_load": r.host_load, "returncode": r.returncode, "command": r.command,
+                              "note": r.note,
                               "log_tail": r.log_tail} for r in runs}}
 
 

@@ -46,10 +46,24 @@ class Change:
         return {**asdict(self), "rel": self.rel, "regression": self.regression}
 
 
+# Figures noisier than the default tolerance, by what they measure: the largest move between
+# two suite runs of near-identical code on the H200 (e5bfd58 and 5fc9e37, docs/benchmarks.md),
+# with margin. Device-bound throughput moved <= 2.6 %, inside the default 7 %.
+NOISY: dict[str, float] = {
+    "*overlap_off*": 0.25,  # the host's speed by design (process, then launch): moved up to 17 %, ratios 22 %
+    "latency.*ttft_1024_ms": 0.5,  # one prefill, host-bound at this size: moved up to 65 %
+    "grammar.*": 0.5,  # host-bound (masks, grammar accept), ~1 s runs: moved up to 64 %
+    "*ttft_p50_ms": 0.5,  # Poisson arrivals, one ~6 s burst per rate: moved up to 43 %
+    "*tpot_p50_ms": 0.2,  # moved up to 10 %
+    "*_p99_ms": 2.0,  # the tail of one burst: moved up to 2.6x; flags a tripling
+}
+
+
 def tolerance_for(name: str, default: float, overrides: dict[str, float]) -> float:
-    """The last matching `--tolerance-for GLOB=FRACTION` wins; else the default."""
+    """The last matching `--tolerance-for GLOB=FRACTION` wins, then the last matching NOISY
+    class; else the default."""
     tol = default
-    for pattern, value in overrides.items():
+    for pattern, value in [*NOISY.items(), *overrides.items()]:
         if fnmatch.fnmatchcase(name, pattern):
             tol = value
     return tol
