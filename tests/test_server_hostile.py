@@ -13,6 +13,42 @@ from test_server import CONTEXT, running_server
 MESSAGES = [{"role": "user", "content": "hi"}]
 
 
+class Canary:
+    """Streams one greedy completion after another in a thread beside the case; `gap` is the
+    longest wait between two events it received (across its requests: a stalled start counts)."""
+
+    def __init__(self, url: str):
+        self.url, self.gap, self.events = url, 0.0, 0
+        self._stop, self._first = threading.Event(), threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> "Canary":
+        self._thread.start()
+        assert self._first.wait(60), "the canary got no token"
+        self.gap = 0.0  # from here on
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(60)
+
+    def _run(self) -> None:
+        body = {"prompt": "Once upon a time", "max_tokens": 100, "temperature": 0, "ignore_eos": True,
+                "stream": True}
+        last = None
+        with httpx.Client(timeout=120) as c:
+            while not self._stop.is_set():
+                with c.stream("POST", self.url + "/v1/completions", json=body) as r:
+                    for line in r.iter_lines():
+                        now = time.monotonic()
+                        if line and last is not None:
+                            self.gap = max(self.gap, now - last)
+                        last, self.events = (now, self.events + 1) if line else (last, self.events)
+                        self._first.set()
+                        if self._stop.is_set():
+                            break
+
+
 def _tool(name: str, parameters: dict) -> dict:
     return {"type": "function", "function": {"name": name, "parameters": parameters}}
 
@@ -97,3 +133,58 @@ def test_repeated_bad_requests_log_no_traceback(served):
         for path, body, _, _ in FORMER_500S:
             assert _post(url + path, body).status_code == 400
     assert "Traceback" not in log.read_text()
+
+
+# A canary token normally comes every few ms; on 2 shared, loaded CPU cores waits of ~0.3 s
+# happen anyway. Before the body checks these cases stalled it for 1.6 s to 13 s.
+MAX_GAP_S = 1.0
+HUGE_BODIES = [
+    # (path, body maker, the field the 400 names)
+    ("/tokenize", lambda: {"prompt": "hello world " * 1_300_000}, "prompt"),  # 15 MiB of text
+    ("/v1/completions", lambda: {"prompt": [1] * 7_900_000}, "prompt"),
+    ("/v1/completions", lambda: {"prompt": [[1] * 1000] * 6000}, "prompt"),
+    ("/v1/completions", lambda: {"prompt": "hi", "logit_bias": {str(i): 1 for i in range(1_000_000)}},
+     "logit_bias"),
+    ("/v1/chat/completions", lambda: {"messages": MESSAGES * 300_000}, "messages"),
+]
+
+
+@pytest.mark.parametrize("path,make,param", HUGE_BODIES, ids=[f"{i}-{c[2]}" for i, c in enumerate(HUGE_BODIES)])
+def test_a_huge_body_is_refused_without_stalling_other_streams(server, path, make, param):
+    raw = json.dumps(make(), separators=(",", ":")).encode()  # before the canary: encoding holds the GIL
+    assert 8 * 2**20 < len(raw) < 16 * 2**20
+    with Canary(server) as canary:
+        time.sleep(0.2)
+        r = _post(server + path, raw)
+        time.sleep(0.2)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    assert canary.gap < MAX_GAP_S, canary.gap
+
+
+def test_body_shape_limits_refuse_only_what_cannot_be_served():
+    from tandem.server.body_shape import MAX_MESSAGES, check_body_shape
+    from tandem.server.errors import APIError
+
+    def refused(body: dict) -> str | None:
+        try:
+            check_body_shape(json.dumps(body).encode(), CONTEXT, 1000)
+        except APIError as exc:
+            return exc.param
+        return None
+    pad = {"user": "x" * 70_000}  # over the size below which nothing is scanned
+    assert refused({**pad, "prompt": [[5] * (CONTEXT - 1)] * 128}) is None  # the largest servable batch
+    assert refused({**pad, "prompt": [[5] * CONTEXT] * 129}) == "prompt"
+    assert refused({**pad, "prompt": ", " * 30_000}) is None  # commas in text are no token ids
+    assert refused({**pad, "stop_token_ids": [1] * 20_000}) == "stop_token_ids"
+    assert refused({**pad, "logit_bias": {str(i): 1 for i in range(1000)}}) is None
+    assert refused({**pad, "logit_bias": {str(i): 1 for i in range(1001)}}) == "logit_bias"
+    assert refused({**pad, "messages": [{"role": "user", "content": "a, b, c" * 10}] * MAX_MESSAGES}) is None
+    assert refused({**pad, "messages": MESSAGES * (MAX_MESSAGES + 1)}) == "messages"
+    assert refused({"prompt": [1] * 20_000}) is None  # small bodies parse cheaply: not scanned
+    assert refused({**pad, "prompt": 5, "messages": "x"}) is None  # wrong types: validation says so
+
+
+def test_a_batch_of_many_prompts_under_the_limits_is_served(server):
+    r = _post(server + "/v1/completions", {"prompt": [[5] * 100] * 128, "max_tokens": 1,
+                                           "logit_bias": {str(i): 0.5 for i in range(2000)}})
+    assert r.status_code == 200 and len(r.json()["choices"]) == 128, r.text

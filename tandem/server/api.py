@@ -21,8 +21,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from tandem import __version__
 from tandem.server import protocol as P
 from tandem.server.errors import APIError, EngineDead, error_body
-from tandem.server.errors_http import (DEFAULT_MAX_REQUEST_BYTES, ApiKeyMiddleware, BodySizeLimit,
-                                       install_error_handlers)
+from tandem.server.errors_http import (DEFAULT_MAX_REQUEST_BYTES, ApiKeyMiddleware, BodyShapeCheck,
+                                       BodySizeLimit, install_error_handlers)
 from tandem.server.generation import Generation
 from tandem.server.inputs import EngineInputs, chat_inputs, completion_inputs
 from tandem.server.openai_schemas import ChatCompletionRequest, CompletionRequest, StreamOptions
@@ -139,6 +139,7 @@ def create_app(state: ServerState, api_key: str | None = None,
     app = FastAPI(title="tandem", version=__version__,
                   description="OpenAI-compatible server of the tandem inference engine")
     install_error_handlers(app)
+    app.add_middleware(BodyShapeCheck, state=state)  # inside the size limit: it reads the body whole
     app.add_middleware(BodySizeLimit, max_bytes=max_request_bytes)
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)

@@ -10,6 +10,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException
 
+from tandem.server.body_shape import check_body_shape
 from tandem.server.errors import APIError, EngineDead, error_body
 
 log = logging.getLogger("tandem.server")
@@ -123,3 +124,47 @@ class BodySizeLimit:
             return message
 
         await self.app(scope, limited_receive, send)
+
+
+class BodyShapeCheck:
+    """Reads a POST body whole (inside BodySizeLimit) and refuses it before FastAPI parses it when
+    its token ids, logit_bias or messages are certainly too many (`body_shape`): parsing holds
+    the event loop, and with it every stream. The body is then handed on unchanged."""
+
+    def __init__(self, app, state):
+        self.app, self.state = app, state
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["method"] != "POST":
+            await self.app(scope, receive, send)
+            return
+        try:
+            body, last = await _whole_body(receive)
+            ready = self.state.client.ready
+            check_body_shape(body, ready.max_model_len, ready.vocab_size)
+        except HTTPException as exc:  # BodySizeLimit's 413, raised from receive
+            await _json(error_body(exc.status_code, str(exc.detail)), exc.status_code)(scope, receive, send)
+            return
+        except APIError as exc:
+            await _json(exc.body(), exc.status)(scope, receive, send)
+            return
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if replayed:
+                return await receive()  # after the body: the disconnect the routes watch for
+            replayed = True
+            return {**last, "body": body, "more_body": False}
+
+        await self.app(scope, replay, send)
+
+
+async def _whole_body(receive) -> tuple[bytes, dict]:
+    """The body and the last message read (a disconnect ends the reading early)."""
+    chunks = []
+    while True:
+        message = await receive()
+        chunks.append(message.get("body", b""))
+        if message["type"] != "http.request" or not message.get("more_body"):
+            return b"".join(chunks), message
