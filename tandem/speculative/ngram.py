@@ -1,0 +1,70 @@
+"""The n-gram proposer (prompt lookup), batched on the device.
+
+A request's tokens so far (prompt and outputs) live in a device history row, because under
+the overlap the host has not seen the last accepted tokens when the next step is planned.
+For each row the proposer takes the longest suffix of n tokens (n from `max_n` down to
+`min_n`) that occurred earlier in the row, at its most recent earlier occurrence, and
+proposes the (up to) k tokens that followed it there. Everything is tensor ops over a
+column window the host bounds from the lengths it knows: no host read, graph-capturable
+for fixed shapes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class Proposal:
+    tokens: Tensor  # [B, k] int64; entries at or beyond `count` are 0
+    count: Tensor  # [B] int64 in [0, k]: how many of `tokens` are proposals
+
+
+def propose_ngram(history: Tensor, lengths: Tensor, k: int, min_n: int, max_n: int,
+                  window: tuple[int, int] | None = None) -> Proposal:
+    """history [B, T] (token ids, valid in [0, lengths[b])), lengths [B]: the proposals.
+
+    `window` = (lo, hi) limits the columns searched to [lo, hi), a host-known bound (e.g. the
+    last few thousand positions of the longest row): matches outside it are not found, which
+    only shortens proposals. Rows shorter than min_n + 1 propose nothing.
+    """
+    if not 1 <= min_n <= max_n:
+        raise ValueError(f"need 1 <= min_n <= max_n, got {min_n}, {max_n}")
+    B, T = history.shape
+    lo, hi = window if window is not None else (0, T)
+    lo, hi = max(0, lo), min(T, hi)
+    dev = history.device
+    best_start = torch.full((B,), -1, dtype=torch.int64, device=dev)  # where the continuation begins
+    cols = history[:, lo:hi]
+    for n in range(max_n, min_n - 1, -1):
+        if hi - lo < n + 1:
+            continue
+        suffix_at = (lengths - n).clamp(min=0)  # the suffix's first column
+        suffix = history.gather(1, suffix_at[:, None] + torch.arange(n, device=dev)[None, :])  # [B, n]
+        windows = cols.unfold(1, n, 1)  # [B, hi - lo - n + 1, n]: windows starting at lo + i
+        starts = torch.arange(lo, hi - n + 1, device=dev)[None, :]
+        hit = (windows == suffix[:, None, :]).all(dim=2)
+        # An earlier occurrence, followed by at least one token: it starts before the suffix.
+        hit &= (starts < suffix_at[:, None]) & (lengths[:, None] >= n + 1)
+        latest = torch.where(hit, starts, -1).amax(dim=1)
+        found = (latest >= 0) & (best_start < 0)  # the longest n wins
+        best_start = torch.where(found, latest + n, best_start)
+    offsets = torch.arange(k, device=dev)[None, :]
+    at = best_start[:, None] + offsets
+    valid = (best_start[:, None] >= 0) & (at < lengths[:, None])
+    tokens = history.gather(1, at.clamp(0, T - 1)).masked_fill(~valid, 0)
+    return Proposal(tokens, valid.sum(dim=1))
+
+
+def propose_ngram_reference(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
+    """The same rule on one host list, written plainly: the tests' oracle."""
+    for n in range(max_n, min_n - 1, -1):
+        if len(tokens) < n + 1:
+            continue
+        suffix = tokens[-n:]
+        for start in range(len(tokens) - n - 1, -1, -1):
+            if tokens[start:start + n] == suffix:
+                return tokens[start + n:start + n + k]
+    return []
