@@ -10,6 +10,8 @@ import pytest
 
 from test_server import CONTEXT, running_server
 
+from tandem.server.drain import FLUSH_S
+
 MESSAGES = [{"role": "user", "content": "hi"}]
 
 
@@ -188,3 +190,117 @@ def test_a_batch_of_many_prompts_under_the_limits_is_served(server):
     r = _post(server + "/v1/completions", {"prompt": [[5] * 100] * 128, "max_tokens": 1,
                                            "logit_bias": {str(i): 0.5 for i in range(2000)}})
     assert r.status_code == 200 and len(r.json()["choices"]) == 128, r.text
+
+
+# ---- clean stops (issue 18 item 3) ----
+def _start_stream(url: str, headers: dict | None = None) -> tuple[httpx.Client, httpx.Response]:
+    """A stream that has sent its first token, with ~10 s of work left on the tiny model."""
+    c = httpx.Client(timeout=60, headers=headers)
+    r = c.send(c.build_request("POST", url + "/v1/completions", json={
+        "prompt": "hi", "max_tokens": 480, "n": 8, "ignore_eos": True, "stream": True}), stream=True)
+    lines = r.iter_lines()
+    assert next(lines).startswith("data: ")
+    return c, lines
+
+
+def _last_event(lines) -> str:
+    return [line for line in lines if line][-1]
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def _wait_gone(pid: int, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not _gone(pid):
+        assert time.monotonic() < deadline, f"process {pid} is still running"
+        time.sleep(0.05)
+
+
+@pytest.mark.slow
+def test_health_is_503_while_draining_then_the_exit_comes_within_the_timeout(tiny_text_model, tmp_path):
+    import signal
+    log, ipc = tmp_path / "server.log", tmp_path / "ipc"
+    ipc.mkdir()
+    with running_server(tiny_text_model, log, "--max-model-len", "512", "--shutdown-timeout", "3",
+                        tmpdir=ipc) as (url, proc):
+        client, lines = _start_stream(url)
+        proc.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
+        time.sleep(0.5)
+        r = httpx.get(url + "/health", timeout=5)  # answered, not refused
+        assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down", r.text
+        assert "shutting down" in _last_event(lines)  # failed at the deadline, as an error event
+        client.close()
+        assert proc.wait(10) == 0
+        # The drain's 3 s, uvicorn's flush, and two processes' teardown on loaded CPU cores (~2 s each).
+        assert time.monotonic() - signalled < 3 + FLUSH_S + 5, "the exit came long after --shutdown-timeout"
+    assert list(ipc.iterdir()) == [] and "Traceback" not in log.read_text()
+
+
+@pytest.mark.slow
+def test_a_second_ctrl_c_fails_the_streams_and_exits_without_tracebacks(tiny_text_model, tmp_path):
+    import signal
+    log = tmp_path / "server.log"
+    with running_server(tiny_text_model, log, "--max-model-len", "512", "--shutdown-timeout", "60") as (url, proc):
+        streams = [_start_stream(url) for _ in range(3)]
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGINT)
+        start = time.monotonic()
+        for client, lines in streams:
+            assert "shutting down" in _last_event(lines)
+            client.close()
+        assert proc.wait(10) == 0 and time.monotonic() - start < 10  # not the 60 s drain
+    assert "Traceback" not in log.read_text(), log.read_text()[-3000:]
+
+
+@pytest.mark.slow
+def test_api_key_from_the_environment_and_ipc_removed_when_the_front_end_is_killed(tiny_text_model, tmp_path):
+    from test_server import REPO
+
+    from tandem.bench.launch import running_servers
+    log, ipc = tmp_path / "server.log", tmp_path / "ipc"
+    ipc.mkdir()
+    env = {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "TMPDIR": str(ipc), "TANDEM_API_KEY": "from-env"}
+    with running_servers((tiny_text_model, log, ["--max-model-len", "512", "--log-level", "warning"]),
+                         device="cpu", env=env, start_timeout=120) as (srv,):
+        url, auth = srv.url, {"Authorization": "Bearer from-env"}
+        assert httpx.get(url + "/v1/models").status_code == 401
+        info = httpx.get(url + "/server_info", headers=auth).json()
+        assert info["server_args"]["api_key"] == "<redacted>" and "from-env" not in json.dumps(info)
+        assert b"from-env" not in open(f"/proc/{srv.proc.pid}/cmdline", "rb").read()  # not in `ps`
+        assert len(list(ipc.iterdir())) == 1
+        client, lines = _start_stream(url, auth)  # the engine is busy
+        srv.proc.kill()
+        srv.proc.wait()
+        client.close()
+        _wait_gone(srv.engine_pid, 5)
+    assert list(ipc.iterdir()) == []  # removed by the engine, which outlived the front end
+
+
+@pytest.mark.slow
+def test_ctrl_c_in_generate_ends_without_a_traceback(tiny_text_model, tmp_path):
+    import signal
+    import subprocess
+    import sys
+
+    from test_server import REPO
+    out, err = tmp_path / "out.txt", tmp_path / "err.txt"
+    cmd = [sys.executable, "-m", "tandem", "generate", "Once upon a time", "--model", str(tiny_text_model),
+           "--device", "cpu", "--max-tokens", "480", "--max-model-len", "512"]
+    with open(out, "w") as o, open(err, "w") as e:
+        proc = subprocess.Popen(cmd, stdout=o, stderr=e, cwd=REPO,
+                                env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
+        deadline = time.monotonic() + 120
+        while out.stat().st_size <= len("Once upon a time") + 20:  # generating
+            assert proc.poll() is None and time.monotonic() < deadline, err.read_text()
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(30) == 130
+    assert "Traceback" not in err.read_text() and "interrupted" in err.read_text(), err.read_text()

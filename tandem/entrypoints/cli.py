@@ -9,6 +9,7 @@ from pathlib import Path
 
 from tandem import options
 from tandem.config import EngineConfig, resolve_device
+from tandem.entrypoints.interrupts import interrupts_between_steps
 
 _EXAMPLES = {
     "generate": """examples:
@@ -64,17 +65,25 @@ def sampling_params(args: argparse.Namespace):
 
 
 def stream(engine, prompt, params, out=sys.stdout) -> str:
-    """Run one request to the end, writing its text as it is generated."""
+    """Run one request to the end, writing its text as it is generated (Ctrl-C: at a step's end)."""
     rid = engine.add_request(prompt, params)
     text = []
-    while engine.has_unfinished():
-        for delta in engine.step():
-            if delta.request_id == rid and delta.new_text:
-                out.write(delta.new_text)
-                out.flush()
-                text.append(delta.new_text)
+    with interrupts_between_steps() as check_interrupt:
+        while engine.has_unfinished():
+            check_interrupt()
+            text += _step_text(engine, rid, out)
     engine.release(rid)
     return "".join(text)
+
+
+def _step_text(engine, rid: str, out) -> list[str]:
+    text = []
+    for delta in engine.step():
+        if delta.request_id == rid and delta.new_text:
+            out.write(delta.new_text)
+            out.flush()
+            text.append(delta.new_text)
+    return text
 
 
 def _parser(command: str, description: str) -> argparse.ArgumentParser:
@@ -199,6 +208,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as exc:  # bad input: a message, not a traceback
         print(f"tandem {argv[0]}: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: the user's wish, not a crash (the shell's 128 + SIGINT)
+        print(f"\ntandem {argv[0]}: interrupted", file=sys.stderr)
+        return 130
 
 
 def exit_quietly(code: int) -> int:

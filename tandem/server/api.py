@@ -234,6 +234,8 @@ def create_app(state: ServerState, api_key: str | None = None,
     async def health() -> Response:
         if state.client.dead:
             return _json(error_body(503, state.client.dead), 503)
+        if state.draining:  # load balancers stop sending here while the requests finish
+            return _json(error_body(503, "the server is shutting down", code="shutting_down"), 503)
         return _json({"status": "ok", "engine_pid": state.client.proc.pid})
 
     @app.get("/metrics")

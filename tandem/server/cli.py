@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import re
 from pathlib import Path
 
@@ -12,13 +13,17 @@ from tandem.config import EngineConfig
 from tandem.distributed.torchrun import torchrun_env
 
 log = logging.getLogger("tandem.server")
+API_KEY_ENV = "TANDEM_API_KEY"
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tandem serve", description="OpenAI-compatible HTTP server")
     p.add_argument("--served-model-name", default=None, help="the name clients pass as 'model'")
     p.add_argument("--host", default="127.0.0.1", help="bind address (loopback unless told otherwise)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    # From the environment, the key does not show in `ps` (vLLM: VLLM_API_KEY).
+    p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
+                   help=f"require 'Authorization: Bearer KEY' on /v1/* (default: ${API_KEY_ENV}, if set)")
     p.add_argument("--max-waiting-requests", type=int, default=1024,
                    help="requests queued beyond this get 503 with Retry-After")
     p.add_argument("--restart-engine", action="store_true",
@@ -107,9 +112,10 @@ async def _serve(args: argparse.Namespace, cfg: EngineConfig) -> int:
     state = ServerState(client, tokenizer, name, frozenset({str(cfg.model or path), str(path)}), metrics,
                         FieldPolicy(args.strict_api), server_info=server_info(args, cfg))
     app = create_app(state, args.api_key, args.max_request_bytes)
-    # uvicorn's own deadline is a backstop: the drain fails what is left at --shutdown-timeout.
+    # The drain fails what is left at --shutdown-timeout before uvicorn exits; its own deadline
+    # is for the responses that are ending then.
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                           timeout_graceful_shutdown=args.shutdown_timeout + 5))
+                                           timeout_graceful_shutdown=drain.FLUSH_S))
     drain.install(server, state, client, args.shutdown_timeout)
     log.info("serving %s on http://%s:%d (context %d tokens)", name, args.host, args.port,
              state.max_model_len)
@@ -145,8 +151,6 @@ def _engine_client(cfg: EngineConfig, args: argparse.Namespace, metrics, client_
     [i * tp, (i + 1) * tp)."""
     if args.dp == 1:
         return client_cls(cfg, args.max_waiting_requests, metrics, restart=args.restart_engine)
-    import os
-
     import torch
 
     from tandem.server.router import ReplicaMetrics, ReplicaRouter

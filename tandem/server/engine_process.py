@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 
 import msgspec
@@ -63,7 +64,8 @@ def run_engine(config: bytes, inbound: str, outbound: str, max_waiting: int, gpu
     push.send(enc.encode(P.Ready(engine.max_model_len, engine.model_config.vocab_size, _stats(engine),
                                  engine.resolved_settings())))
     try:
-        _EngineLoop(engine, pull, push, max_waiting, parent).run()
+        ipc_dir = os.path.dirname(inbound.removeprefix("ipc://"))
+        _EngineLoop(engine, pull, push, max_waiting, parent, ipc_dir).run()
     finally:
         engine.close()  # tensor-parallel workers (atexit does not run in this process)
         pull.close(0)
@@ -74,9 +76,11 @@ def run_engine(config: bytes, inbound: str, outbound: str, max_waiting: int, gpu
 
 
 class _EngineLoop:
-    def __init__(self, engine, pull: zmq.Socket, push: zmq.Socket, max_waiting: int, parent: int):
+    def __init__(self, engine, pull: zmq.Socket, push: zmq.Socket, max_waiting: int, parent: int,
+                 ipc_dir: str):
         self.engine, self.pull, self.push = engine, pull, push
         self.max_waiting, self.parent = max_waiting, parent
+        self.ipc_dir = ipc_dir  # the front end's socket folder: ours to remove if it dies
         self.enc, self.dec = P.encoder(), P.to_engine_decoder()
         self.report_stats = False  # send fresh stats even without deltas (after a cache reset)
 
@@ -84,6 +88,8 @@ class _EngineLoop:
         while True:
             if os.getppid() != self.parent:  # every iteration (a syscall, ~1 us): busy or idle
                 log.warning("front end is gone; engine exiting")
+                # A killed front end cannot remove its socket folder; nobody else would.
+                shutil.rmtree(self.ipc_dir, ignore_errors=True)
                 # Nobody to report to or linger for; the OS frees everything, GPU memory too.
                 os._exit(0)
             busy = self.engine.has_unfinished()
