@@ -1,0 +1,168 @@
+"""`tandem bench spec-verify`: what a speculative verify step costs against a decode step.
+
+A verify forward scores each row's last token and its k proposals: k + 1 query tokens per
+row over the row's cached context (an extend with a prefix), and logits at every position.
+Speculation pays when (accepted + 1) tokens per verify outweigh its cost over one decode
+step, so this ratio is the break-even acceptance, per batch size (issue 20 asks for <= 1.15x
+at batch 1 on the Llama-3.1-8B shape with k + 1 = 5).
+
+Both forwards run on the engine's own model, KV pool and attention backend, with every
+row's table filled for `--context` cached tokens. On CUDA each is captured in a CUDA graph
+and replayed (`--iters` times, CUDA events), so the figure is device time, not launch
+overhead; eager timings are reported beside them. A check first: the verify's logits at the
+first position equal the decode's (same token, same context).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from tandem.bench.presets import preset_dir
+from tandem.config import EngineConfig
+from tandem.engine import Engine
+from tandem.forward_batch import ForwardBatch
+
+
+@dataclass
+class VerifyRow:
+    batch: int
+    k: int
+    context: int
+    decode_ms: float  # graph replay on CUDA, eager elsewhere
+    verify_ms: float
+    decode_eager_ms: float
+    verify_eager_ms: float
+    first_position_max_diff: float  # |verify logits[pos 0] - decode logits|, the layout check
+
+    @property
+    def ratio(self) -> float:
+        return self.verify_ms / self.decode_ms
+
+
+class Shapes:
+    """Static inputs for B rows at `context` cached tokens: one decode token, or k + 1."""
+
+    def __init__(self, engine: Engine, batch: int, k: int, context: int):
+        dev, table = engine.device, engine.table
+        self.engine, self.batch, self.k, self.context = engine, batch, k, context
+        span = context + k + 1
+        slots = torch.arange(1, batch + 1, dtype=torch.int64, device=dev)
+        locs = 1 + torch.arange(batch * span, dtype=torch.int64, device=dev).view(batch, span)
+        for row in range(batch):  # KV slots [1 + row * span, ...): distinct per row
+            table.table[row + 1, :span] = locs[row].to(table.table.dtype)
+        tokens = torch.randint(0, engine.model_config.vocab_size, (batch, k + 1), device=dev)
+        q = k + 1
+        self.decode = ForwardBatch(
+            input_ids=tokens[:, 0].contiguous(), positions=torch.full((batch,), context, device=dev),
+            out_cache_loc=locs[:, context].contiguous(), req_slots=slots,
+            seq_lens=torch.full((batch,), context + 1, dtype=torch.int32, device=dev),
+            prefix_lens=torch.full((batch,), context, dtype=torch.int32, device=dev),
+            qo_indptr=torch.arange(batch + 1, dtype=torch.int32, device=dev), req_to_token=table.table,
+            host_req_slots=list(range(1, batch + 1)), host_seq_lens=[context + 1] * batch,
+            host_extend_lens=[1] * batch, is_decode=True, max_seq_len=context + 1)
+        self.verify = ForwardBatch(
+            input_ids=tokens.flatten(), positions=(context + torch.arange(q, device=dev)).repeat(batch),
+            out_cache_loc=locs[:, context:context + q].flatten(), req_slots=slots,
+            seq_lens=torch.full((batch,), context + q, dtype=torch.int32, device=dev),
+            prefix_lens=torch.full((batch,), context, dtype=torch.int32, device=dev),
+            qo_indptr=torch.arange(0, batch * q + 1, q, dtype=torch.int32, device=dev), req_to_token=table.table,
+            host_req_slots=list(range(1, batch + 1)), host_seq_lens=[context + q] * batch,
+            host_extend_lens=[q] * batch, is_decode=False, max_seq_len=context + q)
+
+    def run(self, fb: ForwardBatch) -> torch.Tensor:
+        model, engine = self.engine.model, self.engine
+        return model.compute_logits(model(fb, engine.kv, engine.backend))
+
+
+def _time_eager(fn, iters: int, device: torch.device) -> float:
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # the host clock after a synchronize: all queued work done
+    return (time.perf_counter() - start) / iters * 1e3
+
+
+def _time_graph(fn, iters: int, device: torch.device) -> float:
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        fn()  # warm-up outside the capture
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        fn()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    ms = start.elapsed_time(end) / iters
+    graph.reset()
+    return ms
+
+
+@torch.no_grad()
+def measure(engine: Engine, batch: int, k: int, context: int, iters: int) -> VerifyRow:
+    shapes = Shapes(engine, batch, k, context)
+    # Fill the context's KV once (a prefill of `context` random tokens is not needed: any KV
+    # values time the same), then check the layout on the verify's first position.
+    decode_logits = shapes.run(shapes.decode).clone()
+    verify_logits = shapes.run(shapes.verify)
+    first = verify_logits.view(batch, k + 1, -1)[:, 0]
+    diff = float((first - decode_logits).abs().max())
+    dev = engine.device
+    eager = [_time_eager(lambda fb=fb: shapes.run(fb), iters, dev) for fb in (shapes.decode, shapes.verify)]
+    if dev.type == "cuda":
+        timed = [_time_graph(lambda fb=fb: shapes.run(fb), iters, dev) for fb in (shapes.decode, shapes.verify)]
+    else:
+        timed = eager
+    return VerifyRow(batch, k, context, timed[0], timed[1], eager[0], eager[1], diff)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="tandem bench spec-verify", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="llama-3.1-8b")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--batch-sizes", default="1,16,64")
+    ap.add_argument("--k", type=int, default=4, help="proposals per row (a verify scores k + 1 tokens)")
+    ap.add_argument("--context", type=int, default=512, help="cached tokens per row")
+    ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--json", help="write the rows here")
+    args = ap.parse_args(argv)
+    sizes = [int(s) for s in args.batch_sizes.split(",") if s]
+    span = args.context + args.k + 1
+    engine = Engine(EngineConfig(model=str(preset_dir(args.preset)), dummy_weights=True, device=args.device,
+                                 dtype=args.dtype, cuda_graph="off", warm_up="off", max_model_len=span,
+                                 max_running_requests=max(sizes) + 1,
+                                 max_total_tokens=max(sizes) * span + 1))
+    try:
+        rows = [measure(engine, b, args.k, args.context, args.iters) for b in sizes]
+    finally:
+        engine.close()
+    print(f"verify of k + 1 = {args.k + 1} tokens per row vs one decode step, {args.preset}, "
+          f"{args.context} cached tokens per row ({'CUDA graphs' if engine.device.type == 'cuda' else 'eager'}):")
+    print("| batch | decode ms | verify ms | verify / decode | eager decode ms | eager verify ms | check |")
+    print("|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r.batch} | {r.decode_ms:.3f} | {r.verify_ms:.3f} | {r.ratio:.3f} | {r.decode_eager_ms:.3f} | "
+              f"{r.verify_eager_ms:.3f} | {r.first_position_max_diff:.2g} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "rows": [{**asdict(r), "ratio": r.ratio} for r in rows]}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
