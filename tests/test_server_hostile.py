@@ -304,3 +304,12 @@ def test_ctrl_c_in_generate_ends_without_a_traceback(tiny_text_model, tmp_path):
         proc.send_signal(signal.SIGINT)
         assert proc.wait(30) == 130
     assert "Traceback" not in err.read_text() and "interrupted" in err.read_text(), err.read_text()
+
+
+@pytest.mark.parametrize("depth", [20_000, 50_000], ids=["small-body", "scanned-body"])
+def test_a_deeply_nested_body_is_a_400_not_a_recursion_error(server, depth):
+    """Found by the soak: a body nesting 50,000 lists deep ended in RecursionError, a 500.
+    Under 64 KiB FastAPI parses it (json.loads); above, body_shape's scan does (msgspec)."""
+    r = _post(server + "/v1/completions", b'{"prompt": ' + b"[" * depth + b"]" * depth + b"}")
+    assert r.status_code == 400, r.text
+    assert "nests too deeply" in r.json()["error"]["message"]

@@ -13,8 +13,12 @@ per key, and compares each choice's text and finish reason; for a mismatch it as
 reference where the texts diverged and how close that greedy pick was (a near-tie in the
 logits, which other batch shapes may round the other way, or a real difference).
 
+Beside the traffic a canary streams one long greedy answer after another
+(`tandem.bench.soak_canary`); its longest wait between two chunks must stay under
+`--canary-max-gap`: no request may stall the others.
+
 Passes (exit 0) with no mismatch, no 5xx, no error event in a stream, no malformed answer,
-no bad input accepted and no KV left in use. Prints a table; `--out` gets the full report
+no bad input accepted, no KV left in use and the canary never stalled. Prints a table; `--out` gets the full report
 (results.json), every request with its outcome (requests.jsonl) and the servers' logs.
 """
 from __future__ import annotations
@@ -33,6 +37,7 @@ import httpx
 
 import tandem
 from tandem.bench.launch import ServerProcess, rss_mib, running_servers, settled
+from tandem.bench.soak_canary import Canary, CanaryReport
 from tandem.bench.soak_cases import Case, Planner
 from tandem.bench.soak_client import Outcome, send
 from tandem.bench.soak_triage import NEAR_TIE, divergence
@@ -59,6 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--server-args", default="", help="more options for the target server (one string)")
     p.add_argument("--reference-args", default=DEFAULT_REFERENCE, help="options of the reference server")
     p.add_argument("--rss-interval", type=float, default=2.0, help="seconds between RSS samples")
+    p.add_argument("--canary-max-gap", type=float, default=2.0,
+                   help="seconds the canary stream may wait between two chunks")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="soak-out", help="folder for results.json, the servers' logs, the model")
     return p
@@ -96,9 +103,13 @@ async def soak(args: argparse.Namespace, model: Path, target: ServerProcess, ref
     sampler = RssSampler({"front_end": target.proc.pid, "engine": target.engine_pid}, args.rss_interval)
     sampler.sample()
     task = asyncio.create_task(sampler.run())
+    canary, canary_stop = Canary(target.url, name), asyncio.Event()
+    canary_task = asyncio.create_task(canary.run(canary_stop))
     start = time.monotonic()
     outcomes = await drive(target.url, cases, args.concurrency, "soak")
     soak_s = time.monotonic() - start
+    canary_stop.set()
+    await canary_task
     httpx.post(target.url + "/reset_prefix_cache", timeout=30)
     reached, after = await asyncio.to_thread(settled, target.url, 0.0, 60.0)
     task.cancel()
@@ -110,8 +121,16 @@ async def soak(args: argparse.Namespace, model: Path, target: ServerProcess, ref
         for case, o in zip(cases, outcomes):
             f.write(json.dumps({"path": case.path, "stream": case.stream, "leave": case.leave, "greedy": case.greedy,
                                 "body": case.body[:2000].decode(errors="replace"), **dataclasses.asdict(o)}) + "\n")
-    return summarize(cases, outcomes, compared, mismatches, ref_errors, reached, after, sampler,
-                     soak_s, time.monotonic() - start, TINY_POOL if args.model is None else None)
+    report = summarize(cases, outcomes, compared, mismatches, ref_errors, reached, after, sampler,
+                       soak_s, time.monotonic() - start, TINY_POOL if args.model is None else None)
+    return with_canary(report, canary.report, args.canary_max_gap)
+
+
+def with_canary(report: dict, canary: CanaryReport, max_gap: float) -> dict:
+    """The canary's figures, and its verdict: it ran, never failed, and never waited too long."""
+    ok = canary.streams > 0 and canary.failed == 0 and canary.longest_gap_s <= max_gap
+    return {**report, "passed": report["passed"] and ok,
+            "canary": {**canary.to_dict(), "max_gap_s": max_gap, "passed": ok}}
 
 
 async def drive(base: str, cases: list[Case], concurrency: int, label: str) -> list[Outcome]:
@@ -257,6 +276,11 @@ def format_table(report: dict) -> str:
     ]
     rows += [(f"RSS {name} MiB start / peak / end", " / ".join(f"{span[k]:.0f}" for k in ("start", "peak", "end")))
              for name, span in rss.items() if span]
+    if "canary" in report:
+        k = report["canary"]
+        rows.append(("canary streams (failed) / longest gap s", f"{k['streams']} ({k['failed']}) / "
+                     f"{k['longest_gap_s']:.3f} (limit {k['max_gap_s']})"))
+        rows.append(("canary longest wait for a first chunk s", f"{k['longest_first_chunk_s']:.2f}"))
     rows.append(("result", "PASS" if report["passed"] else "FAIL"))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k.ljust(width)}  {v}" for k, v in rows)

@@ -221,4 +221,27 @@ BAD = {
                                                 "max_tokens": 16, "temperature": 0.9}, "POST"),
     "no_token_chat_regex": lambda p: (_H, {"messages": _HI, "regex": "[ab]", "min_tokens": 4,
                                            "max_tokens": 16}, "POST"),
+    # Hostile and careless clients (issue 18): each once answered 500 or stalled the others.
+    "surrogate_bad_words": lambda p: (_C, {"prompt": "hi", "bad_words": ["\ud800"]}, "POST"),
+    "surrogate_tool_name": lambda p: (_H, {"messages": _HI, "tools": [_tool("f\ud800")],
+                                           "tool_choice": {"type": "function", "function": {"name": "f\ud800"}}},
+                                      "POST"),
+    "schema_too_deep": lambda p: (_H, {"messages": _HI, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "deep", "schema": _nested_schema(400)}}}, "POST"),
+    "json_body_too_deep": lambda p: (_C, b'{"prompt": ' + b"[" * 50_000 + b"]" * 50_000 + b"}", "POST"),
+    "logit_bias_oversize": lambda p: (_C, {"prompt": "hi", "logit_bias": {str(i): 1 for i in range(p.vocab + 64)}},
+                                      "POST"),
+    "messages_too_many": lambda p: (_H, {"messages": [{"role": "user", "content": "a"}] * 9000}, "POST"),
 }
+
+
+def _tool(name: str) -> dict:
+    return {"type": "function", "function": {"name": name, "parameters": {"type": "object"}}}
+
+
+def _nested_schema(depth: int) -> dict:
+    """An object schema nested `depth` levels (a few hundred once took seconds to compile)."""
+    schema: dict = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+    return schema

@@ -21,6 +21,7 @@ MAX_TOKEN_IDS = 2**20
 # Messages in one chat request: the longest agent sessions run to a few thousand; 300k cost
 # the event loop 3 s to parse.
 MAX_MESSAGES = 8192
+TOO_DEEP = "the request body nests too deeply to parse"
 _ID_FIELDS = ("prompt", "stop_token_ids", "tokens")
 _ABSENT = msgspec.Raw(b"")
 
@@ -49,6 +50,8 @@ def check_body_shape(body: bytes, max_model_len: int, vocab_size: int) -> None:
         fields = _DECODER.decode(body)
     except (msgspec.DecodeError, msgspec.ValidationError):
         return
+    except RecursionError:  # msgspec's depth limit; json.loads would hit Python's just the same
+        raise APIError(400, TOO_DEEP) from None
     max_ids = min(MAX_TOKEN_IDS, MAX_CHOICES * max_model_len)
     for name in _ID_FIELDS:
         count = _id_count(getattr(fields, name))

@@ -10,7 +10,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException
 
-from tandem.server.body_shape import check_body_shape
+from tandem.server.body_shape import TOO_DEEP, check_body_shape
 from tandem.server.errors import APIError, EngineDead, error_body
 
 log = logging.getLogger("tandem.server")
@@ -59,6 +59,8 @@ def install_error_handlers(app: FastAPI) -> None:
         if isinstance(exc.__cause__, UnicodeDecodeError):  # FastAPI says only "error parsing the body"
             return _json(error_body(400, f"the request body is not valid UTF-8: {exc.__cause__.reason} at "
                                          f"byte {exc.__cause__.start}"), 400)
+        if isinstance(exc.__cause__, RecursionError):  # json.loads of a deeply nested body
+            return _json(error_body(400, TOO_DEEP), 400)
         return _json(error_body(exc.status_code, str(exc.detail)), exc.status_code, exc.headers)
 
     @app.exception_handler(Exception)
