@@ -220,8 +220,10 @@ class Engine:
         self.copier = ResultCopier(self.streams, max_rows=rows)
         self.sampler = Sampler(self.model_config.vocab_size, rows + 1, self.device)
         self.future_map = FutureMap(rows, self.device, debug=self.debug.future_map)
+        # Constraints are refused under tensor parallelism: no grammar pool to prepare there.
         self.grammar = GrammarManager(self.tokenizer, self.model_config.vocab_size, sorted(self.eos_token_ids),
-                                      self.streams, rows, cfg.grammar_threads)
+                                      self.streams, rows, cfg.grammar_threads, cfg.grammar_compile_timeout,
+                                      enabled=self.parallel.tp.size == 1)
         graphs = self._capture_graphs()
         self.runner = ModelRunner(self.model, self.kv, self.table, self.backend, self.sampler,
                                   self.future_map, self.streams, self.stager, self.copier, graphs,
@@ -334,7 +336,8 @@ class Engine:
     def abort(self, request_id: str) -> None:
         self._end(request_id, "abort")
 
-    def _end(self, request_id: str, reason: str, error: str | None = None, error_status: int = 500) -> None:
+    def _end(self, request_id: str, reason: str, error: str | None = None, error_status: int = 500,
+             error_code: str | None = None) -> None:
         """Finish a request from outside the sampled tokens (abort, or a step that failed);
         the caller gets its final output at the next step."""
         req = self.requests.get(request_id)
@@ -343,7 +346,7 @@ class Engine:
         self._finish(req, reason)
         self._carried.append(StepOutput(request_id, [], req.text.finish() if req.text else "", True, reason,
                                         num_cached_tokens=req.num_cached_tokens, error=error,
-                                        error_status=error_status))
+                                        error_status=error_status, error_code=error_code))
 
     def has_unfinished(self) -> bool:
         return not self.closed and (self.scheduler.has_work() or self.pending is not None
@@ -458,7 +461,7 @@ class Engine:
         try:
             masks = self.grammar.masks(batch)
             for req in masks.no_token:
-                self._end(req.rid, "error", NO_TOKEN_ERROR, error_status=400)
+                self._end(req.rid, "error", NO_TOKEN_ERROR, error_status=400, error_code="no_allowed_token")
             self.runner.sample(launched, masks.bitmask, masks.ready)
         finally:
             self.grammar.mark_consumed(batch)  # write-after-read on the mask ring, on every path
@@ -502,10 +505,11 @@ class Engine:
         ready, failed = self.grammar.take_ready(block=idle)
         for req in ready:
             self.scheduler.add(req)
-        for req, reason in failed:
-            log.error("request %s: %s", req.rid, reason)
-            self._finish(req, "abort")
-            outputs.append(StepOutput(req.rid, [], "", True, "abort"))
+        for f in failed:  # only that request ends; a bad spec is the client's, one line is enough
+            log.log(logging.INFO if f.status < 500 else logging.ERROR, "request %s: %s", f.req.rid, f.message)
+            self._finish(f.req, "error")
+            outputs.append(StepOutput(f.req.rid, [], "", True, "error", error=f.message,
+                                      error_status=f.status, error_code=f.code))
 
     def _process_first(self, batch: ScheduledBatch) -> bool:
         """Consecutive-prefill switch: finish the previous prefill before the next one."""

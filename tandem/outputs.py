@@ -22,8 +22,10 @@ class StepOutput:
     num_cached_tokens: int = 0  # set when finished: prompt tokens reused from the prefix cache
     error: str | None = None  # finish_reason "error": why the engine could not run the request
     # The HTTP status a server answers the error with: 500 the engine failed, 400 the request
-    # cannot be served as asked (its constraints leave no token).
+    # cannot be served as asked (its constraints leave no token; its grammar is invalid or took
+    # too long to compile).
     error_status: int = 500
+    error_code: str | None = None  # the API's error code for it (e.g. "invalid_grammar"); None: generic
 
 
 @dataclass

@@ -6,7 +6,8 @@ queued in two parts (docs/async-model.md, "Token masks"): the forward, then, aft
 processed the previous step and advanced each request's matcher, the masked sampling,
 which waits on the GPU for the mask's host-to-device copy. The FutureMap is untouched.
 
-xgrammar is imported only when a constrained request arrives.
+xgrammar is imported, and its tokenizer info built, by the grammar pool as the engine starts
+(in the background: neither start-up nor the engine loop waits for it).
 """
 from tandem.grammar.manager import GrammarManager
 from tandem.grammar.mask import GrammarMask, MaskProducer

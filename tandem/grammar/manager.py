@@ -1,13 +1,18 @@
 """The engine's side of structured output: admission after compilation, matcher advance,
-and each step's mask fill and copy (timed, for the step's host-time split)."""
+and each step's mask fill and copy (timed, for the step's host-time split).
+
+On the engine loop a spec gets only cheap checks (`check_limits`); its parse, its compilation
+and xgrammar's preparation (import, tokenizer info) run in the grammar pool."""
 import concurrent.futures
 from concurrent.futures import Future
 from dataclasses import dataclass
 from time import perf_counter
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
+from tandem.grammar.compiler import Compilation, GrammarCompiler, InvalidGrammar, check_limits
 from tandem.grammar.mask import GrammarMask
 from tandem.grammar.stager import MaskStager
 from tandem.overlap.streams import StreamSet
@@ -27,14 +32,37 @@ class StepMasks:
     no_token: list[Request]
 
 
+class Compiling(NamedTuple):
+    req: Request
+    future: Future
+    job: Compilation  # the future's compilation, shared by the requests with its spec
+
+
+@dataclass
+class GrammarFailure:
+    """A constrained request that ends before its first step: why, and the HTTP status."""
+
+    req: Request
+    message: str
+    status: int  # 400 the spec is at fault (invalid, too slow to compile), 500 the engine
+    code: str
+
+
 class GrammarManager:
     def __init__(self, tokenizer, vocab_size: int, stop_ids: list[int], streams: StreamSet,
-                 max_rows: int, threads: int = 2) -> None:
+                 max_rows: int, threads: int = 2, compile_timeout: float = 60.0,
+                 enabled: bool = True) -> None:
         self.tokenizer, self.vocab_size, self.stop_ids = tokenizer, vocab_size, stop_ids
         self._stop_set = frozenset(stop_ids)
         self.streams, self.max_rows, self.threads = streams, max_rows, threads
-        self.compiling: list[tuple[Request, Future]] = []
-        self._compiler = None  # built on the first constrained request (imports xgrammar)
+        if not compile_timeout > 0:
+            raise ValueError(f"grammar_compile_timeout must be > 0 seconds, got {compile_timeout!r}")
+        self.compile_timeout = compile_timeout
+        self.compiling: list[Compiling] = []
+        # Started with the engine: xgrammar is prepared in the background at once, so neither
+        # start-up nor the loop waits for it (None: no tokenizer, or constraints refused).
+        self._compiler = (GrammarCompiler(tokenizer, vocab_size, stop_ids, threads)
+                          if enabled and tokenizer is not None else None)
         self._stager: MaskStager | None = None
         self._batch_matcher = None
         # Host seconds spent on masks (fill + copy) and on advancing matchers: the bench's split.
@@ -43,41 +71,75 @@ class GrammarManager:
 
     # ---- submission ----
     def check(self, params: SamplingParams) -> None:
-        """At submission: a bad spec raises ValueError naming the field, never inside a step."""
-        if params.constraint is None:
+        """At submission, on the engine loop: an oversized spec raises ValueError naming the
+        field. Only cheap checks: an invalid one is found by the pool (its request ends there)."""
+        constraint = _constraint(params)
+        if constraint is None:
             return
+        kind, spec = constraint
         if self.tokenizer is None:
-            raise ValueError(f"{params.constraint[0]} needs a tokenizer; this model has none")
-        from tandem.grammar.compiler import check_spec
-
-        check_spec(*params.constraint)
+            raise ValueError(f"{kind} needs a tokenizer; this model has none")
+        check_limits(kind, spec)  # the parse is the pool's: a valid-looking spec may still fail there
         _check_choice_reaches_min_tokens(params)
 
     def add(self, req: Request) -> None:
-        """Compile in the pool; the request is scheduled once `take_ready` hands it back."""
-        self.compiling.append((req, self._compiler_pool().submit(*req.params.constraint)))
+        """Parse and compile in the pool; the request is scheduled once `take_ready` hands it
+        back, or ends there (invalid, or compiling for longer than `compile_timeout`)."""
+        job = self._compiler.submit(*req.params.constraint)
+        self.compiling.append(Compiling(req, job.future, job))
 
     def has_pending(self) -> bool:
-        return any(not req.finished for req, _ in self.compiling)
+        return any(not c.req.finished for c in self.compiling)
 
-    def take_ready(self, block: bool) -> tuple[list[Request], list[tuple[Request, str]]]:
-        """Requests whose grammar compiled (matcher attached), and those whose compile failed.
+    def take_ready(self, block: bool) -> tuple[list[Request], list[GrammarFailure]]:
+        """Requests whose grammar compiled (matcher attached), and those that end instead.
         With `block` (nothing else to do) waits briefly for a compilation rather than spin."""
-        self.compiling = [(r, f) for r, f in self.compiling if not r.finished]
+        self._forget_finished()
         if block and self.compiling:
-            concurrent.futures.wait([f for _, f in self.compiling], timeout=0.05,
+            concurrent.futures.wait([c.future for c in self.compiling], timeout=0.05,
                                     return_when=concurrent.futures.FIRST_COMPLETED)
+        now = perf_counter()
         ready, failed, still = [], [], []
-        for req, fut in self.compiling:
-            if not fut.done():
-                still.append((req, fut))
-            elif fut.exception() is not None:
-                failed.append((req, f"grammar compilation failed: {fut.exception()}"))
+        for entry in self.compiling:
+            if entry.future.done():
+                failure = self._failure(entry)
+                if failure is None:
+                    entry.req.mask = GrammarMask(entry.future.result(), self._stop_set)
+                    ready.append(entry.req)
+                else:
+                    failed.append(failure)
+            elif entry.job.running_for(now) >= self.compile_timeout:
+                failed.append(self._timed_out(entry.req))
             else:
-                req.mask = GrammarMask(fut.result(), self._stop_set)
-                ready.append(req)
+                still.append(entry)
         self.compiling = still
         return ready, failed
+
+    def _failure(self, entry: Compiling) -> GrammarFailure | None:
+        if entry.future.cancelled():
+            return GrammarFailure(entry.req, "grammar compilation was cancelled", 500, "engine_error")
+        exc = entry.future.exception()
+        if exc is None:
+            return None
+        if isinstance(exc, InvalidGrammar):
+            return GrammarFailure(entry.req, str(exc), 400, "invalid_grammar")
+        return GrammarFailure(entry.req, f"grammar compilation failed: {exc}", 500, "engine_error")
+
+    def _timed_out(self, req: Request) -> GrammarFailure:
+        kind = req.params.constraint[0]
+        return GrammarFailure(req, f"the {kind} grammar took too long to compile: not done after "
+                                   f"{self.compile_timeout:g} s (the engine's grammar_compile_timeout)",
+                              400, "grammar_compile_timeout")
+
+    def _forget_finished(self) -> None:
+        """Aborted requests stop waiting. A queued compilation no one else waits for is
+        cancelled (a running one cannot be: it finishes, cached for the same spec later)."""
+        dropped = [c for c in self.compiling if c.req.finished]
+        self.compiling = [c for c in self.compiling if not c.req.finished]
+        wanted = {id(c.future) for c in self.compiling}
+        for c in dropped:
+            if id(c.future) not in wanted:
+                c.future.cancel()
 
     # ---- the loop ----
     def constrains(self, batch: ScheduledBatch) -> bool:
@@ -115,7 +177,7 @@ class GrammarManager:
             else:
                 req.mask.fill_next_mask(host, i)
         if matchers:
-            self._batch_matcher.batch_fill_next_token_bitmask(matchers, host, indices)
+            self._grammar_batch_matcher().batch_fill_next_token_bitmask(matchers, host, indices)
         empty = [i for i in indices if _bans_every_allowed_token(host[i], rows[i])]
         for i in empty:
             host[i].fill_(-1)
@@ -128,20 +190,19 @@ class GrammarManager:
         self._stager.mark_consumed(batch.step)
 
     # ---- lazily built parts ----
-    def _compiler_pool(self):
-        if self._compiler is None:
-            from tandem.grammar.compiler import GrammarCompiler
-
-            self._compiler = GrammarCompiler(self.tokenizer, self.vocab_size, self.stop_ids, self.threads)
-        return self._compiler
-
     def _mask_stager(self) -> MaskStager:
         if self._stager is None:
+            self._stager = MaskStager(self.streams, self.max_rows, self.vocab_size)
+        return self._stager
+
+    def _grammar_batch_matcher(self):
+        # Built once a grammar compiled, so xgrammar is imported by then (by the pool): a
+        # bad-words mask alone never waits for that import on the loop.
+        if self._batch_matcher is None:
             import xgrammar as xgr
 
-            self._stager = MaskStager(self.streams, self.max_rows, self.vocab_size)
             self._batch_matcher = xgr.BatchGrammarMatcher(max_threads=self.threads)
-        return self._stager
+        return self._batch_matcher
 
     def shutdown(self) -> None:
         if self._compiler is not None:
@@ -160,6 +221,15 @@ def _bans_every_allowed_token(mask_row: torch.Tensor, row) -> bool:
         return False
     banned_allowed = sum((int(words[t >> 5]) >> (t & 31)) & 1 for t in set(bans))
     return banned_allowed == allowed
+
+
+def _constraint(params: SamplingParams) -> tuple[str, str] | None:
+    """(kind, spec text); a schema nested past what json can encode is refused by name."""
+    try:
+        return params.constraint
+    except RecursionError:
+        kind = next(k for k in ("json_schema", "choice") if getattr(params, k) is not None)
+        raise ValueError(f"{kind} nests too deeply to encode as JSON") from None
 
 
 def _check_choice_reaches_min_tokens(params: SamplingParams) -> None:

@@ -136,6 +136,8 @@ class SamplingParams:
                 self.json_schema = json.loads(self.json_schema)
             except json.JSONDecodeError as e:
                 raise ValueError(f"json_schema is not valid JSON: {e}") from None
+            except RecursionError:  # past ~1000 levels; the grammar's own limit is far lower
+                raise ValueError("json_schema nests too deeply to parse as JSON") from None
         if self.json_schema is not None and not isinstance(self.json_schema, dict):
             raise ValueError(f"json_schema must be a JSON object (dict or JSON string), got {self.json_schema!r}")
         for name in ("regex", "grammar"):

@@ -159,7 +159,7 @@ def _delta(out: StepOutput) -> P.Delta:
     if out.new_logprobs is not None:
         lps = [P.Logprob(lp.token_id, lp.logprob, lp.top) for lp in out.new_logprobs]
     return P.Delta(out.request_id, out.new_token_ids, out.new_text, out.finished, out.finish_reason, lps,
-                   out.num_cached_tokens, out.error, out.error_status)
+                   out.num_cached_tokens, out.error, out.error_status, out.error_code)
 
 
 def _stats(engine) -> P.Stats:

@@ -34,7 +34,7 @@ class Generation:
                 self._unfinished.discard(index)
             if delta.error is not None:  # the engine failed this choice: the whole request fails
                 self.abort()
-                code = "engine_error" if delta.error_status >= 500 else "no_allowed_token"
+                code = delta.error_code or ("engine_error" if delta.error_status >= 500 else None)
                 raise APIError(delta.error_status, delta.error, code=code)
             yield index, delta
 

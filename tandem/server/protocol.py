@@ -77,6 +77,7 @@ class Delta(msgspec.Struct, array_like=True):
     cached_tokens: int = 0  # on the last delta: prompt tokens whose KV came from the prefix cache
     error: str | None = None  # finish_reason "error": the engine could not run the request
     error_status: int = 500  # 400 when the request itself cannot be served (StepOutput.error_status)
+    error_code: str | None = None  # StepOutput.error_code: the error body's code
 
 
 class Rejection(msgspec.Struct):
