@@ -313,3 +313,42 @@ def test_a_deeply_nested_body_is_a_400_not_a_recursion_error(server, depth):
     r = _post(server + "/v1/completions", b'{"prompt": ' + b"[" * depth + b"]" * depth + b"}")
     assert r.status_code == 400, r.text
     assert "nests too deeply" in r.json()["error"]["message"]
+
+
+def test_a_reader_that_stops_reading_has_its_generation_stopped():
+    """The engine side of a stream never waits for its reader; a reader that stops would
+    have every choice generated and buffered (~3 KB a token with 20 logprobs). Deltas are
+    routed as the engine sends them until more than MAX_UNREAD_ENTRIES wait unread: then each
+    choice is aborted and the reader, after what is buffered, gets a slow_reader error."""
+    import asyncio
+
+    from tandem.config import EngineConfig
+    from tandem.server import protocol as P
+    from tandem.server.client import MAX_UNREAD_ENTRIES, EngineClient, _Tracked
+    from tandem.server.errors import APIError
+    from tandem.server.generation import Generation
+    from tandem.server.metrics import Metrics
+
+    async def scenario():
+        client = EngineClient(EngineConfig(), 8, Metrics())
+        sent = []
+        client._send = sent.append  # the engine's socket: record what the front end tells it
+        gen = Generation(client, "slow", [[5, 6]] * 2, [None, None])
+        for i, rid in enumerate(gen.rids):
+            client._tracked[rid] = _Tracked(gen._queue, i, 2, asyncio.get_running_loop().create_future())
+        top = [(t, -1.0) for t in range(20)]
+        stats = P.Stats(running=2, waiting=0, kv_cache_usage=0.1)
+        for step in range(4000):  # 8,000 tokens x 21 entries, far past the bound; nobody reads
+            deltas = [P.Delta(rid, [7], "x", False, None, [P.Logprob(7, -0.5, top)]) for rid in gen.rids]
+            client._route(P.Outputs([], [], deltas, stats))
+        aborted = [rid for m in sent if isinstance(m, P.Abort) for rid in m.request_ids]
+        assert sorted(aborted) == sorted(gen.rids) and not client._tracked
+        assert gen._queue.unread <= MAX_UNREAD_ENTRIES + 2 * 21  # stopped growing at the bound
+        got = 0
+        with pytest.raises(APIError) as err:
+            async for _ in gen.deltas():
+                got += 1
+        assert err.value.body()["error"]["code"] == "slow_reader"
+        assert got * 21 <= MAX_UNREAD_ENTRIES + 2 * 21
+
+    asyncio.run(scenario())

@@ -29,11 +29,47 @@ from tandem.server.metrics import Metrics
 log = logging.getLogger("tandem.server")
 
 
+# A reader that stopped reading: the deltas buffered for one HTTP request, counted in
+# tokens plus top-logprob entries (~100 B each here), before its generation is aborted.
+# ~6 MiB; a reader keeping pace holds about one step's deltas.
+MAX_UNREAD_ENTRIES = 2**16
+
+
+def delta_weight(d: P.Delta) -> int:
+    """What a buffered delta holds, in tokens and top-logprob entries."""
+    return len(d.token_ids) + sum(len(lp.top) for lp in d.logprobs or ())
+
+
+class DeltaQueue(asyncio.Queue):
+    """One HTTP request's deltas (all its choices), counting what is buffered unread. The
+    engine side never waits on it (put_nowait from the read loop); the bound is checked there."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.unread = 0
+        self.overflowed = False
+
+    def put_delta(self, item: tuple[int, P.Delta]) -> None:
+        self.unread += delta_weight(item[1])
+        self.put_nowait(item)
+
+    def take(self, item: object) -> object:
+        """Account for an item the reader got (call on each `get`)."""
+        if isinstance(item, tuple):
+            self.unread -= delta_weight(item[1])
+        return item
+
+
+def slow_reader_error() -> APIError:
+    return APIError(429, f"the client read the stream too slowly: more than {MAX_UNREAD_ENTRIES} tokens and "
+                         "logprob entries waited unread, so the request was stopped", code="slow_reader")
+
+
 @dataclass
 class _Tracked:
     """A submitted engine request the front end still expects output for."""
 
-    queue: asyncio.Queue
+    queue: DeltaQueue
     index: int  # the choice index inside its HTTP request
     num_prompt_tokens: int
     accepted: asyncio.Future
@@ -185,7 +221,7 @@ class EngineClient:
         self._tracked.clear()
 
     # ---- requests ----
-    async def submit(self, queue: asyncio.Queue, request_ids: list[str],
+    async def submit(self, queue: DeltaQueue, request_ids: list[str],
                      prompts: list[list[int]], params: list[P.Params]) -> None:
         """Send requests; return once the engine accepted all of them, else abort them all and raise.
 
@@ -264,7 +300,17 @@ class EngineClient:
                 continue  # aborted by the front end: nobody is listening
             if d.finished:
                 del self._tracked[d.request_id]
-            t.queue.put_nowait((t.index, d))
+            t.queue.put_delta((t.index, d))
+            if t.queue.unread > MAX_UNREAD_ENTRIES and not d.finished:
+                self._stop_slow_reader(d.request_id, t)
+
+    def _stop_slow_reader(self, rid: str, t: _Tracked) -> None:
+        """Abort this choice (its siblings follow on their next delta); the reader gets the
+        error after what is already buffered, which no longer grows."""
+        self.abort([rid])
+        if not t.queue.overflowed:
+            t.queue.overflowed = True
+            t.queue.put_nowait(slow_reader_error())
 
     def _observe(self, d: P.Delta, now: float) -> None:
         m, t = self.metrics, self._tracked.get(d.request_id)

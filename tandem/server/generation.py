@@ -1,11 +1,10 @@
 """One HTTP request's engine requests (prompts x n choices), merged into one stream of deltas."""
 from __future__ import annotations
 
-import asyncio
 from typing import AsyncIterator
 
 from tandem.server import protocol as P
-from tandem.server.client import EngineClient
+from tandem.server.client import DeltaQueue, EngineClient
 from tandem.server.errors import APIError, EngineDead
 
 
@@ -15,7 +14,7 @@ class Generation:
         self.client, self.request_id = client, request_id
         self.prompts, self.params = prompts, params
         self.rids = [f"{request_id}-{i}" for i in range(len(prompts))]
-        self._queue: asyncio.Queue = asyncio.Queue()
+        self._queue = DeltaQueue()
         self._unfinished = set(range(len(prompts)))
 
     async def start(self) -> None:
@@ -25,9 +24,12 @@ class Generation:
     async def deltas(self) -> AsyncIterator[tuple[int, P.Delta]]:
         """(choice index, delta) in arrival order until every choice finished."""
         while self._unfinished:
-            item = await self._queue.get()
+            item = self._queue.take(await self._queue.get())
             if isinstance(item, EngineDead):
                 self._unfinished.clear()
+                raise item
+            if isinstance(item, APIError):  # the reader fell too far behind (DeltaQueue)
+                self.abort()
                 raise item
             index, delta = item
             if delta.finished:
