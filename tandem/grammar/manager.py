@@ -34,8 +34,8 @@ class StepMasks:
 
 class Compiling(NamedTuple):
     req: Request
-    future: Future
-    job: Compilation  # the future's compilation, shared by the requests with its spec
+    future: Future  # job.future, second as before: callers wait on `compiling[i][1]`
+    job: Compilation  # shared by the requests with its spec; when it started compiling
 
 
 @dataclass
