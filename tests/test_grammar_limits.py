@@ -117,8 +117,9 @@ def test_oversized_specs_are_refused_at_submission_naming_the_field(tiny_text_mo
     cases = [
         (dict(json_schema=_deep_schema(MAX_SCHEMA_DEPTH + 1)), f"json_schema nests {MAX_SCHEMA_DEPTH + 1} levels"),
         (dict(json_schema=_deep_schema(601)), "json_schema nests 601 levels deep; the limit is"),
-        (dict(json_schema='{"items": ' * 3000 + "{}" + "}" * 3000), "json_schema nests too deeply"),
-        (dict(json_schema=_nested_dict(3000)), "json_schema nests too deeply"),
+        # Python 3.11's json.loads gives up (RecursionError) before the depth scan runs; 3.12's parses it.
+        (dict(json_schema='{"items": ' * 3000 + "{}" + "}" * 3000), "json_schema nests"),
+        (dict(json_schema=_nested_dict(3000)), "json_schema nests"),
         (dict(regex="a" * (MAX_SPEC_BYTES + 1)), f"regex is {MAX_SPEC_BYTES + 1} bytes; the limit is"),
         (dict(grammar='root ::= "' + "é" * MAX_SPEC_BYTES + '"'), "grammar is 2097163 bytes; the limit is"),
         (dict(choice=["x" * MAX_SPEC_BYTES]), "choice is"),

@@ -28,7 +28,9 @@ MAX_BODY = 200_000
 @contextmanager
 def running_server(model: Path, log: Path, *extra: str, tmpdir: Path | None = None):
     """A server on the tiny model, CPU, with a short context; yields (url, process)."""
-    env = {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    # This tree first, then whatever the caller's path holds (the GPU machine's wheels).
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+           "OMP_NUM_THREADS": "1"}
     if tmpdir is not None:  # where the server makes its IPC folder
         env["TMPDIR"] = str(tmpdir)
     options = ["--max-model-len", str(CONTEXT), "--log-level", "warning", *extra]
