@@ -10,7 +10,7 @@ import pytest
 
 from test_server import CONTEXT, running_server
 
-from tandem.server.drain import FLUSH_S
+from tandem.server.drain import drain_budget
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 
@@ -227,7 +227,8 @@ def test_health_is_503_while_draining_then_the_exit_comes_within_the_timeout(tin
     import signal
     log, ipc = tmp_path / "server.log", tmp_path / "ipc"
     ipc.mkdir()
-    with running_server(tiny_text_model, log, "--max-model-len", "512", "--shutdown-timeout", "3",
+    timeout = 8.0
+    with running_server(tiny_text_model, log, "--max-model-len", "512", "--shutdown-timeout", str(timeout),
                         tmpdir=ipc) as (url, proc):
         client, lines = _start_stream(url)
         proc.send_signal(signal.SIGTERM)
@@ -237,9 +238,10 @@ def test_health_is_503_while_draining_then_the_exit_comes_within_the_timeout(tin
         assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down", r.text
         assert "shutting down" in _last_event(lines)  # failed at the deadline, as an error event
         client.close()
-        assert proc.wait(10) == 0
-        # The drain's 3 s, uvicorn's flush, and two processes' teardown on loaded CPU cores (~2 s each).
-        assert time.monotonic() - signalled < 3 + FLUSH_S + 5, "the exit came long after --shutdown-timeout"
+        assert proc.wait(timeout + 10) == 0
+        # Requests got timeout - EXIT_RESERVE_S; the rest is the two processes' teardown.
+        elapsed = time.monotonic() - signalled
+        assert drain_budget(timeout) < elapsed < timeout + 1.0, f"exit {elapsed:.1f} s after SIGTERM"
     assert list(ipc.iterdir()) == [] and "Traceback" not in log.read_text()
 
 

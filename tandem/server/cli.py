@@ -34,7 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-request-bytes", type=int, default=16 * 2**20,
                    help="larger request bodies get 413 (default 16 MiB)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
-                   help="on SIGTERM, seconds in-flight requests get to finish before they are failed")
+                   help="on SIGTERM, seconds until the process has exited: in-flight requests get this "
+                        "less 4 s for the shutdown itself (at least half) before they are failed")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--dp", type=int, default=1, metavar="N",
                    help="data parallelism: N engine replicas (each with --tp GPUs), one front end")

@@ -1,5 +1,7 @@
 """Graceful shutdown: on SIGTERM (or Ctrl-C) stop taking requests, let the in-flight ones
-finish for up to `--shutdown-timeout` seconds, then fail the rest with a proper error.
+finish, then fail the rest with a proper error, so that the process is gone within
+`--shutdown-timeout` seconds (an orchestrator's grace period): the requests get the timeout
+less EXIT_RESERVE_S for the shutdown itself (at least half of it).
 
 The listener stays open while requests drain, so /health answers 503 (and new requests 503)
 instead of refusing connections; only then is uvicorn told to exit, and it has FLUSH_S for
@@ -17,7 +19,15 @@ log = logging.getLogger("tandem.server")
 
 # After the drain: how long uvicorn waits for responses that are ending (error events, last chunks).
 FLUSH_S = 5.0
+# After the drain: the engine process's close and both interpreters' teardown (~2 s each on
+# two loaded CPU cores).
+EXIT_RESERVE_S = 4.0
 _POLL_S = 0.05
+
+
+def drain_budget(timeout: float) -> float:
+    """Seconds the in-flight requests get out of the shutdown timeout."""
+    return max(timeout - EXIT_RESERVE_S, timeout / 2)
 
 
 def install(server, state, client, timeout: float) -> None:
@@ -25,12 +35,14 @@ def install(server, state, client, timeout: float) -> None:
     loop = asyncio.get_running_loop()
     tasks: list[asyncio.Task] = []  # a reference keeps the drain task alive
 
+    budget = drain_budget(timeout)
+
     async def drain() -> None:
-        log.info("shutting down: finishing %d in-flight requests (up to %.0f s)", client.num_tracked, timeout)
-        deadline = loop.time() + timeout
+        log.info("shutting down: finishing %d in-flight requests (up to %.1f s)", client.num_tracked, budget)
+        deadline = loop.time() + budget
         while client.num_tracked and loop.time() < deadline:
             await asyncio.sleep(_POLL_S)
-        client.fail_all(f"the server is shutting down and the request did not finish within {timeout:g} s")
+        client.fail_all(f"the server is shutting down and the request did not finish within {budget:g} s")
         server.should_exit = True
 
     def begin() -> None:
