@@ -89,13 +89,17 @@ def test_tolerance_decides_what_regresses(run, tmp_path, capsys):
     _, record, _ = run
     ok = {**record, "parts": {k: {**v, "status": "ok"} for k, v in record["parts"].items()}}
     assert _compare(tmp_path, ok, ok) == 0  # itself: nothing moved
-    tput, ttft = "offline.tiny.output_tok_s", "serve.tiny.rate128.ttft_p50_ms"
+    tput, step, ttft = "offline.tiny.output_tok_s", "latency.tiny.b1.step_ms", "serve.tiny.rate128.ttft_p50_ms"
     assert _compare(tmp_path, ok, _scaled(ok, tput, 1.05)) == 0  # 4.8 % lower: within 7 %
     assert _compare(tmp_path, ok, _scaled(ok, tput, 1.10)) == 1  # 9.1 % lower
     assert _compare(tmp_path, ok, _scaled(ok, tput, 1.10), "--tolerance", "0.2") == 0
-    assert _compare(tmp_path, ok, _scaled(ok, ttft, 0.90)) == 1  # latency 11 % higher
-    assert _compare(tmp_path, ok, _scaled(ok, ttft, 0.90), "--tolerance-for", "serve.*.ttft_*=0.15") == 0
-    assert _compare(tmp_path, ok, _scaled(ok, ttft, 1.50)) == 0  # latency lower: better
+    assert _compare(tmp_path, ok, _scaled(ok, step, 0.90)) == 1  # latency 11 % higher
+    assert _compare(tmp_path, ok, _scaled(ok, step, 1.50)) == 0  # latency lower: better
+    # TTFT p50 of one burst is in a noisy class (NOISY: 0.5): 11 % passes, 60 % does not,
+    # and --tolerance-for still decides over the class.
+    assert _compare(tmp_path, ok, _scaled(ok, ttft, 0.90)) == 0
+    assert _compare(tmp_path, ok, _scaled(ok, ttft, 0.625)) == 1
+    assert _compare(tmp_path, ok, _scaled(ok, ttft, 0.90), "--tolerance-for", "serve.*.ttft_*=0.05") == 1
     assert f"REGRESSION {ttft}" in capsys.readouterr().out
 
 

@@ -19,6 +19,7 @@ import openai
 import pytest
 
 from tandem.bench.launch import free_port, running_servers
+from tandem.server.drain import drain_budget
 
 REPO = Path(__file__).resolve().parents[1]
 CONTEXT = 128
@@ -461,7 +462,8 @@ def test_sigterm_drains_in_flight_streams_then_exits_cleanly(tiny_text_model, tm
         finished, failed, refused, took = asyncio.run(_drain_scenario(url, proc))
         assert proc.wait(20) == 0, log.read_text()[-3000:]
     assert finished >= 1 and failed >= 1 and refused
-    assert all(2.5 <= t < 12 for t in took), took  # failed at the 3 s deadline, not at once
+    budget = drain_budget(3.0)  # the requests' share of the 3 s: the rest is for the exit
+    assert all(budget - 0.5 <= t < budget + 9 for t in took), took  # failed at the deadline, not at once
     deadline = time.monotonic() + 5
     while not _gone(engine_pid):
         assert time.monotonic() < deadline, "the engine outlived the front end"
