@@ -90,27 +90,6 @@ def _time_eager(fn, iters: int, device: torch.device) -> float:
     return (time.perf_counter() - start) / iters * 1e3
 
 
-def _time_graph(fn, iters: int, device: torch.device) -> float:
-    stream = torch.cuda.Stream(device)
-    stream.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(stream):
-        fn()  # warm-up outside the capture
-    torch.cuda.current_stream(device).wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        fn()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    ms = start.elapsed_time(end) / iters
-    graph.reset()
-    return ms
-
-
 @torch.no_grad()
 def measure(engine: Engine, batch: int, k: int, context: int, iters: int) -> VerifyRow:
     shapes = Shapes(engine, batch, k, context)
@@ -123,7 +102,8 @@ def measure(engine: Engine, batch: int, k: int, context: int, iters: int) -> Ver
     dev = engine.device
     eager = [_time_eager(lambda fb=fb: shapes.run(fb), iters, dev) for fb in (shapes.decode, shapes.verify)]
     if dev.type == "cuda":
-        timed = [_time_graph(lambda fb=fb: shapes.run(fb), iters, dev) for fb in (shapes.decode, shapes.verify)]
+        from tandem.kernels.gemm_tuner import graph_time_ms  # imports Triton: CUDA only
+        timed = [graph_time_ms(lambda _, fb=fb: shapes.run(fb), 1, iters) for fb in (shapes.decode, shapes.verify)]
     else:
         timed = eager
     return VerifyRow(batch, k, context, timed[0], timed[1], eager[0], eager[1], diff)

@@ -45,8 +45,9 @@ def candidates(n: int, k: int, m: int, num_sms: int) -> list[GemmConfig]:
     return out
 
 
-def graph_time_ms(run, copies: int) -> float:
-    """Mean device ms of `run(i)` over `copies` back-to-back launches captured in a graph."""
+def graph_time_ms(run, copies: int, replays: int = REPLAYS) -> float:
+    """Mean device ms of `run(i)` over `copies` back-to-back launches captured in a graph,
+    the graph replayed `replays` times between two CUDA events."""
     for i in range(copies):  # compile and warm outside the capture
         run(i)
     torch.cuda.synchronize()
@@ -57,11 +58,11 @@ def graph_time_ms(run, copies: int) -> float:
     graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
-    for _ in range(REPLAYS):
+    for _ in range(replays):
         graph.replay()
     end.record()
     end.synchronize()
-    return start.elapsed_time(end) / (REPLAYS * copies)
+    return start.elapsed_time(end) / (replays * copies)
 
 
 @torch.no_grad()
