@@ -11,6 +11,7 @@ from pathlib import Path
 from tandem import options
 from tandem.config import EngineConfig
 from tandem.distributed.torchrun import torchrun_env
+from tandem.server.drain import EXIT_RESERVE_S
 
 log = logging.getLogger("tandem.server")
 API_KEY_ENV = "TANDEM_API_KEY"
@@ -35,7 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="larger request bodies get 413 (default 16 MiB)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds until the process has exited: in-flight requests get this "
-                        "less 4 s for the shutdown itself (at least half) before they are failed")
+                        f"less {EXIT_RESERVE_S:g} s for the shutdown itself (at least half) before they are failed")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--dp", type=int, default=1, metavar="N",
                    help="data parallelism: N engine replicas (each with --tp GPUs), one front end")
@@ -124,7 +125,7 @@ async def _serve(args: argparse.Namespace, cfg: EngineConfig) -> int:
     state = ServerState(client, tokenizer, name, frozenset({str(cfg.model or path), str(path)}), metrics,
                         FieldPolicy(args.strict_api), server_info=server_info(args, cfg))
     app = create_app(state, args.api_key, args.max_request_bytes)
-    # The drain fails what is left at --shutdown-timeout before uvicorn exits; its own deadline
+    # The drain fails what is left within --shutdown-timeout before uvicorn exits; its own deadline
     # is for the responses that are ending then.
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                            timeout_graceful_shutdown=drain.FLUSH_S))
