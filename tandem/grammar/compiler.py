@@ -124,8 +124,9 @@ class Compilation:
 class GrammarCompiler:
     """xgrammar's compiler over the engine's tokenizer. Compilations are cached by (kind, spec),
     so concurrent requests with one schema share one; failed ones are retried unless the spec
-    itself was invalid. Built with the engine: a thread prepares xgrammar at once (ending when
-    done, so an engine that never sees a grammar keeps no thread); the pool starts on demand."""
+    itself was invalid. The engine calls prepare() once it is warmed up: a thread prepares
+    xgrammar (ending when done, so an engine that never sees a grammar keeps no thread); the
+    pool starts on demand."""
 
     def __init__(self, tokenizer, vocab_size: int, stop_ids: list[int], threads: int = 2,
                  max_entries: int = 512) -> None:
@@ -133,10 +134,19 @@ class GrammarCompiler:
         self._cache: OrderedDict[tuple[str, str], Compilation] = OrderedDict()
         self._max_entries = max_entries
         self._prepared: Future = Future()  # a compilation waits for it in the pool, not on the loop
-        threading.Thread(target=_prepare, args=(self._prepared, tokenizer, vocab_size, stop_ids),
-                         name="tandem-grammar-prepare").start()
+        self._preparation = threading.Thread(target=_prepare, args=(self._prepared, tokenizer, vocab_size,
+                                                                    stop_ids), name="tandem-grammar-prepare")
+        self._preparing = threading.Lock()
+
+    def prepare(self) -> None:
+        """Start xgrammar's preparation (idempotent). Not during warm-up and graph capture: its
+        pure-Python vocabulary scan holds the GIL for seconds and would stretch start-up."""
+        with self._preparing:
+            if self._preparation.ident is None:
+                self._preparation.start()
 
     def submit(self, kind: str, spec: str) -> Compilation:
+        self.prepare()  # a grammar before the engine's prepare() (an engine used mid-construction)
         key = (kind, spec)
         job = self._cache.get(key)
         if job is None or _retry(job.future):
