@@ -106,7 +106,6 @@ class Engine:
         self.completed_step = -1
         self.fatal = FatalErrorGuard(log)
         self.warm_up_s = self._warm_up()
-        self.grammar.prepare()  # after warm-up and capture: its GIL-heavy scan would slow them
         self.timeline = (Timeline(cfg.timeline if isinstance(cfg.timeline, str) else None,
                                   max_records=cfg.timeline_max_records) if cfg.timeline else None)
         self.runner.timing = self.timeline is not None and self.device.type == "cuda"

@@ -151,12 +151,13 @@ def test_rollback_restores_the_prefill_step_count():
     assert again.has_prefill
 
 
-def _longest_stream_gap_s(engine: Engine, burst: int) -> tuple[float, int]:
-    """Seconds and steps between two of a streaming request's tokens while a burst arrives."""
+def _longest_stream_gap_s(engine: Engine, burst: int, seed: int = 0) -> tuple[float, int]:
+    """Seconds and steps between two of a streaming request's tokens while a burst arrives
+    (its prompts differ by `seed`, so a second burst finds nothing in the prefix cache)."""
     stream = engine.add_request([5, 6, 7], SamplingParams(max_tokens=400, temperature=0, ignore_eos=True))
     for _ in range(4):
         engine.step()
-    prompts = [[(7 * i + j) % 1000 + 3 for j in range(PROMPT_LEN)] for i in range(burst)]
+    prompts = [[(7 * i + 13 * seed + j) % 1000 + 3 for j in range(PROMPT_LEN)] for i in range(burst)]
     rids = [engine.add_request(p, SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)) for p in prompts]
     last, last_step, gap_s, gap_steps, steps = time.perf_counter(), 0, 0.0, 0, 0
     while not all(engine.requests[r].finished for r in rids):
@@ -178,8 +179,11 @@ def test_engine_stream_keeps_its_tokens_through_a_burst(tiny_text_model, mixed):
     engine = Engine(EngineConfig(model=str(tiny_text_model), device=TEST_DEVICE, dtype="float32",
                                  max_prefill_tokens=PREFILL_BUDGET, chunked_prefill_size=128,
                                  enable_mixed_batch=mixed))
+    # A first burst pays first-use costs (on the H200 a step compiling a new shape took 68 ms
+    # of a 0.17 s burst); the second measures the scheduling.
+    _longest_stream_gap_s(engine, 64)
     t0 = time.perf_counter()
-    gap_s, gap_steps = _longest_stream_gap_s(engine, 64)
+    gap_s, gap_steps = _longest_stream_gap_s(engine, 64, seed=1)
     burst_s = time.perf_counter() - t0
     assert gap_steps <= 3, gap_steps  # overlap: a token lands one step after its decode
     # In seconds: a few steps of ~15 (one slow step on loaded CI cores took 0.28 of a 0.4 s burst).

@@ -59,8 +59,8 @@ class GrammarManager:
             raise ValueError(f"grammar_compile_timeout must be > 0 seconds, got {compile_timeout!r}")
         self.compile_timeout = compile_timeout
         self.compiling: list[Compiling] = []
-        # xgrammar is prepared in the background from prepare() on, so neither start-up nor
-        # the loop waits for it (None: no tokenizer, or constraints refused).
+        # xgrammar is prepared in the background from the first grammar on, so neither
+        # start-up nor the loop waits for it (None: no tokenizer, or constraints refused).
         self._compiler = (GrammarCompiler(tokenizer, vocab_size, stop_ids, threads)
                           if enabled and tokenizer is not None else None)
         self._stager: MaskStager | None = None
@@ -68,11 +68,6 @@ class GrammarManager:
         # Host seconds spent on masks (fill + copy) and on advancing matchers: the bench's split.
         self.fill_s = self.accept_s = 0.0
         self.masked_steps = 0
-
-    def prepare(self) -> None:
-        """Begin preparing xgrammar in the background (the engine calls it after warm-up)."""
-        if self._compiler is not None:
-            self._compiler.prepare()
 
     # ---- submission ----
     def check(self, params: SamplingParams) -> None:
