@@ -137,11 +137,17 @@ def machine(device: str) -> str:
                 return names[0] + (f" x{len(names)}" if len(names) > 1 else "")
         except (OSError, subprocess.TimeoutExpired):
             pass
+    return f"cpu: {host_cpu()}"
+
+
+def host_cpu() -> str:
+    """The host CPU's model and core count: host-bound figures (start-up, the prefix cache's
+    run, TTFT near saturation) move with it from one lent machine to the next."""
     try:
         model = re.search(r"^model name\s*:\s*(.+)$", Path("/proc/cpuinfo").read_text(), re.M)
-        return f"cpu: {model.group(1).strip()}" if model else "cpu"
     except OSError:
-        return "cpu"
+        model = None
+    return f"{model.group(1).strip() if model else 'unknown'} ({os.cpu_count()} cores)"
 
 
 def versions() -> dict[str, str | None]:
@@ -180,7 +186,7 @@ def build_record(args: argparse.Namespace, results: list[RunResult]) -> dict:
     return {"schema": rec.SCHEMA, "commit": commit, "dirty": dirty,
             "date": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
             "device": machine(args.device), "preset": "quick" if args.quick else "full",
-            "versions": versions(), "argv": sys.argv[1:], "tolerance": args.tolerance,
+            "host_cpu": host_cpu(), "versions": versions(), "argv": sys.argv[1:], "tolerance": args.tolerance,
             "tests": _tests_section(tests), "parts": parts, "figures": dict(sorted(figures.items())),
             "derived": sorted(extra)}
 
