@@ -177,5 +177,10 @@ class EngineConfig:
     # A compilation cannot be stopped (its thread runs on); the request waiting for it can.
     grammar_compile_timeout: float = knob(
         60.0, "seconds a grammar may compile before the requests waiting for it fail with a 400")
+    # vLLM's keys: {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": n,
+    # "prompt_lookup_min": m, "disable_by_batch_size": b} (tandem.speculative.config).
+    speculative_config: dict | None = knob(
+        None, "speculative decoding, a JSON object: {\"method\": \"ngram\", \"num_speculative_tokens\": 4} "
+              "(vLLM's keys; default: off)", metavar="JSON")
     launch: Launch = field(default_factory=Launch)
     experiments: Experiments = field(default_factory=Experiments)

@@ -45,6 +45,10 @@ from tandem.sampling import Sampler, SamplingParams
 from tandem.sampling.bias import BAN, BadWordsMask, min_tokens_bias, static_bias
 from tandem.sampling.params import check_unicode
 from tandem.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from tandem.speculative.config import SpeculativeConfig
+from tandem.speculative.metrics import SpecCounters
+from tandem.speculative.planner import VerifyPlanner
+from tandem.speculative.state import SpecState
 from tandem.text import RequestText
 from tandem.warmup import warm_up
 
@@ -90,6 +94,7 @@ class Engine:
         self.backend = make_attention_backend(cfg.attention_backend, self.device,
                                               cfg.experiments.attention_split_by_context)
         self.debug = DebugChecks.from_env()  # TANDEM_DEBUG_*: read once, for this engine's life
+        self.speculative = self._speculative_config()
         self._build_memory()
         self.parallel.connect(self.device)
         self._build_loop()
@@ -124,6 +129,17 @@ class Engine:
         seconds = warm_up(self)
         log.info("warm-up: %.1fs", seconds)
         return seconds
+
+    def _speculative_config(self) -> SpeculativeConfig | None:
+        spec = SpeculativeConfig.from_user(self.cfg.speculative_config)
+        if spec is None:
+            return None
+        if self.parallel.tp.size > 1:
+            raise ValueError("speculative_config is not supported with tensor_parallel_size > 1 yet")
+        if self.device.type == "cuda" and self.backend.name != "triton":
+            # Its extend attention loops over host lengths, which a verify step has only on the device.
+            raise ValueError("speculative_config on CUDA needs the Triton attention backend")
+        return spec
 
     def _quantize(self) -> None:
         if self.cfg.quantization is None:
@@ -211,13 +227,20 @@ class Engine:
         return self._graph_buckets()[-1] if self._graphs_usable() else 0
 
     def _build_loop(self) -> None:
-        cfg, rows = self.cfg, self.cfg.max_running_requests
+        cfg, rows, spec = self.cfg, self.cfg.max_running_requests, self.speculative
         self.streams = StreamSet.create(self.device)
         max_tokens = max(cfg.max_prefill_tokens, self.max_model_len) + rows
         reused = 4 * max(cfg.max_prefill_tokens, self.max_model_len)  # reused-prefix table entries
-        self.stager = InputStager(self.streams, capacity=4 * max_tokens + reused + 10 * rows + 16,
+        k = spec.num_speculative_tokens if spec is not None else 0
+        # A verify step: 2 ints per query token, 4 per row, 3 per reserved slot (2 (k + 1) a row).
+        verify = rows * (2 * (k + 1) + 5 + 6 * (k + 1)) if spec is not None else 0
+        self.stager = InputStager(self.streams, capacity=4 * max_tokens + reused + 10 * rows + 16 + verify,
                                   coarse=cfg.experiments.coarse_war_barrier)
-        self.copier = ResultCopier(self.streams, max_rows=rows)
+        # A verify row's result: accepted, proposed, then its k + 1 samples.
+        self.copier = ResultCopier(self.streams, max_rows=rows * (k + 3) if spec is not None else rows)
+        self.spec_state = (SpecState(rows, self.max_model_len, k, spec.prompt_lookup_min, spec.prompt_lookup_max,
+                                     self.device) if spec is not None else None)
+        self.spec_counters = SpecCounters(k)
         self.sampler = Sampler(self.model_config.vocab_size, rows + 1, self.device)
         self.future_map = FutureMap(rows, self.device, debug=self.debug.future_map)
         # Constraints are refused under tensor parallelism: no grammar pool to prepare there.
@@ -227,12 +250,13 @@ class Engine:
         graphs = self._capture_graphs()
         self.runner = ModelRunner(self.model, self.kv, self.table, self.backend, self.sampler,
                                   self.future_map, self.streams, self.stager, self.copier, graphs,
-                                  mirror=self.parallel.sender)
+                                  mirror=self.parallel.sender, spec=self.spec_state)
         self.scheduler = Scheduler(
             SchedulerConfig(rows, cfg.max_prefill_tokens, cfg.chunked_prefill_size, cfg.enable_mixed_batch,
                             cfg.schedule_policy, max_reused_tokens_per_step=reused,
                             mixed_prefill_budget=cfg.mixed_prefill_budget),
-            self.prefix_cache, self.req_slots, on_admit=self.runner.admit)
+            self.prefix_cache, self.req_slots, on_admit=self.runner.admit,
+            verify=VerifyPlanner(spec) if spec is not None else None)
 
     def _capture_graphs(self) -> DecodeGraphs | None:
         if not self._graphs_usable():
@@ -541,6 +565,10 @@ class Engine:
         top_ids = host.top_ids.tolist() if host.top_ids is not None else None
         top_lps = host.top_logprobs.tolist() if host.top_logprobs is not None else None
         self.completed_step = pending.batch.step
+        if pending.batch.is_verify:
+            outputs = self._read_verify(pending.batch, tokens, logprobs, top_ids, top_lps)
+            self.scheduler.on_step_completed(self.completed_step)
+            return outputs
         outputs = []
         for i, row in enumerate(pending.batch.sample_rows):
             req = row.req
@@ -554,6 +582,36 @@ class Engine:
                                   if n and top_ids is not None else [])
             outputs.append(self._append_token_or_fail(req, tokens[i], lp))
         self.scheduler.on_step_completed(self.completed_step)
+        return outputs
+
+    def _read_verify(self, batch: ScheduledBatch, flat: list[int], logprobs, top_ids, top_lps) -> list[StepOutput]:
+        """A verify step's rows: [accepted, proposed, samples...] each. The emitted tokens go
+        through the same per-token processing as plain decoding (a stop, stop string or
+        max_tokens cuts the run); the request's counts learn what its row really computed."""
+        width, outputs, first_token = self.speculative.num_speculative_tokens + 3, [], 0
+        self.spec_counters.verify_steps += 1
+        for i, row in enumerate(batch.rows):
+            req, at = row.req, i * width
+            token_index, first_token = first_token, first_token + row.spec_k + 1
+            if req.finished:
+                continue  # one-step lag: what a finished request's last row computed is dropped
+            accepted, proposed = flat[at], flat[at + 1]
+            req.spec_extra -= row.spec_k
+            req.num_scheduled_samples += accepted
+            req.num_computed += accepted  # the row's last token and its accepted proposals
+            self.spec_counters.count(proposed, accepted)
+            lp = None  # logprobs rows never carry proposals: their one sample is the row's first token
+            if logprobs is not None and req.params.logprobs is not None:
+                n = req.params.logprobs
+                lp = TokenLogprob(flat[at + 2], logprobs[token_index],
+                                  list(zip(top_ids[token_index][:n], top_lps[token_index][:n]))
+                                  if n and top_ids is not None else [])
+            outs = []
+            for token in flat[at + 2:at + 3 + accepted]:
+                outs.append(self._append_token_or_fail(req, token, lp))
+                if req.finished:
+                    break
+            outputs.append(_merged(outs))
         return outputs
 
     def _append_token_or_fail(self, req: Request, token: int, lp: TokenLogprob | None) -> StepOutput:
@@ -636,7 +694,18 @@ class Engine:
                                           if self.runner.graphs is not None else 0.0),
                 "num_preemptions": self.scheduler.num_preemptions,
                 "memory": self.memory.as_dict() if self.memory is not None else None,
-                "steps": self.step_id}
+                "steps": self.step_id, **(self.spec_counters.as_dict() if self.speculative is not None else {})}
+
+
+def _merged(outs: list[StepOutput]) -> StepOutput:
+    """One request's tokens of one step as one output (a verify row emits several)."""
+    if len(outs) == 1:
+        return outs[0]
+    last = outs[-1]
+    lps = [lp for o in outs for lp in (o.new_logprobs or [])]
+    return StepOutput(last.request_id, [t for o in outs for t in o.new_token_ids], "".join(o.new_text for o in outs),
+                      last.finished, last.finish_reason, lps or None, last.num_cached_tokens, last.error,
+                      last.error_status, last.error_code)
 
 
 def _step_record(batch: ScheduledBatch, t_start: float, t_launch: float, t_end: float) -> StepRecord:
@@ -654,7 +723,7 @@ NO_TOKEN_ERROR = "no token satisfies the request's constraints (its grammar allo
 
 # What close() drops: everything that holds device memory or refers back to the engine.
 _DEVICE_STATE = ("model", "backend", "kv", "kv_slots", "prefix_cache", "grammar", "req_slots", "table",
-                 "streams", "stager", "copier", "sampler", "future_map", "runner", "scheduler")
+                 "streams", "stager", "copier", "sampler", "future_map", "runner", "scheduler", "spec_state")
 
 
 def _token_ids(prompt) -> list[int]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import types
 from typing import Any, Callable, Literal, Union, get_args, get_origin, get_type_hints
 
@@ -84,6 +85,11 @@ def _parser(kind: type, optional: bool) -> Callable[[str], Any]:
     def parse(text: str):
         if optional and text.lower() == "none":
             return None
+        if kind is dict:  # a JSON object (speculative_config)
+            value = json.loads(text)
+            if not isinstance(value, dict):
+                raise ValueError("not a JSON object")
+            return value
         return kind(text)
     parse.__name__ = kind.__name__  # argparse names the type in its error message
     return parse

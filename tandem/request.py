@@ -49,6 +49,9 @@ class Request:
     num_computed: int = 0  # tokens whose KV is written by work already launched
     prefill_target: int = 0  # len(fill_ids) when (re)admitted; decode starts once computed
     num_scheduled_samples: int = 0  # samples launched (>= processed outputs, by the lag)
+    # Speculative decoding: proposals of launched verify rows not processed yet. Each may add
+    # up to this many outputs beyond num_scheduled_samples; while > 0 the length is unknown.
+    spec_extra: int = 0
     last_step: int = -1  # last step that included this request (its KV is live until it completes)
     first_token_time: float | None = None
     num_preemptions: int = 0

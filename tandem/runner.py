@@ -19,7 +19,10 @@ from tandem.overlap.staging import InputStager
 from tandem.overlap.streams import StreamSet
 from tandem.request import Request
 from tandem.sampling import Sampler, SamplingInputs, SamplingParams
+from tandem.sampling.inputs import seed_to_int64
+from tandem.sampling.noise import row_keys
 from tandem.scheduler.batch import ScheduledBatch
+from tandem.speculative.state import SpecState, SpecStep
 
 
 @dataclass
@@ -37,14 +40,18 @@ class PendingResult:
     record: object = None  # the step's timeline record, when a timeline is kept
     unsampled: tuple | None = None  # (logits, sample slots, sampling inputs) until `sample` ran
     mask_wait: tuple | None = None  # timing events around the forward stream's wait for the masks
+    verify: SpecStep | None = None  # a verify step's proposals and lengths, until `sample` ran
+    # Speculative decoding, plain steps: the positions of the tokens sampled (history appends).
+    sampled_positions: torch.Tensor | None = None
 
 
 class ModelRunner:
     def __init__(self, model: DecoderModel, kv: KVCache, table: ReqToTokenTable, backend,
                  sampler: Sampler, future_map: FutureMap, streams: StreamSet,
                  stager: InputStager, copier: ResultCopier, graphs: DecodeGraphs | None = None,
-                 timing: bool = False, mirror=None):
+                 timing: bool = False, mirror=None, spec: SpecState | None = None):
         self.model, self.kv, self.table, self.backend = model, kv, table, backend
+        self.spec = spec  # speculative decoding's device state; None: off
         self.sampler, self.future_map, self.streams = sampler, future_map, streams
         self.stager, self.copier, self.graphs, self.timing = stager, copier, graphs, timing
         # Tensor parallelism, rank 0: the same admits and steps go to the workers (StepSender).
@@ -58,10 +65,16 @@ class ModelRunner:
             # requests under tensor parallelism).
             assert not defer_sampling, "token masks under tensor parallelism"
             self.mirror.launch(batch)  # first: the workers start while this rank stages
-        bucket = self._graph_bucket(batch)
-        fields = _metadata(batch) if bucket is None else _decode_metadata(batch, bucket)
+        verify = batch.is_verify
+        bucket = None if verify else self._graph_bucket(batch)
+        if verify:
+            fields = _verify_metadata(batch)
+        else:
+            fields = _metadata(batch) if bucket is None else _decode_metadata(batch, bucket)
         dev = self.stager.stage(batch.step, fields)
         try:
+            if verify:
+                return self._queue_verify(batch, fields, dev, defer_sampling)
             return self._queue_step(batch, bucket, fields, dev, defer_sampling)
         except BaseException:
             # Write-after-read on every path: a retry of this step number stages into the same
@@ -92,10 +105,14 @@ class ModelRunner:
             if bucket is None:
                 logits = self._eager_logits(batch, fields, dev)
                 sample_slots = dev["sample_slots"]
+                if self.spec is not None:  # a sampled token follows its row's last input
+                    pending.sampled_positions = dev["positions"][dev["sample_token_idx"]] + 1
             else:
                 logits = self.graphs.replay(bucket, batch.step % self.stager.depth,
                                             dev["req_slots"])[:len(rows)]
                 sample_slots = dev["req_slots"][:len(rows)]
+                if self.spec is not None:
+                    pending.sampled_positions = dev["positions"][:len(rows)] + 1
         pending.unsampled = (logits, sample_slots, sampling)
         if not defer_sampling:
             self.sample(pending)
@@ -115,10 +132,14 @@ class ModelRunner:
                     pending.mask_wait = (before, self.streams.event(timing=True))
                     pending.mask_wait[1].record(forward)
             try:
-                if batch.sample_rows:
+                if pending.verify is not None:
+                    result = self._finish_verify(pending, logits, sample_slots, sampling, bitmask)
+                elif batch.sample_rows:
                     out = self.sampler.sample(logits, sampling, bitmask)
                     self.future_map.stash(sample_slots, out.token_ids)
                     self.sampler.record(sample_slots, out.token_ids)
+                    if pending.sampled_positions is not None:
+                        self.spec.record(sample_slots, pending.sampled_positions, out.token_ids)
                     result = (out.token_ids, out.logprobs, out.top_ids, out.top_logprobs)
                 else:  # only partial prefill chunks: nothing sampled
                     result = (torch.empty(0, dtype=torch.int64, device=self.streams.device), None, None, None)
@@ -130,6 +151,73 @@ class ModelRunner:
             sampled = self.streams.event()
             sampled.record(forward)
         pending.host = self.copier.copy(batch.step, *result, sampled)
+
+    def _queue_verify(self, batch: ScheduledBatch, fields: dict[str, list[int]], dev: dict[str, torch.Tensor],
+                      defer_sampling: bool) -> PendingResult:
+        """A verify step: each row's last token and its proposals, at positions derived on the
+        device from the lengths the previous steps left there (the host has only bounds)."""
+        rows, spec = batch.rows, self.spec
+        seeds_row = [row.req.seed for row in rows]
+        per_token = [i for i, row in enumerate(rows) for _ in range(row.spec_k + 1)]
+        sampling = SamplingInputs.build(
+            [rows[i].req.params for i in per_token], [seeds_row[i] for i in per_token], [0] * len(per_token),
+            [rows[i].req.slot for i in per_token], pin_memory=self.streams.pin(),
+            biases=[rows[i].req.bias_at(rows[i].sample_index) for i in per_token])
+        greedy = _greedy_only(sampling)
+        if not greedy:
+            with self.streams.use(self.streams.schedule):
+                sampling = sampling.to(self.streams.device, non_blocking=True)
+        forward = self.streams.forward
+        pending = PendingResult(batch, None, keepalive=[sampling])
+        with self.streams.use(forward):
+            forward.wait_stream(self.streams.schedule)  # read-after-write: staged inputs
+            if self.timing:
+                pending.forward_start = self.streams.event(timing=True)
+                pending.forward_start.record(forward)
+            slots, r = dev["req_slots"], dev["token_row"]
+            longest = max(row.length_bound for row in rows)
+            step = spec.prepare(slots, dev["k_rows"], r, dev["token_offset"], longest)
+            input_ids, positions = spec.inputs(step, self.future_map.resolve(slots))
+            if fields["reserved_locs"]:  # slots reserved for this and later steps: into the table first
+                self.table.write_on_device(dev["reserved_req_slots"], dev["reserved_positions"],
+                                           dev["reserved_locs"])
+            locs = self.table.table[slots[r], positions].to(torch.int64)
+            k_rows = dev["k_rows"]
+            seq_lens, prefix_lens = step.lengths + k_rows, step.lengths - 1
+            if not greedy:  # the noise of output index (length + j - prompt length): plain decoding's
+                out_index = step.lengths[r] + dev["token_offset"] - dev["prompt_lens"][r]
+                sampling.ints[1] = row_keys(dev["seeds"][r], out_index)
+            ks = [row.spec_k for row in rows]
+            # The torch reference loops over host lengths: on the CPU reading them costs nothing
+            # (the engine refuses speculation with it on CUDA); the kernels take device lengths.
+            host_lens = (seq_lens.tolist() if self.backend.name == "torch"
+                         else [row.length_bound + k for row, k in zip(rows, ks)])
+            fb = ForwardBatch(
+                input_ids=input_ids, positions=positions, out_cache_loc=locs, req_slots=slots,
+                seq_lens=seq_lens, prefix_lens=prefix_lens, qo_indptr=dev["qo_indptr"],
+                req_to_token=self.table.table, host_req_slots=fields["req_slots"], host_seq_lens=host_lens,
+                host_extend_lens=[k + 1 for k in ks], is_decode=not any(ks), max_seq_len=max(host_lens))
+            logits = self.model.compute_logits(self.model(fb, self.kv, self.backend))
+        pending.verify = step
+        pending.keepalive.append(step)
+        pending.unsampled = (logits, slots, sampling)
+        if not defer_sampling:
+            self.sample(pending)
+        return pending
+
+    def _finish_verify(self, pending: PendingResult, logits: torch.Tensor, slots: torch.Tensor,
+                       sampling: SamplingInputs, bitmask: torch.Tensor | None) -> tuple:
+        """Sample every query token as plain decoding would, accept the matching proposals,
+        leave the new lengths, history and last tokens on the device. The result row b is
+        [accepted, proposed, tokens[0..k]]: it emits tokens[:accepted + 1]."""
+        step, pending.verify = pending.verify, None
+        out = self.sampler.sample(logits, sampling, bitmask)  # a bitmask only when every k is 0
+        accepted, tokens = self.spec.finish(step, slots, out.token_ids)
+        last = tokens.gather(1, accepted[:, None]).squeeze(1)
+        self.future_map.stash(slots, last)
+        self.sampler.record(slots, last)  # penalties: only rows without proposals have them
+        packed = torch.cat([accepted[:, None], step.proposal.count[:, None], tokens], dim=1).flatten()
+        return packed, out.logprobs, out.top_ids, out.top_logprobs
 
     def _graph_bucket(self, batch: ScheduledBatch) -> int | None:
         if self.graphs is None or not batch.is_decode or len(batch.rows) > self.graphs.max_batch:
@@ -174,6 +262,9 @@ class ModelRunner:
         """Reset per-slot sampling state; on the forward stream so it orders before sampling."""
         if self.mirror is not None:
             self.mirror.admit(slot, prompt_ids, params, outputs)
+        if self.spec is not None:
+            with self.streams.use(self.streams.forward):  # ordered before the prefill's sample
+                self.spec.admit(slot, _to_device(prompt_ids + outputs, self.streams))
         if not params.uses_penalties:
             return
         with self.streams.use(self.streams.forward):
@@ -235,6 +326,33 @@ def _decode_metadata(batch: ScheduledBatch, bucket: int) -> dict[str, list[int]]
     }
     assert tuple(fields) == DECODE_FIELDS
     return fields
+
+
+def _verify_metadata(batch: ScheduledBatch) -> dict[str, list[int]]:
+    """A verify step's host facts: per row its slot, k, prompt length and seed; per query
+    token its row and offset; the (slot, position, KV slot) entries reserved this step."""
+    token_row, token_offset, qo_indptr = [], [], [0]
+    reserved_req, reserved_pos, reserved_locs = [], [], []
+    for i, row in enumerate(batch.rows):
+        token_row += [i] * (row.spec_k + 1)
+        token_offset += range(row.spec_k + 1)
+        qo_indptr.append(qo_indptr[-1] + row.spec_k + 1)
+        first = len(row.req.kv_slots) - len(row.kv_slots)  # committed: the reservations are appended
+        reserved_req += [row.req.slot] * len(row.kv_slots)
+        reserved_pos += range(first, first + len(row.kv_slots))
+        reserved_locs += row.kv_slots
+    rows = batch.rows
+    return {"req_slots": [r.req.slot for r in rows], "k_rows": [r.spec_k for r in rows],
+            "prompt_lens": [len(r.req.prompt_token_ids) for r in rows],
+            "seeds": [seed_to_int64(r.req.seed) for r in rows], "qo_indptr": qo_indptr,
+            "token_row": token_row, "token_offset": token_offset, "reserved_req_slots": reserved_req,
+            "reserved_positions": reserved_pos, "reserved_locs": reserved_locs}
+
+
+def _to_device(ids: list[int], streams: StreamSet) -> torch.Tensor:
+    # Pinned and async: the caching host allocator keeps the source alive until the copy ran.
+    host = torch.tensor(ids, dtype=torch.int64, pin_memory=streams.pin())
+    return host.to(streams.device, non_blocking=True)
 
 
 def _greedy_only(sampling: SamplingInputs) -> bool:

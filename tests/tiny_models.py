@@ -43,3 +43,32 @@ def make_tiny_model(root: Path, variant: str, seed: int = 0, **overrides) -> Pat
 
 def load_hf(path: Path) -> torch.nn.Module:
     return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def make_cycling_model(root: Path, cycle: int = 5, sharpness: float = 1.0, layer_scale: float = 0.3,
+                       seed: int = 0, **overrides) -> Path:
+    """A tiny Llama whose next token mostly follows a fixed permutation made of cycles of
+    `cycle` tokens, so its outputs repeat and n-gram proposals are often right (speculative
+    decoding's accepted runs). The layers still count, scaled by `layer_scale`: a wrong KV
+    entry or position changes the logits. `sharpness` scales the permutation's logit gap
+    (about 8 x sharpness): low values make sampling at temperature 1 a real draw."""
+    config_cls, model_cls, extra = VARIANTS["llama"]
+    cfg = getattr(transformers, config_cls)(**{**BASE, **extra, **overrides})
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_cls)(cfg).to(torch.float32).eval()
+    vocab = cfg.vocab_size
+    with torch.no_grad():
+        embed = torch.randn(vocab, cfg.hidden_size)
+        model.model.embed_tokens.weight.copy_(embed)
+        nxt = torch.arange(vocab)
+        for start in range(0, vocab - cycle + 1, cycle):  # t -> t + 1 within each block of `cycle`
+            nxt[start:start + cycle] = torch.roll(torch.arange(start, start + cycle), -1)
+        head = torch.empty_like(embed)
+        head[nxt] = embed  # logits[v] ~ e_t . e_{t'} with nxt[t'] = v: largest at v = nxt[t]
+        model.lm_head.weight.copy_(head * sharpness / cfg.hidden_size ** 0.5)
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.mul_(layer_scale)
+            layer.mlp.down_proj.weight.mul_(layer_scale)
+    path = root / f"cycling-{cycle}-{sharpness}-{vocab}"
+    model.save_pretrained(path)
+    return path

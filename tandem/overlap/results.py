@@ -56,6 +56,8 @@ class ResultCopier:
         with self.streams.use(copy):
             copy.wait_event(sampled)
             self._to_host(out.token_ids, token_ids)
+            # A verify step packs more ids than it has sampled tokens: logprobs go by their own count.
+            n = logprobs.shape[0] if logprobs is not None else n
             if logprobs is not None:
                 out.logprobs = self.logprobs[i][:n]
                 self._to_host(out.logprobs, logprobs)

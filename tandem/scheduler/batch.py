@@ -16,10 +16,16 @@ class Row:
     # KV slots of positions [0, len) reused from the prefix cache, to write into the request's
     # table row before this row's attention reads it; None when the row holds nothing new.
     cached_prefix: list[int] | None = None
+    # A verify row (speculative decoding): its length lives on the device and `kv_slots` are
+    # slots newly reserved past the request's table; it scores its last token and up to
+    # spec_k proposals and emits 1 to spec_k + 1 tokens. None: a row planned from host facts.
+    spec_k: int | None = None
+    length_bound: int = 0  # verify rows: the most tokens the request can have before the step
 
     @property
     def num_new(self) -> int:
-        return len(self.kv_slots)
+        """Tokens this row computes (a verify row: its query tokens)."""
+        return len(self.kv_slots) if self.spec_k is None else self.spec_k + 1
 
 
 @dataclass
@@ -38,6 +44,11 @@ class ScheduledBatch:
     @property
     def num_tokens(self) -> int:
         return sum(r.num_new for r in self.rows)
+
+    @property
+    def is_verify(self) -> bool:
+        """A speculative step: every row is a verify row (lengths on the device)."""
+        return bool(self.rows) and self.rows[0].spec_k is not None
 
     @property
     def sample_rows(self) -> list[Row]:

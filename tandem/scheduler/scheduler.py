@@ -9,12 +9,15 @@ scheduler considers preempting a running request.
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from tandem.memory.allocator import SlotAllocator
 from tandem.memory.prefix_cache import PrefixCache
 from tandem.request import PROMPT_HASH_BLOCK, Request, Status
 from tandem.scheduler.batch import Row, ScheduledBatch
+
+if TYPE_CHECKING:  # the engine builds the planner; the scheduler only calls it
+    from tandem.speculative.planner import VerifyPlanner
 
 
 @dataclass
@@ -46,7 +49,8 @@ class _Journal:
     prefill_steps_in_a_row: int  # the count before this plan
     kv_slots: list[int] = field(default_factory=list)  # allocated for the plan's rows
     admitted: list[Request] = field(default_factory=list)
-    committed: list[tuple[Row, int]] = field(default_factory=list)  # (row, the request's last_step before)
+    # (row, the request's last_step before, its len(kv_slots) before)
+    committed: list[tuple[Row, int, int]] = field(default_factory=list)
 
 
 class PrefillPace:
@@ -93,7 +97,8 @@ SHARED_PREFILL_MIN_TOKENS = PROMPT_HASH_BLOCK
 
 class Scheduler:
     def __init__(self, cfg: SchedulerConfig, cache: PrefixCache, req_slots: SlotAllocator,
-                 on_admit: Callable[[Request], None], clock: Callable[[], float] = time.monotonic):
+                 on_admit: Callable[[Request], None], clock: Callable[[], float] = time.monotonic,
+                 verify: "VerifyPlanner | None" = None):
         if cfg.schedule_policy not in SCHEDULE_POLICIES:
             raise ValueError(f"schedule_policy must be one of {', '.join(SCHEDULE_POLICIES)}; "
                              f"got {cfg.schedule_policy!r}")
@@ -105,6 +110,7 @@ class Scheduler:
         self.cfg = cfg
         self.cache, self.req_slots = cache, req_slots
         self.on_admit = on_admit  # engine hook: reset per-slot device state (penalties)
+        self.verify = verify  # speculative decoding: plans decode steps as verify steps
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._deferred: list[Request] = []  # finished, but queued GPU work may still read their KV
@@ -184,10 +190,11 @@ class Scheduler:
         assert journal is not None and journal.step == step, "rollback of a plan that is not the last"
         self._prefill_steps_in_a_row = journal.prefill_steps_in_a_row
         self.prefill_pace.forget(step)
-        for row, last_step in reversed(journal.committed):
+        for row, last_step, kv_len in reversed(journal.committed):
             req = row.req
-            del req.kv_slots[len(req.kv_slots) - row.num_new:]
-            req.num_computed -= row.num_new
+            del req.kv_slots[kv_len:]
+            req.num_computed -= row.num_new if row.spec_k is None else 1
+            req.spec_extra -= row.spec_k or 0
             if row.sample_index is not None:
                 req.num_scheduled_samples -= 1
             if row.cached_prefix is not None:
@@ -209,7 +216,10 @@ class Scheduler:
         for req in self.running:  # prompt chunks launched in earlier steps become reusable
             self.cache.cache_prefill(req)
         if self.cfg.enable_mixed_batch:
-            decode = self._decode_rows(step, drain)
+            prefill_work = bool(self.waiting) or any(not r.prefill_done for r in self.running)
+            decode = self._decode_rows(step, drain, beside_prefill=prefill_work)
+            if decode and decode[0].spec_k is not None:
+                return decode  # a verify step carries no prefill
             return decode + self._prefill_rows(self._mixed_prefill_budget(len(decode)))
         if self._decode_turn():
             return self._decode_rows(step, drain) or self._prefill_rows(self.cfg.max_prefill_tokens)
@@ -264,27 +274,44 @@ class Scheduler:
 
     def _commit(self, row: Row, step: int) -> None:
         req = row.req
-        self._journal.committed.append((row, req.last_step))
-        req.kv_slots.extend(row.kv_slots)
-        req.num_computed += row.num_new
+        self._journal.committed.append((row, req.last_step, len(req.kv_slots)))
+        if row.spec_k is None:
+            # A decode row may reuse a slot a verify reserved: then this assigns it in place.
+            req.kv_slots[row.start:row.start + row.num_new] = row.kv_slots
+            req.num_computed += row.num_new
+        else:  # reserved past the table; the step computes at least its last token
+            req.kv_slots.extend(row.kv_slots)
+            req.num_computed += 1
+            req.spec_extra += row.spec_k
         if row.sample_index is not None:
             req.num_scheduled_samples += 1
         if row.cached_prefix is not None:
             req.table_pending = 0
         req.last_step = step
 
-    def _decode_rows(self, step: int, drain: Callable[[], None]) -> list[Row]:
+    def _decode_rows(self, step: int, drain: Callable[[], None], beside_prefill: bool = False) -> list[Row]:
         reqs = [r for r in self.running if r.can_decode]
-        if len(reqs) > self.cache.available():
+        if self.verify is not None and reqs:
+            rows = None if beside_prefill else self.verify.plan(reqs, self.cache.available(), self._alloc)
+            if rows is not None:
+                return rows
+            if any(r.spec_extra for r in reqs):  # plain rows need every length: process the verify
+                drain()
+                self.running = [r for r in self.running if not r.finished]
+                reqs = [r for r in self.running if r.can_decode]
+        if sum(map(_needs_slot, reqs)) > self.cache.available():
             drain()  # finishes may free enough; if not, nothing is in flight for preemption
             self.running = [r for r in self.running if not r.finished]
-            while sum(r.can_decode for r in self.running) > self.cache.available():
+            while sum(r.can_decode and _needs_slot(r) for r in self.running) > self.cache.available():
                 self._preempt(self.running[-1])
             reqs = [r for r in self.running if r.can_decode]
-        slots = self._alloc(len(reqs))
-        return [Row(r, r.num_computed, [s], None, r.num_scheduled_samples) for r, s in zip(reqs, slots)]
+        slots = iter(self._alloc(sum(map(_needs_slot, reqs))))
+        # A slot a verify reserved at the next position is used as it is.
+        return [Row(r, r.num_computed, [next(slots) if _needs_slot(r) else r.kv_slots[r.num_computed]], None,
+                    r.num_scheduled_samples) for r in reqs]
 
     def _preempt(self, req: Request) -> None:
+        assert not req.spec_extra, "preempting a request whose verify is in flight"
         """Recompute later: keep the known outputs, go back to the queue's head. Its computed KV
         goes to the prefix cache (nothing is in flight: preemption follows a drain), so the
         recompute is only what eviction took meanwhile."""
@@ -395,3 +422,8 @@ class Scheduler:
         slots = self.cache.alloc(n)
         self._journal.kv_slots += slots
         return slots
+
+
+def _needs_slot(req: Request) -> bool:
+    """Its next decode row needs a new KV slot (none was reserved at that position)."""
+    return len(req.kv_slots) <= req.num_computed

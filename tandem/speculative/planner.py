@@ -1,0 +1,71 @@
+"""Which decode steps verify proposals, how many per row, and the KV slots they reserve.
+
+The host never knows a speculating request's exact length while its verify is in flight,
+only a bound (`length_bound`). A verify row writes KV at positions length - 1 .. length - 1
++ k, so before it launches the request's table covers every position below bound + k; the
+surplus stays reserved for later steps and goes back with the request (its release frees
+every slot past what is cached)."""
+from __future__ import annotations
+
+from typing import Callable
+
+from tandem.request import Request
+from tandem.scheduler.batch import Row
+from tandem.speculative.config import SpeculativeConfig
+
+
+def length_bound(req: Request) -> int:
+    """The most tokens (prompt, outputs, the pending one) the request can have once every
+    launched step ran: each launched row samples one, a verify row up to spec_k more."""
+    return len(req.prompt_token_ids) + req.num_scheduled_samples + req.spec_extra
+
+
+def speculates(req: Request) -> bool:
+    """Requests whose every token the point-mass verify can check: no per-token state that
+    the host updates between tokens (grammar, bad-words masks), no penalties (their counts
+    would need the accepted tokens position by position), no logprobs, no biases (min_tokens
+    included, until it is reached)."""
+    p = req.params
+    return (req.mask is None and not p.uses_penalties and p.logprobs is None and not req.bias
+            and (not req.min_tokens_bias or req.num_scheduled_samples >= p.min_tokens))
+
+
+class VerifyPlanner:
+    def __init__(self, cfg: SpeculativeConfig) -> None:
+        self.cfg = cfg
+
+    def k_for(self, req: Request) -> int:
+        """Proposals for the request's row: k, fewer near max_tokens (every emitted token is
+        then within max_samples, so no position passes the context), 0 if it cannot speculate."""
+        if not speculates(req):
+            return 0
+        room = req.max_samples - req.num_scheduled_samples - req.spec_extra - 1
+        return max(0, min(self.cfg.num_speculative_tokens, room))
+
+    def plan(self, reqs: list[Request], available: int, alloc: Callable[[int], list[int]]) -> list[Row] | None:
+        """Verify rows for every decoding request, or None: plain decode rows will do (every
+        length is known and nothing speculates), or the KV pool is short even without
+        proposals (the caller processes the step in flight, then plans plain rows)."""
+        unknown = any(r.spec_extra for r in reqs)
+        # A grammar's masks are per row: such a step verifies no proposals, one token a row.
+        speculate = len(reqs) <= self.cfg.disable_by_batch_size and all(r.mask is None for r in reqs)
+        ks = [self.k_for(r) if speculate else 0 for r in reqs]
+        if not unknown and not any(ks):
+            return None
+        need = [_reserve(r, k) for r, k in zip(reqs, ks)]
+        if sum(need) > available and any(ks):
+            ks = [0] * len(reqs)
+            need = [_reserve(r, 0) for r in reqs]
+        if sum(need) > available:
+            return None
+        slots, rows, at = alloc(sum(need)), [], 0
+        for req, k, n in zip(reqs, ks, need):
+            rows.append(Row(req, req.num_computed, slots[at:at + n], None, req.num_scheduled_samples,
+                            spec_k=k, length_bound=length_bound(req)))
+            at += n
+        return rows
+
+
+def _reserve(req: Request, k: int) -> int:
+    """New KV slots the request's row needs: positions below length_bound + k."""
+    return max(0, length_bound(req) + k - len(req.kv_slots))

@@ -1,0 +1,227 @@
+"""Speculative decoding in the engine (issue 20): n-gram proposals verified inside the overlap
+loop. Greedy and seeded sampling are token-identical to plain decoding (point-mass verify with
+plain decoding's noise keys); the accepted run is cut by stops and max_tokens; KV of accepted
+tokens is what plain decoding computes, and rejected positions' slots go back; requests that
+cannot speculate (penalties, logprobs, grammars) run in the same steps without proposals."""
+import json
+
+import pytest
+import torch
+
+from tandem import LLM, SamplingParams
+from tandem.config import EngineConfig
+from tandem.engine import Engine
+from tandem.options import add_engine_options, engine_config
+from tandem.speculative.config import SpeculativeConfig
+from tiny_models import TEST_DEVICE, make_cycling_model
+from workload import assert_kv_conserved, random_specs, run_workload
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
+
+
+@pytest.fixture(scope="module")
+def cycling_model(tmp_path_factory):
+    """Greedy outputs cycle through 5 tokens: n-gram proposals are mostly accepted."""
+    return make_cycling_model(tmp_path_factory.mktemp("cycling"))
+
+
+@pytest.fixture(scope="module")
+def cycling_text_model(tmp_path_factory, builtin_tokenizer):
+    """The same with the built-in tokenizer (stop strings, text)."""
+    path = make_cycling_model(tmp_path_factory.mktemp("cycling_text"), sharpness=4.0, layer_scale=0.05,
+                              vocab_size=len(builtin_tokenizer), eos_token_id=2)
+    builtin_tokenizer.save_pretrained(path)
+    return path
+
+
+def _engine(path, spec=None, **kw) -> Engine:
+    return Engine(EngineConfig(model=str(path), device=TEST_DEVICE, dtype="float32", speculative_config=spec,
+                               **kw))
+
+
+def _generate(path, prompts, params, spec=None, **kw) -> tuple[list, dict]:
+    engine = _engine(path, spec, **kw)
+    rids = [engine.add_request(p, params[i % len(params)]) for i, p in enumerate(prompts)]
+    while engine.has_unfinished():
+        engine.step()
+    outs = [engine.output(r) for r in rids]
+    stats = engine.stats()
+    assert_kv_conserved(engine)
+    engine.close()
+    return outs, stats
+
+
+def _prompts(n: int, vocab: int = 256, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (int(torch.randint(3, 40, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+
+
+# ---- the interface ----
+@pytest.mark.parametrize("value, message", [
+    ({"method": "medusa", "num_speculative_tokens": 2}, "method must be one of"),
+    ({"method": "ngram"}, "'num_speculative_tokens' is required"),
+    ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be an integer in [1, 16]"),
+    ({"method": "ngram", "num_speculative_tokens": 2.5}, "must be an integer"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 5, "prompt_lookup_max": 3},
+     "prompt_lookup_min (5) must not exceed prompt_lookup_max (3)"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 1}, "unknown key(s) 'lookahead'"),
+    ({"method": "draft_model", "num_speculative_tokens": 2}, "needs 'model'"),
+    ({"model": "/some/draft", "num_speculative_tokens": 2}, "draft models are not supported yet"),
+    ({"method": "ngram", "model": "/some/draft", "num_speculative_tokens": 2}, "'model' is for method"),
+    ("{not json", "must be a JSON object"),
+    ([1, 2], "must be a dict"),
+])
+def test_bad_configs_are_refused_naming_the_problem(value, message):
+    with pytest.raises(ValueError) as err:
+        SpeculativeConfig.from_user(value)
+    assert message in str(err.value)
+
+
+def test_the_flag_takes_json_and_llm_the_dict(cycling_model):
+    import argparse
+    parser = argparse.ArgumentParser()
+    add_engine_options(parser)
+    cfg = engine_config(parser.parse_args(["--speculative-config", json.dumps(NGRAM)]))
+    assert SpeculativeConfig.from_user(cfg.speculative_config) == SpeculativeConfig("ngram", 4, prompt_lookup_max=3)
+    assert engine_config(parser.parse_args([])).speculative_config is None
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--speculative-config", "[1]"])
+    with pytest.raises(ValueError, match="method must be one of"):
+        _engine(cycling_model, {"method": "eagle", "num_speculative_tokens": 1})
+
+
+# ---- exactness ----
+@pytest.mark.parametrize("overlap", [True, False])
+def test_greedy_and_seeded_outputs_are_those_of_plain_decoding(cycling_model, overlap):
+    prompts = _prompts(10)
+    params = [SamplingParams(max_tokens=60, temperature=0, ignore_eos=True),
+              SamplingParams(max_tokens=23, temperature=0, ignore_eos=True),
+              SamplingParams(max_tokens=40, temperature=1.0, top_p=0.95, top_k=50, min_p=0.01, seed=11,
+                             ignore_eos=True)]
+    plain, _ = _generate(cycling_model, prompts, params, disable_overlap=not overlap)
+    spec, stats = _generate(cycling_model, prompts, params, NGRAM, disable_overlap=not overlap)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    assert [o.finish_reason for o in spec] == [o.finish_reason for o in plain]
+    # Proposals were accepted, most of them: the outputs cycle.
+    assert stats["spec_decode_num_accepted_tokens"] > 0.6 * stats["spec_decode_num_draft_tokens"] > 0
+    assert stats["spec_decode_mean_acceptance_length"] > 3
+    assert stats["steps"] < 0.5 * sum(len(o.token_ids) for o in plain) / len(prompts) * 3
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_the_fuzzed_workload_is_unchanged(cycling_model, overlap):
+    """Arrivals, chunked prefill, prefix hits, aborts and preemption (a KV pool of 300
+    tokens): every request's tokens equal plain decoding's; an aborted one may have seen more
+    tokens before its abort (a verify emits several), so the shorter is a prefix of the longer."""
+    specs = random_specs(40, 256, seed=3)
+    for s in specs[::4]:  # shared prefixes: prefix-cache hits
+        s.prompt = specs[0].prompt[:30] + s.prompt[:10]
+    kw = dict(max_prefill_tokens=96, chunked_prefill_size=48, max_total_tokens=300, disable_overlap=not overlap)
+    plain_engine, spec_engine = _engine(cycling_model, **kw), _engine(cycling_model, NGRAM, **kw)
+    plain, spec = run_workload(plain_engine, specs), run_workload(spec_engine, specs)
+    for s in specs:
+        (a, ra, _), (b, rb, _) = plain[s.rid], spec[s.rid]
+        if "abort" in (ra, rb):
+            n = min(len(a), len(b))
+            assert a[:n] == b[:n], s.rid
+        else:
+            assert (a, ra) == (b, rb), s.rid
+    stats = spec_engine.stats()
+    assert stats["num_preemptions"] > 0 and stats["prefix_cache_hit_tokens"] > 0
+    assert stats["spec_decode_num_accepted_tokens"] > 100
+    for engine in (plain_engine, spec_engine):
+        assert_kv_conserved(engine)
+
+
+def test_stops_and_max_tokens_cut_the_accepted_run(cycling_text_model):
+    """A verify emits up to five tokens; a stop token, a stop string or max_tokens inside that
+    run ends the request there, with plain decoding's text and finish reason."""
+    greedy = SamplingParams(max_tokens=30, temperature=0)
+    [probe], _ = _generate(cycling_text_model, [[100, 200, 300]], [greedy])
+    cycle_token, text = probe.token_ids[7], probe.text
+    params = [greedy.clone(max_tokens=9), greedy.clone(stop_token_ids=[cycle_token]),
+              greedy.clone(stop=[text[12:15]]), greedy.clone(stop=[text[12:15]], include_stop_str_in_output=True),
+              greedy.clone(max_tokens=1)]
+    prompts = [[100, 200, 300]] * len(params)
+    plain, _ = _generate(cycling_text_model, prompts, params)
+    spec, stats = _generate(cycling_text_model, prompts, params, NGRAM)
+    assert [(o.token_ids, o.text, o.finish_reason, o.outputs[0].stop_reason) for o in spec] == \
+           [(o.token_ids, o.text, o.finish_reason, o.outputs[0].stop_reason) for o in plain]
+    assert [o.finish_reason for o in spec] == ["length", "stop", "stop", "stop", "length"]
+    assert len(spec[0].token_ids) == 9 and spec[1].token_ids[-1] == cycle_token
+    assert stats["spec_decode_num_accepted_tokens"] > 0
+
+
+def test_accepted_tokens_kv_is_plain_decodings_and_enters_the_cache(cycling_model):
+    """The KV that verify steps wrote for accepted tokens, found in the radix tree after the
+    request finished, equals what plain decoding wrote (float32 on the CPU: the same values
+    up to rounding of batched vs one-token attention)."""
+    prompt, params = _prompts(1, seed=5)[0], SamplingParams(max_tokens=50, temperature=0, ignore_eos=True)
+    caches = []
+    for spec in (None, NGRAM):
+        engine = _engine(cycling_model, spec)
+        rid = engine.add_request(prompt, params)
+        while engine.has_unfinished():
+            engine.step()
+        tokens = prompt + engine.output(rid).token_ids
+        slots, _ = engine.prefix_cache.tree.match(tokens[:-1])
+        assert len(slots) == len(tokens) - 1  # every token whose KV exists was cached
+        index = torch.tensor(slots)
+        caches.append([(layer_k[index].clone(), layer_v[index].clone())
+                       for layer_k, layer_v in zip(engine.kv.k, engine.kv.v)])
+        if spec is not None:
+            assert engine.stats()["spec_decode_num_accepted_tokens"] > 20
+        engine.close()
+    for (k0, v0), (k1, v1) in zip(*caches):
+        torch.testing.assert_close(k1, k0, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(v1, v0, atol=1e-4, rtol=1e-4)
+
+
+def test_requests_that_cannot_speculate_share_the_steps(cycling_text_model):
+    """Penalties, logprobs and a grammar run without proposals beside speculating requests
+    (a grammar's step verifies nothing: its masks are per row); every output, logprobs
+    included, is plain decoding's."""
+    pytest.importorskip("xgrammar")
+    greedy = SamplingParams(max_tokens=24, temperature=0)
+    params = [greedy, greedy.clone(repetition_penalty=1.3, frequency_penalty=0.5), greedy.clone(logprobs=3),
+              greedy.clone(max_tokens=24, min_tokens=20, ignore_eos=False), greedy.clone(seed=4, temperature=0.7)]
+    prompts = [[100 + i, 200, 300] for i in range(len(params))]
+    plain, _ = _generate(cycling_text_model, prompts, params)
+    spec, stats = _generate(cycling_text_model, prompts, params, NGRAM)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    lp_spec, lp_plain = spec[2].outputs[0].logprobs, plain[2].outputs[0].logprobs
+    # The same tokens; values up to float32 rounding (a verify step's attention is batched).
+    assert [(lp.token_id, [t for t, _ in lp.top]) for lp in lp_spec] == \
+           [(lp.token_id, [t for t, _ in lp.top]) for lp in lp_plain]
+    flat = lambda lps: [v for lp in lps for v in [lp.logprob] + [x for _, x in lp.top]]  # noqa: E731
+    assert flat(lp_spec) == pytest.approx(flat(lp_plain), abs=1e-4)
+    assert stats["spec_decode_num_accepted_tokens"] > 0
+    # With a grammar in the batch the steps verify nothing, and the output is still plain's.
+    constrained = [greedy.clone(regex="(ab|cd){3,8}")] + params[:2]
+    plain, _ = _generate(cycling_text_model, prompts[:3], constrained)
+    spec, _ = _generate(cycling_text_model, prompts[:3], constrained, NGRAM)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+
+
+def test_large_batches_decode_without_proposals(cycling_model):
+    """disable_by_batch_size: steps with more decoding rows verify nothing (plain decode
+    rows, after one step whose lengths are still on the device)."""
+    prompts = _prompts(6, seed=2)
+    params = [SamplingParams(max_tokens=30 + 7 * i, temperature=0, ignore_eos=True) for i in range(6)]
+    plain, _ = _generate(cycling_model, prompts, params)
+    spec, stats = _generate(cycling_model, prompts, params, {**NGRAM, "disable_by_batch_size": 3})
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    # Speculation began only once at most three requests were left.
+    assert 0 < stats["spec_decode_num_drafts"] and stats["spec_decode_verify_steps"] < stats["steps"]
+
+
+def test_llm_with_n_samples(cycling_model):
+    prompts = _prompts(3, seed=9)
+    params = SamplingParams(n=3, max_tokens=20, temperature=1.0, seed=1, ignore_eos=True)
+    outs = []
+    for spec in (None, NGRAM):
+        llm = LLM(model=str(cycling_model), device=TEST_DEVICE, dtype="float32", speculative_config=spec)
+        outs.append([[c.token_ids for c in o.outputs] for o in llm.generate(prompts, params, use_tqdm=False)])
+        llm.close()
+    assert outs[0] == outs[1]
