@@ -46,8 +46,9 @@ from tandem.sampling.bias import BAN, BadWordsMask, min_tokens_bias, static_bias
 from tandem.sampling.params import check_unicode
 from tandem.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from tandem.speculative.config import SpeculativeConfig
+from tandem.speculative.graphs import VerifyGraphs
 from tandem.speculative.metrics import SpecCounters
-from tandem.speculative.planner import VerifyPlanner
+from tandem.speculative.planner import VerifyPlanner, note_plain, note_verified
 from tandem.speculative.state import SpecState
 from tandem.text import RequestText
 from tandem.warmup import warm_up
@@ -107,6 +108,7 @@ class Engine:
         self.pending: PendingResult | None = None
         self.timeline = None
         self._previous_forward_end = None
+        self._last_verify = (0, 0)  # the last verify step's proposals and accepted ones
         self.step_id = 0
         self.completed_step = -1
         self.fatal = FatalErrorGuard(log)
@@ -250,7 +252,8 @@ class Engine:
         graphs = self._capture_graphs()
         self.runner = ModelRunner(self.model, self.kv, self.table, self.backend, self.sampler,
                                   self.future_map, self.streams, self.stager, self.copier, graphs,
-                                  mirror=self.parallel.sender, spec=self.spec_state)
+                                  mirror=self.parallel.sender, spec=self.spec_state,
+                                  verify_graphs=self._capture_verify_graphs())
         self.scheduler = Scheduler(
             SchedulerConfig(rows, cfg.max_prefill_tokens, cfg.chunked_prefill_size, cfg.enable_mixed_batch,
                             cfg.schedule_policy, max_reused_tokens_per_step=reused,
@@ -263,6 +266,19 @@ class Engine:
             return None
         graphs = DecodeGraphs(self.model, self.kv, self.table, self.backend, self.future_map, self.streams,
                               self.stager, self._graph_buckets(), self.max_model_len)
+        graphs.capture()
+        return graphs
+
+    def _capture_verify_graphs(self) -> VerifyGraphs | None:
+        """Verify steps of up to disable_by_batch_size rows, graphed like decode steps."""
+        spec = self.speculative
+        if spec is None or not self._graphs_usable():
+            return None
+        buckets = [b for b in self._graph_buckets() if b <= spec.disable_by_batch_size]
+        if not buckets or buckets[-1] < min(spec.disable_by_batch_size, self.cfg.max_running_requests):
+            buckets.append(min(spec.disable_by_batch_size, self.cfg.max_running_requests))
+        graphs = VerifyGraphs(self.model, self.kv, self.table, self.backend, self.future_map, self.streams,
+                              self.stager, self.spec_state, buckets, self.max_model_len)
         graphs.capture()
         return graphs
 
@@ -282,6 +298,8 @@ class Engine:
             self.timeline.close()
         if self.runner.graphs is not None:
             self.runner.graphs.close()
+        if self.runner.verify_graphs is not None:
+            self.runner.verify_graphs.close()
         self.grammar.shutdown()  # its compile threads end; queued compilations are cancelled
         # Drop every reference to device state; the scheduler's admit hook refers back to
         # the engine, so this also breaks the engine's reference cycles.
@@ -550,6 +568,8 @@ class Engine:
         pending.host.wait()
         t_wait = perf_counter() - t0
         outputs = self._read_result(pending)
+        if pending.record is not None and pending.batch.is_verify:
+            pending.record.proposed, pending.record.accepted = self._last_verify
         if pending.record is not None:
             pending.record.process_ms = (perf_counter() - t0) * 1e3
             pending.record.host_wait_ms = t_wait * 1e3
@@ -580,6 +600,8 @@ class Engine:
                 n = req.params.logprobs
                 lp = TokenLogprob(tokens[i], logprobs[i], list(zip(top_ids[i][:n], top_lps[i][:n]))
                                   if n and top_ids is not None else [])
+            if req.spec_pause:
+                note_plain(req)
             outputs.append(self._append_token_or_fail(req, tokens[i], lp))
         self.scheduler.on_step_completed(self.completed_step)
         return outputs
@@ -590,6 +612,7 @@ class Engine:
         max_tokens cuts the run); the request's counts learn what its row really computed."""
         width, outputs, first_token = self.speculative.num_speculative_tokens + 3, [], 0
         self.spec_counters.verify_steps += 1
+        proposed_total = accepted_total = 0
         for i, row in enumerate(batch.rows):
             req, at = row.req, i * width
             token_index, first_token = first_token, first_token + row.spec_k + 1
@@ -600,6 +623,8 @@ class Engine:
             req.num_scheduled_samples += accepted
             req.num_computed += accepted  # the row's last token and its accepted proposals
             self.spec_counters.count(proposed, accepted)
+            note_verified(req, row.spec_k, accepted)
+            proposed_total, accepted_total = proposed_total + proposed, accepted_total + accepted
             lp = None  # logprobs rows never carry proposals: their one sample is the row's first token
             if logprobs is not None and req.params.logprobs is not None:
                 n = req.params.logprobs
@@ -612,6 +637,7 @@ class Engine:
                 if req.finished:
                     break
             outputs.append(_merged(outs))
+        self._last_verify = (proposed_total, accepted_total)  # for the step's timeline record
         return outputs
 
     def _append_token_or_fail(self, req: Request, token: int, lp: TokenLogprob | None) -> StepOutput:
@@ -690,8 +716,8 @@ class Engine:
                 "prefix_cache_tokens": cached,  # held only by the cache: evictable
                 "prefix_cache_hit_tokens": self.prefix_cache.hit_tokens,
                 "prefix_cache_queried_tokens": self.prefix_cache.queried_tokens,
-                "cuda_graph_memory_mib": (self.runner.graphs.memory_bytes / 2**20
-                                          if self.runner.graphs is not None else 0.0),
+                "cuda_graph_memory_mib": sum(g.memory_bytes for g in (self.runner.graphs, self.runner.verify_graphs)
+                                             if g is not None) / 2**20,
                 "num_preemptions": self.scheduler.num_preemptions,
                 "memory": self.memory.as_dict() if self.memory is not None else None,
                 "steps": self.step_id, **(self.spec_counters.as_dict() if self.speculative is not None else {})}
@@ -716,7 +742,8 @@ def _step_record(batch: ScheduledBatch, t_start: float, t_launch: float, t_end: 
         context_tokens=sum(r.start + r.num_new for r in rows),
         attn_pairs=sum(r.num_new * r.start + r.num_new * (r.num_new + 1) // 2 for r in rows),
         host_start=t_start, schedule_ms=(t_launch - t_start) * 1e3, launch_ms=(t_end - t_launch) * 1e3,
-        num_sampled=len(batch.sample_rows))
+        num_sampled=len(batch.sample_rows),
+        verify_k=sum(r.spec_k for r in rows) if batch.is_verify else None)
 
 
 NO_TOKEN_ERROR = "no token satisfies the request's constraints (its grammar allows only tokens it bans)"

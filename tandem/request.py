@@ -52,6 +52,10 @@ class Request:
     # Speculative decoding: proposals of launched verify rows not processed yet. Each may add
     # up to this many outputs beyond num_scheduled_samples; while > 0 the length is unknown.
     spec_extra: int = 0
+    # Verify rows in a row that emitted no proposal (none found, or the first rejected), and
+    # the decode steps it proposes nothing for (tandem.speculative.planner.note_verified).
+    spec_misses: int = 0
+    spec_pause: int = 0
     last_step: int = -1  # last step that included this request (its KV is live until it completes)
     first_token_time: float | None = None
     num_preemptions: int = 0

@@ -22,6 +22,8 @@ from tandem.sampling import Sampler, SamplingInputs, SamplingParams
 from tandem.sampling.inputs import seed_to_int64
 from tandem.sampling.noise import row_keys
 from tandem.scheduler.batch import ScheduledBatch
+from tandem.speculative.graphs import VERIFY_FIELDS, VerifyGraphs
+from tandem.speculative.ngram import Proposal
 from tandem.speculative.state import SpecState, SpecStep
 
 
@@ -49,9 +51,11 @@ class ModelRunner:
     def __init__(self, model: DecoderModel, kv: KVCache, table: ReqToTokenTable, backend,
                  sampler: Sampler, future_map: FutureMap, streams: StreamSet,
                  stager: InputStager, copier: ResultCopier, graphs: DecodeGraphs | None = None,
-                 timing: bool = False, mirror=None, spec: SpecState | None = None):
+                 timing: bool = False, mirror=None, spec: SpecState | None = None,
+                 verify_graphs: VerifyGraphs | None = None):
         self.model, self.kv, self.table, self.backend = model, kv, table, backend
         self.spec = spec  # speculative decoding's device state; None: off
+        self.verify_graphs = verify_graphs
         self.sampler, self.future_map, self.streams = sampler, future_map, streams
         self.stager, self.copier, self.graphs, self.timing = stager, copier, graphs, timing
         # Tensor parallelism, rank 0: the same admits and steps go to the workers (StepSender).
@@ -66,15 +70,15 @@ class ModelRunner:
             assert not defer_sampling, "token masks under tensor parallelism"
             self.mirror.launch(batch)  # first: the workers start while this rank stages
         verify = batch.is_verify
-        bucket = None if verify else self._graph_bucket(batch)
+        bucket = self._verify_bucket(batch, defer_sampling) if verify else self._graph_bucket(batch)
         if verify:
-            fields = _verify_metadata(batch)
+            fields = _verify_metadata(batch, bucket)
         else:
             fields = _metadata(batch) if bucket is None else _decode_metadata(batch, bucket)
         dev = self.stager.stage(batch.step, fields)
         try:
             if verify:
-                return self._queue_verify(batch, fields, dev, defer_sampling)
+                return self._queue_verify(batch, fields, dev, bucket, defer_sampling)
             return self._queue_step(batch, bucket, fields, dev, defer_sampling)
         except BaseException:
             # Write-after-read on every path: a retry of this step number stages into the same
@@ -153,14 +157,16 @@ class ModelRunner:
         pending.host = self.copier.copy(batch.step, *result, sampled)
 
     def _queue_verify(self, batch: ScheduledBatch, fields: dict[str, list[int]], dev: dict[str, torch.Tensor],
-                      defer_sampling: bool) -> PendingResult:
+                      bucket: int | None, defer_sampling: bool) -> PendingResult:
         """A verify step: each row's last token and its proposals, at positions derived on the
-        device from the lengths the previous steps left there (the host has only bounds)."""
+        device from the lengths the previous steps left there (the host has only bounds).
+        `bucket`: the fixed-shape layout (k + 1 queries a row, a graph replay); None: ragged
+        (k_row + 1 queries a row, eager)."""
         rows, spec = batch.rows, self.spec
-        seeds_row = [row.req.seed for row in rows]
-        per_token = [i for i, row in enumerate(rows) for _ in range(row.spec_k + 1)]
+        q = [spec.k + 1 if bucket is not None else row.spec_k + 1 for row in rows]
+        per_token = [i for i, n in enumerate(q) for _ in range(n)]
         sampling = SamplingInputs.build(
-            [rows[i].req.params for i in per_token], [seeds_row[i] for i in per_token], [0] * len(per_token),
+            [rows[i].req.params for i in per_token], [rows[i].req.seed for i in per_token], [0] * len(per_token),
             [rows[i].req.slot for i in per_token], pin_memory=self.streams.pin(),
             biases=[rows[i].req.bias_at(rows[i].sample_index) for i in per_token])
         greedy = _greedy_only(sampling)
@@ -174,36 +180,60 @@ class ModelRunner:
             if self.timing:
                 pending.forward_start = self.streams.event(timing=True)
                 pending.forward_start.record(forward)
-            slots, r = dev["req_slots"], dev["token_row"]
-            longest = max(row.length_bound for row in rows)
-            step = spec.prepare(slots, dev["k_rows"], r, dev["token_offset"], longest)
-            input_ids, positions = spec.inputs(step, self.future_map.resolve(slots))
             if fields["reserved_locs"]:  # slots reserved for this and later steps: into the table first
                 self.table.write_on_device(dev["reserved_req_slots"], dev["reserved_positions"],
                                            dev["reserved_locs"])
-            locs = self.table.table[slots[r], positions].to(torch.int64)
-            k_rows = dev["k_rows"]
-            seq_lens, prefix_lens = step.lengths + k_rows, step.lengths - 1
+            if bucket is not None:
+                logits, step = self.verify_graphs.replay(bucket, batch.step % self.stager.depth)
+                n = len(rows)
+                logits = logits[:len(per_token)]
+                step = SpecStep(step.lengths[:n], Proposal(step.proposal.tokens[:n], step.proposal.count[:n]),
+                                step.token_row[:len(per_token)], step.token_offset[:len(per_token)])
+                slots = dev["req_slots"][:n]
+            else:
+                logits, step = self._eager_verify(batch, fields, dev)
+                slots = dev["req_slots"]
             if not greedy:  # the noise of output index (length + j - prompt length): plain decoding's
-                out_index = step.lengths[r] + dev["token_offset"] - dev["prompt_lens"][r]
+                r = step.token_row
+                out_index = step.lengths[r] + step.token_offset - dev["prompt_lens"][r]
                 sampling.ints[1] = row_keys(dev["seeds"][r], out_index)
-            ks = [row.spec_k for row in rows]
-            # The torch reference loops over host lengths: on the CPU reading them costs nothing
-            # (the engine refuses speculation with it on CUDA); the kernels take device lengths.
-            host_lens = (seq_lens.tolist() if self.backend.name == "torch"
-                         else [row.length_bound + k for row, k in zip(rows, ks)])
-            fb = ForwardBatch(
-                input_ids=input_ids, positions=positions, out_cache_loc=locs, req_slots=slots,
-                seq_lens=seq_lens, prefix_lens=prefix_lens, qo_indptr=dev["qo_indptr"],
-                req_to_token=self.table.table, host_req_slots=fields["req_slots"], host_seq_lens=host_lens,
-                host_extend_lens=[k + 1 for k in ks], is_decode=not any(ks), max_seq_len=max(host_lens))
-            logits = self.model.compute_logits(self.model(fb, self.kv, self.backend))
         pending.verify = step
         pending.keepalive.append(step)
         pending.unsampled = (logits, slots, sampling)
         if not defer_sampling:
             self.sample(pending)
         return pending
+
+    def _eager_verify(self, batch: ScheduledBatch, fields: dict[str, list[int]],
+                      dev: dict[str, torch.Tensor]) -> tuple[torch.Tensor, SpecStep]:
+        """The ragged layout: row b scores k_row + 1 queries."""
+        rows, spec = batch.rows, self.spec
+        slots, r, k_rows = dev["req_slots"], dev["token_row"], dev["k_rows"]
+        step = spec.prepare(slots, k_rows, r, dev["token_offset"])
+        input_ids, positions = spec.inputs(step, self.future_map.resolve(slots))
+        locs = self.table.table[slots[r], positions].to(torch.int64)
+        seq_lens, prefix_lens = step.lengths + k_rows, step.lengths - 1
+        ks = [row.spec_k for row in rows]
+        # The torch reference loops over host lengths: on the CPU reading them costs nothing
+        # (the engine refuses speculation with it on CUDA); the kernels take device lengths.
+        host_lens = (seq_lens.tolist() if self.backend.name == "torch"
+                     else [row.length_bound + k for row, k in zip(rows, ks)])
+        fb = ForwardBatch(
+            input_ids=input_ids, positions=positions, out_cache_loc=locs, req_slots=slots,
+            seq_lens=seq_lens, prefix_lens=prefix_lens, qo_indptr=dev["qo_indptr"],
+            req_to_token=self.table.table, host_req_slots=fields["req_slots"], host_seq_lens=host_lens,
+            host_extend_lens=[k + 1 for k in ks], is_decode=not any(ks), max_seq_len=max(host_lens))
+        return self.model.compute_logits(self.model(fb, self.kv, self.backend)), step
+
+    def _verify_bucket(self, batch: ScheduledBatch, defer_sampling: bool) -> int | None:
+        """The fixed-shape (graphed) layout, for steps with proposals and no token masks (those
+        verify nothing: one query a row) within the captured sizes."""
+        graphs = self.verify_graphs
+        if graphs is None or defer_sampling or len(batch.rows) > graphs.max_batch:
+            return None
+        if not any(row.spec_k for row in batch.rows):
+            return None  # a step between plain decoding and verify steps: one query a row is cheaper
+        return graphs.bucket(len(batch.rows))
 
     def _finish_verify(self, pending: PendingResult, logits: torch.Tensor, slots: torch.Tensor,
                        sampling: SamplingInputs, bitmask: torch.Tensor | None) -> tuple:
@@ -328,25 +358,31 @@ def _decode_metadata(batch: ScheduledBatch, bucket: int) -> dict[str, list[int]]
     return fields
 
 
-def _verify_metadata(batch: ScheduledBatch) -> dict[str, list[int]]:
-    """A verify step's host facts: per row its slot, k, prompt length and seed; per query
-    token its row and offset; the (slot, position, KV slot) entries reserved this step."""
-    token_row, token_offset, qo_indptr = [], [], [0]
+def _verify_metadata(batch: ScheduledBatch, bucket: int | None) -> dict[str, list[int]]:
+    """A verify step's host facts: per row its slot, k, prompt length and seed; the (slot,
+    position, KV slot) entries reserved this step; ragged layout: per query token its row and
+    offset. With a `bucket` (graphed) the graph's fields come first, padded (slot 0, k 0)."""
+    rows = batch.rows
+    pad = [0] * (bucket - len(rows)) if bucket is not None else []
+    fields = {"req_slots": [r.req.slot for r in rows] + pad, "k_rows": [r.spec_k for r in rows] + pad}
+    assert bucket is None or tuple(fields) == VERIFY_FIELDS
     reserved_req, reserved_pos, reserved_locs = [], [], []
-    for i, row in enumerate(batch.rows):
-        token_row += [i] * (row.spec_k + 1)
-        token_offset += range(row.spec_k + 1)
-        qo_indptr.append(qo_indptr[-1] + row.spec_k + 1)
+    for row in rows:
         first = len(row.req.kv_slots) - len(row.kv_slots)  # committed: the reservations are appended
         reserved_req += [row.req.slot] * len(row.kv_slots)
         reserved_pos += range(first, first + len(row.kv_slots))
         reserved_locs += row.kv_slots
-    rows = batch.rows
-    return {"req_slots": [r.req.slot for r in rows], "k_rows": [r.spec_k for r in rows],
-            "prompt_lens": [len(r.req.prompt_token_ids) for r in rows],
-            "seeds": [seed_to_int64(r.req.seed) for r in rows], "qo_indptr": qo_indptr,
-            "token_row": token_row, "token_offset": token_offset, "reserved_req_slots": reserved_req,
-            "reserved_positions": reserved_pos, "reserved_locs": reserved_locs}
+    fields.update({"prompt_lens": [len(r.req.prompt_token_ids) for r in rows],
+                   "seeds": [seed_to_int64(r.req.seed) for r in rows], "reserved_req_slots": reserved_req,
+                   "reserved_positions": reserved_pos, "reserved_locs": reserved_locs})
+    if bucket is None:
+        token_row, token_offset, qo_indptr = [], [], [0]
+        for i, row in enumerate(rows):
+            token_row += [i] * (row.spec_k + 1)
+            token_offset += range(row.spec_k + 1)
+            qo_indptr.append(qo_indptr[-1] + row.spec_k + 1)
+        fields.update({"qo_indptr": qo_indptr, "token_row": token_row, "token_offset": token_offset})
+    return fields
 
 
 def _to_device(ids: list[int], streams: StreamSet) -> torch.Tensor:

@@ -42,6 +42,11 @@ class StepRecord:
     cpu_lead_ms: float | None = None  # see the module docstring; CUDA only
     num_sampled: int | None = None  # rows that sampled a token (the lm_head ran for them)
     gpu_mask_stall_ms: float | None = None  # inside the forward span: waiting for grammar masks
+    # Speculative decoding: a verify step's proposal slots (sum of its rows' k; 0: none), and
+    # once processed the proposals it checked and accepted. None: a plain step.
+    verify_k: int | None = None
+    proposed: int | None = None
+    accepted: int | None = None
 
     @property
     def launch_end(self) -> float:

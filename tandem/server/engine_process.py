@@ -168,4 +168,6 @@ def _stats(engine) -> P.Stats:
     return P.Stats(s["running"], s["waiting"], float(s["kv_cache_usage"]),
                    recent.get("gpu_busy_fraction"), recent.get("mean_cpu_lead_ms"),
                    recent.get("mean_host_ms", 0.0), s["prefix_cache_queried_tokens"],
-                   s["prefix_cache_hit_tokens"], s["prefix_cache_tokens"])
+                   s["prefix_cache_hit_tokens"], s["prefix_cache_tokens"],
+                   s.get("spec_decode_num_drafts", 0), s.get("spec_decode_num_draft_tokens", 0),
+                   s.get("spec_decode_num_accepted_tokens", 0), s.get("spec_decode_num_accepted_tokens_per_pos", []))

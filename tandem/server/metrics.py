@@ -44,6 +44,15 @@ class Metrics:
         self.cache_tokens = Gauge("tandem_prefix_cache_tokens", "KV slots held only by the prefix cache "
                                   "(evictable)", registry=r)
         self._cache_totals = (0, 0)  # the engine's running totals last seen (counters take deltas)
+        self.spec_drafts = Counter("tandem_spec_decode_num_drafts", "Verify rows that carried proposals "
+                                   "(speculative decoding)", registry=r)
+        self.spec_draft_tokens = Counter("tandem_spec_decode_num_draft_tokens", "Proposed tokens verified",
+                                         registry=r)
+        self.spec_accepted = Counter("tandem_spec_decode_num_accepted_tokens", "Proposed tokens accepted",
+                                     registry=r)
+        self.spec_accepted_pos = Counter("tandem_spec_decode_num_accepted_tokens_per_pos", "Verify rows "
+                                         "that accepted the proposal at each position", ["position"], registry=r)
+        self._spec_totals: tuple = (0, 0, 0, ())
         self.e2e = Histogram("tandem_e2e_request_latency_seconds", "Arrival to last token",
                              buckets=_LATENCY_BUCKETS, registry=r)
         self._replica_stats: dict[int, Stats] = {}
@@ -87,6 +96,19 @@ class Metrics:
             self.cache_hits.inc(hits - seen_hits)
         self._cache_totals = (queried, hits)
         self.cache_tokens.set(stats.prefix_cache_tokens)
+        self._count_speculation(stats)
+
+    def _count_speculation(self, stats: Stats) -> None:
+        now = (stats.spec_decode_num_drafts, stats.spec_decode_num_draft_tokens,
+               stats.spec_decode_num_accepted_tokens, tuple(stats.spec_decode_num_accepted_tokens_per_pos))
+        seen = self._spec_totals
+        grew = all(a >= b for a, b in zip(now[:3], seen[:3])) and all(a >= b for a, b in zip(now[3], seen[3]))
+        if grew:  # an engine restart starts from 0 again
+            for counter, a, b in zip((self.spec_drafts, self.spec_draft_tokens, self.spec_accepted), now, seen):
+                counter.inc(a - b)
+            for j, a in enumerate(now[3]):
+                self.spec_accepted_pos.labels(str(j)).inc(a - (seen[3][j] if j < len(seen[3]) else 0))
+        self._spec_totals = now
 
     def set_engine_up(self, up: bool) -> None:
         """A dead engine runs nothing and holds nothing: its last figures must not linger."""

@@ -98,6 +98,12 @@ class Stats(msgspec.Struct):
     prefix_cache_queried_tokens: int = 0
     prefix_cache_hit_tokens: int = 0
     prefix_cache_tokens: int = 0
+    # Speculative decoding: running totals (vLLM's spec_decode_num_*); per position, the rows
+    # that accepted proposal j. Empty where it is off.
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: list[int] = []
 
 
 class Outputs(msgspec.Struct, tag=True):

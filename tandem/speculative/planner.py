@@ -14,6 +14,34 @@ from tandem.scheduler.batch import Row
 from tandem.speculative.config import SpeculativeConfig
 
 
+# A request whose verify rows emit nothing MISSES_BEFORE_PAUSE times in a row (its text does
+# not repeat: chat, not copying) stops proposing for FIRST_PAUSE steps, twice as long after
+# each further miss up to MAX_PAUSE; an accepted proposal resets it. A verify row with no
+# proposal costs k + 1 query tokens for one: the pause keeps such requests on plain decode
+# steps (and their CUDA graphs) but for an occasional probe.
+MISSES_BEFORE_PAUSE = 4
+FIRST_PAUSE = 2
+MAX_PAUSE = 64
+
+
+def note_verified(req: Request, k: int, accepted: int) -> None:
+    """A processed verify row of `req` that carried `k` proposal slots."""
+    if not k:
+        note_plain(req)
+    elif accepted:
+        req.spec_misses = 0
+    else:
+        req.spec_misses += 1
+        if req.spec_misses >= MISSES_BEFORE_PAUSE:
+            req.spec_pause = min(MAX_PAUSE, FIRST_PAUSE << (req.spec_misses - MISSES_BEFORE_PAUSE))
+
+
+def note_plain(req: Request) -> None:
+    """A processed step sampled one token of `req` without proposals."""
+    if req.spec_pause:
+        req.spec_pause -= 1
+
+
 def length_bound(req: Request) -> int:
     """The most tokens (prompt, outputs, the pending one) the request can have once every
     launched step ran: each launched row samples one, a verify row up to spec_k more."""
@@ -37,7 +65,7 @@ class VerifyPlanner:
     def k_for(self, req: Request) -> int:
         """Proposals for the request's row: k, fewer near max_tokens (every emitted token is
         then within max_samples, so no position passes the context), 0 if it cannot speculate."""
-        if not speculates(req):
+        if req.spec_pause or not speculates(req):
             return 0
         room = req.max_samples - req.num_scheduled_samples - req.spec_extra - 1
         return max(0, min(self.cfg.num_speculative_tokens, room))

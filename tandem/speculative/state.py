@@ -15,8 +15,8 @@ from torch import Tensor
 from tandem.speculative.ngram import Proposal, propose_ngram
 from tandem.speculative.verify import accept_point_mass
 
-# The n-gram search looks this far back from the longest row's end (a host bound): matches
-# further back are not found, which only shortens proposals.
+# The n-gram search looks this far back from each row's end: matches further back are not
+# found, which only shortens proposals.
 NGRAM_WINDOW = 8192
 
 
@@ -40,6 +40,7 @@ class SpecState:
         # Width: a verify writes the k + 1 tokens after the last one; all stay below it.
         self.history = torch.zeros((max_slots + 1, max_model_len + k + 2), dtype=torch.int32, device=device)
         self.length = torch.zeros(max_slots + 1, dtype=torch.int64, device=device)
+        self.window = min(NGRAM_WINDOW, max_model_len)
 
     def admit(self, slot: int, tokens: Tensor) -> None:
         """A (re)admitted request: its known tokens ([n] int64 on the device). Its prefill's
@@ -53,15 +54,14 @@ class SpecState:
         self.history[slots, positions] = token_ids.to(torch.int32)
         self.length[slots] = positions + 1
 
-    def prepare(self, slots: Tensor, k_rows: Tensor, token_row: Tensor, token_offset: Tensor,
-                max_length: int) -> SpecStep:
-        """Proposals for rows `slots` (each cut to its k_rows), from the history up to the
-        host's bound on the longest row."""
+    def prepare(self, slots: Tensor, k_rows: Tensor, token_row: Tensor, token_offset: Tensor) -> SpecStep:
+        """Proposals for rows `slots` (each cut to its k_rows). Each row searches the last
+        `window` tokens of its own history: fixed shapes, no host value (graph-capturable)."""
         lengths = self.length[slots]
-        hi = min(max_length, self.history.shape[1])
-        history = self.history[slots, :hi].to(torch.int64)
-        proposal = propose_ngram(history, lengths, self.k, self.min_n, self.max_n,
-                                 window=(hi - NGRAM_WINDOW, hi))
+        start = (lengths - self.window).clamp(min=0)
+        cols = start[:, None] + torch.arange(self.window, device=slots.device)[None, :]
+        recent = self.history[slots[:, None], cols].to(torch.int64)
+        proposal = propose_ngram(recent, lengths - start, self.k, self.min_n, self.max_n)
         count = torch.minimum(proposal.count, k_rows)
         live = torch.arange(self.k, device=slots.device)[None, :] < count[:, None]
         proposal = Proposal(proposal.tokens.masked_fill(~live, 0), count)

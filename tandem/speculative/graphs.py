@@ -1,0 +1,128 @@
+"""Verify steps as CUDA graphs: one per (batch-size bucket, staging ring slot).
+
+A graphed verify step has a fixed shape: every row scores k + 1 query tokens (its last token
+and k proposal slots) whatever its own k_row; the queries past k_row write their KV to the
+dummy slot 0 and their samples are never emitted (the verdict accepts at most k_row). The
+captured work is the proposal (n-gram over the device history), the inputs, positions and KV
+locations, the forward and the logits; the slots reserved this step are written into the
+table before the replay, and sampling and the verdict run after it, as for decode graphs.
+Padding rows use request slot 0, k_row 0: they read the padding row and write slot 0.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from tandem.forward_batch import ForwardBatch
+from tandem.speculative.state import SpecState, SpecStep
+
+log = logging.getLogger("tandem")
+
+# The fixed fields a graph reads from the staging ring, in this order at the ring slot's start.
+VERIFY_FIELDS = ("req_slots", "k_rows")
+
+
+class VerifyGraphs:
+    def __init__(self, model, kv, table, backend, future_map, streams, stager, spec: SpecState,
+                 buckets: list[int], max_seq_len: int, capture: bool = True):
+        self.model, self.kv, self.table, self.backend = model, kv, table, backend
+        self.future_map, self.streams, self.stager, self.spec = future_map, streams, stager, spec
+        self.buckets, self.max_seq_len, self.k = buckets, max_seq_len, spec.k
+        self.use_graphs = capture  # False: the same fixed-shape work, run eagerly (CPU tests)
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple[int, int], tuple[torch.Tensor, SpecStep]] = {}
+        self.memory_bytes = 0
+        dev, q = streams.device, self.k + 1
+        # The debug FutureMap's device assert cannot be captured: its gather runs eagerly.
+        self.resolve_in_graph = not future_map.debug
+        self.last_tokens = {b: torch.zeros(b, dtype=torch.int64, device=dev) for b in buckets}
+        rows = {b: torch.arange(b, device=dev) for b in buckets}
+        self.token_row = {b: rows[b].repeat_interleave(q) for b in buckets}
+        self.token_offset = {b: torch.arange(q, device=dev).repeat(b) for b in buckets}
+        self.qo_indptr = {b: torch.arange(b + 1, device=dev) * q for b in buckets}
+        # One logits buffer for every graph; replays and the sampling reading them are all on
+        # the forward stream, so a replay never overwrites logits still to be read.
+        self.logits = torch.empty(self.max_batch * q, model.config.vocab_size, dtype=torch.float32, device=dev)
+
+    @property
+    def max_batch(self) -> int:
+        return self.buckets[-1]
+
+    def bucket(self, batch_size: int) -> int:
+        return next(b for b in self.buckets if b >= batch_size)
+
+    def forward(self, views: dict[str, torch.Tensor], bucket: int) -> tuple[torch.Tensor, SpecStep]:
+        """The captured work: logits [bucket * (k + 1), V] and the step's device facts."""
+        slots, k_rows = views["req_slots"], views["k_rows"]
+        r, j = self.token_row[bucket], self.token_offset[bucket]
+        step = self.spec.prepare(slots, k_rows, r, j)
+        last = self.future_map.resolve(slots) if self.resolve_in_graph else self.last_tokens[bucket]
+        input_ids, positions = self.spec.inputs(step, last)
+        positions = positions.clamp(min=0)  # padding rows (length 0)
+        # Queries past a row's k_row have no reserved slot: their KV goes to the dummy slot.
+        live = j <= k_rows[r]
+        width = self.table.table.shape[1]
+        locs = torch.where(live, self.table.table[slots[r], positions.clamp(max=width - 1)].to(torch.int64), 0)
+        lengths = step.lengths.clamp(min=1)
+        # The kernels bound each row's keys by its device length (queries past k_row see the
+        # same keys, and are never used). The torch reference (the CPU tests, never captured)
+        # takes host lengths and counts every query as new: it gets length + k, read here.
+        if self.backend.name == "torch":
+            seq_lens = lengths + self.k
+            host_slots, host_lens = slots.tolist(), seq_lens.tolist()
+        else:
+            seq_lens, host_slots, host_lens = lengths + k_rows, [0] * bucket, [1] * bucket
+        fb = ForwardBatch(
+            input_ids=input_ids, positions=positions, out_cache_loc=locs, req_slots=slots,
+            seq_lens=seq_lens, prefix_lens=lengths - 1, qo_indptr=self.qo_indptr[bucket],
+            req_to_token=self.table.table, host_req_slots=host_slots, host_seq_lens=host_lens,
+            host_extend_lens=[self.k + 1] * bucket, is_decode=False, max_seq_len=self.max_seq_len)
+        hidden = self.model(fb, self.kv, self.backend)
+        logits = self.model.compute_logits(hidden, out=self.logits[:bucket * (self.k + 1)])
+        return logits, step
+
+    @torch.no_grad()
+    def capture(self) -> None:
+        if not self.use_graphs:
+            return
+        free_before = torch.cuda.mem_get_info(self.streams.device)[0]
+        pool = torch.cuda.graph_pool_handle()
+        forward = self.streams.forward
+        forward.wait_stream(torch.cuda.current_stream(self.streams.device))
+        for bucket in reversed(self.buckets):  # largest first: smaller ones reuse its pool
+            for ring in range(self.stager.depth):
+                views = self.views(ring, bucket)
+                for v in views.values():
+                    v.zero_()  # all-padding inputs
+                with torch.cuda.stream(forward):
+                    self.forward(views, bucket)  # warm-up: compiles kernels, fills caches
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, stream=forward):
+                    self.outputs[(bucket, ring)] = self.forward(views, bucket)
+                self.graphs[(bucket, ring)] = graph
+        torch.cuda.current_stream(self.streams.device).wait_stream(forward)
+        torch.cuda.synchronize(self.streams.device)
+        self.memory_bytes = free_before - torch.cuda.mem_get_info(self.streams.device)[0]
+        log.info("captured %d verify graphs (buckets up to %d, k=%d) using %.0f MiB",
+                 len(self.graphs), self.max_batch, self.k, self.memory_bytes / 2**20)
+
+    def views(self, ring: int, bucket: int) -> dict[str, torch.Tensor]:
+        return self.stager.views(ring, {name: bucket for name in VERIFY_FIELDS})
+
+    def replay(self, bucket: int, ring: int) -> tuple[torch.Tensor, SpecStep]:
+        """Queue the step on the current (forward) stream; returns its logits and facts."""
+        views = self.views(ring, bucket)
+        if not self.resolve_in_graph:
+            self.last_tokens[bucket].copy_(self.future_map.resolve(views["req_slots"]))
+        if not self.use_graphs:
+            return self.forward(views, bucket)
+        self.graphs[(bucket, ring)].replay()
+        return self.outputs[(bucket, ring)]
+
+    def close(self) -> None:
+        for graph in self.graphs.values():
+            graph.reset()
+        self.graphs.clear()
+        self.outputs.clear()
+        self.logits = None
