@@ -586,7 +586,7 @@ class Engine:
         top_lps = host.top_logprobs.tolist() if host.top_logprobs is not None else None
         self.completed_step = pending.batch.step
         if pending.batch.is_verify:
-            outputs = self._read_verify(pending.batch, tokens, logprobs, top_ids, top_lps)
+            outputs = self._read_verify(pending.batch, pending.verify_queries, tokens, logprobs, top_ids, top_lps)
             self.scheduler.on_step_completed(self.completed_step)
             return outputs
         outputs = []
@@ -606,7 +606,8 @@ class Engine:
         self.scheduler.on_step_completed(self.completed_step)
         return outputs
 
-    def _read_verify(self, batch: ScheduledBatch, flat: list[int], logprobs, top_ids, top_lps) -> list[StepOutput]:
+    def _read_verify(self, batch: ScheduledBatch, queries: list[int], flat: list[int], logprobs, top_ids,
+                     top_lps) -> list[StepOutput]:
         """A verify step's rows: [accepted, proposed, samples...] each. The emitted tokens go
         through the same per-token processing as plain decoding (a stop, stop string or
         max_tokens cuts the run); the request's counts learn what its row really computed."""
@@ -615,7 +616,7 @@ class Engine:
         proposed_total = accepted_total = 0
         for i, row in enumerate(batch.rows):
             req, at = row.req, i * width
-            token_index, first_token = first_token, first_token + row.spec_k + 1
+            token_index, first_token = first_token, first_token + queries[i]
             if req.finished:
                 continue  # one-step lag: what a finished request's last row computed is dropped
             accepted, proposed = flat[at], flat[at + 1]

@@ -43,6 +43,7 @@ class PendingResult:
     unsampled: tuple | None = None  # (logits, sample slots, sampling inputs) until `sample` ran
     mask_wait: tuple | None = None  # timing events around the forward stream's wait for the masks
     verify: SpecStep | None = None  # a verify step's proposals and lengths, until `sample` ran
+    verify_queries: list[int] | None = None  # a verify step: query tokens per row (their logprobs' layout)
     # Speculative decoding, plain steps: the positions of the tokens sampled (history appends).
     sampled_positions: torch.Tensor | None = None
 
@@ -174,7 +175,7 @@ class ModelRunner:
             with self.streams.use(self.streams.schedule):
                 sampling = sampling.to(self.streams.device, non_blocking=True)
         forward = self.streams.forward
-        pending = PendingResult(batch, None, keepalive=[sampling])
+        pending = PendingResult(batch, None, keepalive=[sampling], verify_queries=q)
         with self.streams.use(forward):
             forward.wait_stream(self.streams.schedule)  # read-after-write: staged inputs
             if self.timing:
@@ -226,13 +227,13 @@ class ModelRunner:
         return self.model.compute_logits(self.model(fb, self.kv, self.backend)), step
 
     def _verify_bucket(self, batch: ScheduledBatch, defer_sampling: bool) -> int | None:
-        """The fixed-shape (graphed) layout, for steps with proposals and no token masks (those
-        verify nothing: one query a row) within the captured sizes."""
+        """The fixed-shape (graphed) layout within the captured sizes. Also for a step whose
+        rows all have k_row = 0 (the one after a verify when nothing speculates): a replay costs
+        less than the eager forward. Not for steps with token masks (their sampling waits for
+        the host; one query a row)."""
         graphs = self.verify_graphs
         if graphs is None or defer_sampling or len(batch.rows) > graphs.max_batch:
             return None
-        if not any(row.spec_k for row in batch.rows):
-            return None  # a step between plain decoding and verify steps: one query a row is cheaper
         return graphs.bucket(len(batch.rows))
 
     def _finish_verify(self, pending: PendingResult, logits: torch.Tensor, slots: torch.Tensor,

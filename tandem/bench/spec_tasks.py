@@ -1,0 +1,142 @@
+"""`tandem bench spec`: n-gram speculative decoding against plain decoding, per task, as
+users run it (`LLM()` with default options, then the same with `speculative_config`).
+
+Tasks (the issue's figures): three prompt-grounded ones, where the answer repeats text the
+prompt holds (copy a passage, summarize it, edit code given in full), and free-form chat,
+where it does not. Each runs at batch sizes B (B copies of the task's prompt, greedy,
+`--max-tokens` each) after an untimed warm-up of the same shape; tok/s is output tokens over
+wall time. Reported: plain and speculative tok/s and their ratio, the mean acceptance length
+(tokens a verify row emits), verify steps, and GPU busy from the step timeline (CUDA). Real
+weights are what make acceptance meaningful: the default model is the built-in one.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import asdict, dataclass
+
+from tandem.entrypoints.llm import LLM
+from tandem.sampling import SamplingParams
+
+PASSAGE = (
+    "The lighthouse stood at the end of a narrow spit of rock, and for forty years the same "
+    "keeper had climbed its iron stairs every evening to light the lamp. Ships passing in the "
+    "night saw its beam sweep across the water every twelve seconds, steady as a heartbeat. "
+    "When the keeper finally retired, the town installed an automatic lamp, and the stairs "
+    "gathered dust. But on stormy nights the fishermen still swore they could see a figure at "
+    "the top of the tower, watching the sea, making sure the light never failed.")
+CODE = '''def moving_average(values, window):
+    """Return the moving averages of `values` over `window` items."""
+    averages = []
+    for i in range(len(values) - window + 1):
+        total = 0
+        for j in range(i, i + window):
+            total += values[j]
+        averages.append(total / window)
+    return averages
+
+
+def main():
+    data = [3, 5, 7, 2, 8, 10, 11, 65, 72, 81, 99, 100, 150]
+    print(moving_average(data, 3))
+'''
+TASKS = {
+    "copy": f"Repeat the following passage exactly, word for word:\n\n{PASSAGE}",
+    "summarize": f"Summarize the following passage in a few sentences, reusing its wording:\n\n{PASSAGE}",
+    "edit_code": f"Rename the function moving_average to rolling_mean everywhere in this code and "
+                 f"return the whole code:\n\n{CODE}",
+    "chat": "Write a short story about a robot who learns to paint. Be creative.",
+}
+GROUNDED = ("copy", "summarize", "edit_code")
+
+
+@dataclass
+class TaskRow:
+    task: str
+    batch: int
+    plain_tok_s: float
+    spec_tok_s: float
+    speedup: float
+    mean_acceptance_length: float | None
+    verify_steps: int
+    steps: int
+    output_tokens: int
+    spec_gpu_busy: float | None
+    identical: bool  # greedy outputs equal plain decoding's
+
+
+def _timed(llm: LLM, prompt: str, batch: int, max_tokens: int) -> tuple[float, list[list[int]], dict]:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    llm.chat([[{"role": "user", "content": prompt}]] * batch, params, use_tqdm=False)  # warm the shape
+    engine = llm.engine
+    before, first = engine.stats(), len(engine.timeline.records) if engine.timeline is not None else 0
+    start = time.perf_counter()
+    outs = llm.chat([[{"role": "user", "content": prompt}]] * batch, params, use_tqdm=False)
+    wall = time.perf_counter() - start
+    after = engine.stats()
+    delta = {k: after[k] - before[k] for k in after if k.startswith("spec_decode_num") and
+             isinstance(after[k], int)}
+    delta["steps"] = after["steps"] - before["steps"]
+    delta["verify_steps"] = after.get("spec_decode_verify_steps", 0) - before.get("spec_decode_verify_steps", 0)
+    if engine.timeline is not None:
+        delta["gpu_busy"] = engine.timeline.summary(skip=first).get("gpu_busy_fraction")
+    return wall, [o.outputs[0].token_ids for o in outs], delta
+
+
+def run(model: str | None, spec: dict, tasks: list[str], batches: list[int], max_tokens: int,
+        device: str, dtype: str) -> list[TaskRow]:
+    kw = {"device": device, "dtype": dtype, "timeline": device != "cpu"}
+    if model is not None:
+        kw["model"] = model
+    results: dict[tuple[str, int], list] = {}
+    for label, config in (("plain", None), ("spec", spec)):
+        llm = LLM(**kw, speculative_config=config)
+        for task in tasks:
+            for b in batches:
+                results.setdefault((task, b), []).append(_timed(llm, TASKS[task], b, max_tokens))
+        llm.close()
+    rows = []
+    for (task, b), ((plain_s, plain_ids, _), (spec_s, spec_ids, d)) in results.items():
+        tokens = sum(len(t) for t in spec_ids)
+        drafts, accepted = d.get("spec_decode_num_drafts", 0), d.get("spec_decode_num_accepted_tokens", 0)
+        rows.append(TaskRow(task, b, sum(len(t) for t in plain_ids) / plain_s, tokens / spec_s,
+                            plain_s / spec_s, 1 + accepted / drafts if drafts else None, d["verify_steps"],
+                            d["steps"], tokens, d.get("gpu_busy"), plain_ids == spec_ids))
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="tandem bench spec", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", help="model path (default: the built-in SmolLM2-135M-Instruct)")
+    ap.add_argument("--speculative-config", default='{"method": "ngram", "num_speculative_tokens": 4, '
+                                                    '"prompt_lookup_max": 3}')
+    ap.add_argument("--tasks", default=",".join(TASKS), help=f"comma-separated, of: {','.join(TASKS)}")
+    ap.add_argument("--batch-sizes", default="1,8,32")
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--json", help="write the rows here")
+    args = ap.parse_args(argv)
+    tasks = [t for t in args.tasks.split(",") if t]
+    unknown = [t for t in tasks if t not in TASKS]
+    if unknown:
+        ap.error(f"unknown task(s) {unknown}; known: {', '.join(TASKS)}")
+    rows = run(args.model, json.loads(args.speculative_config), tasks,
+               [int(b) for b in args.batch_sizes.split(",")], args.max_tokens, args.device, args.dtype)
+    print(f"{'task':10} {'batch':>5} {'plain tok/s':>12} {'spec tok/s':>11} {'x':>6} {'accept len':>10} "
+          f"{'verify/steps':>13} {'gpu busy':>8} same")
+    for r in rows:
+        acc = f"{r.mean_acceptance_length:.2f}" if r.mean_acceptance_length else "-"
+        busy = f"{r.spec_gpu_busy:.3f}" if r.spec_gpu_busy is not None else "-"
+        print(f"{r.task:10} {r.batch:5d} {r.plain_tok_s:12,.0f} {r.spec_tok_s:11,.0f} {r.speedup:6.2f} {acc:>10} "
+              f"{r.verify_steps:6d}/{r.steps:<6d} {busy:>8} {r.identical}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"speculative_config": json.loads(args.speculative_config), "max_tokens": args.max_tokens,
+                       "rows": [asdict(r) for r in rows]}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
