@@ -36,7 +36,8 @@ def cycling_text_model(tmp_path_factory, builtin_tokenizer):
 
 
 def _engine(path, spec=None, **kw) -> Engine:
-    kw = {"device": TEST_DEVICE, **kw}
+    # On CUDA fewer decode graphs to capture per engine (the suite's tests part is budgeted).
+    kw = {"device": TEST_DEVICE, "cuda_graph_max_batch": 8, **kw}
     return Engine(EngineConfig(model=str(path), dtype="float32", speculative_config=spec, **kw))
 
 
@@ -107,7 +108,8 @@ def test_greedy_and_seeded_outputs_are_those_of_plain_decoding(cycling_model, ov
     # Proposals were accepted, most of them: the outputs cycle.
     assert stats["spec_decode_num_accepted_tokens"] > 0.6 * stats["spec_decode_num_draft_tokens"] > 0
     assert stats["spec_decode_mean_acceptance_length"] > 3
-    assert stats["steps"] < 0.5 * sum(len(o.token_ids) for o in plain) / len(prompts) * 3
+    # Fewer verify steps than the longest request has tokens (steps also count CUDA warm-up).
+    assert stats["spec_decode_verify_steps"] < 0.5 * max(len(o.token_ids) for o in plain)
 
 
 @pytest.mark.parametrize("overlap", [True, False])

@@ -47,7 +47,9 @@ class SpecState:
         sample then appends the first new one (`record`)."""
         n = tokens.shape[0]
         self.history[slot, :n] = tokens.to(torch.int32)
-        self.length[slot] = n
+        # fill_ takes the int as a kernel argument; `length[slot] = n` copies a host scalar
+        # (a synchronizing copy: the H200's sync guard caught it).
+        self.length[slot:slot + 1].fill_(n)
 
     def record(self, slots: Tensor, positions: Tensor, token_ids: Tensor) -> None:
         """A plain step sampled `token_ids` at host-known `positions` (the pending tokens)."""
