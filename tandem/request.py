@@ -56,6 +56,7 @@ class Request:
     # the decode steps it proposes nothing for (tandem.speculative.planner.note_verified).
     spec_misses: int = 0
     spec_pause: int = 0
+    spec_index: object | None = None  # a speculative.ngram.HostNgramIndex of its known tokens
     last_step: int = -1  # last step that included this request (its KV is live until it completes)
     first_token_time: float | None = None
     num_preemptions: int = 0

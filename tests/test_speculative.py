@@ -138,3 +138,19 @@ def test_the_distribution_test_catches_a_missing_rejection_step():
 
     counts, expected = _first_token_counts(accept_everything, 20_000)
     assert _chi_square_p(counts, expected) < 1e-6
+
+
+def test_the_host_index_agrees_with_the_proposer_rule():
+    """HostNgramIndex.matches (incremental, over prompt + outputs) says whether
+    propose_ngram_reference finds a proposal, on random short-alphabet sequences."""
+    import random
+    from tandem.speculative.ngram import HostNgramIndex
+    rng = random.Random(0)
+    for trial in range(200):
+        tokens = [rng.randrange(4) for _ in range(rng.randrange(1, 40))]
+        split = rng.randrange(len(tokens) + 1)
+        index = HostNgramIndex(1, 3) if trial % 2 else HostNgramIndex(2, 3)
+        for cut in range(1, len(tokens) + 1):  # grown a token at a time, as outputs arrive
+            prompt, outputs = tokens[:min(split, cut)], tokens[min(split, cut):cut]
+            want = bool(propose_ngram_reference(tokens[:cut], 4, index.min_n, index.max_n))
+            assert index.matches(prompt, outputs) == want, (tokens[:cut], split)

@@ -108,8 +108,9 @@ def test_greedy_and_seeded_outputs_are_those_of_plain_decoding(cycling_model, ov
     # Proposals were accepted, most of them: the outputs cycle.
     assert stats["spec_decode_num_accepted_tokens"] > 0.6 * stats["spec_decode_num_draft_tokens"] > 0
     assert stats["spec_decode_mean_acceptance_length"] > 3
-    # Fewer verify steps than the longest request has tokens (steps also count CUDA warm-up).
-    assert stats["spec_decode_verify_steps"] < 0.5 * max(len(o.token_ids) for o in plain)
+    # Most greedy tokens came as accepted proposals (their outputs cycle).
+    greedy_tokens = sum(len(o.token_ids) for o, p in zip(plain, params * 4) if p.temperature == 0)
+    assert stats["spec_decode_num_accepted_tokens"] > 0.5 * greedy_tokens
 
 
 @pytest.mark.parametrize("overlap", [True, False])

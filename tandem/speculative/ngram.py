@@ -68,3 +68,31 @@ def propose_ngram_reference(tokens: list[int], k: int, min_n: int, max_n: int) -
             if tokens[start:start + n] == suffix:
                 return tokens[start + n:start + n + k]
     return []
+
+
+class HostNgramIndex:
+    """The host's guess whether the device proposer will find a match: the same rule over the
+    tokens the host has seen (one step behind the device, which is close enough: text that is
+    being copied keeps matching). A verify row without proposals costs k + 1 query tokens for
+    one, so rows whose known suffix occurred nowhere earlier do not speculate. Hashes of every
+    n-gram (min_n..max_n) followed by a token, over the last `window` tokens when first built,
+    then incrementally; a collision only costs a wasted proposal slot."""
+
+    def __init__(self, min_n: int, max_n: int, window: int = 8192) -> None:
+        self.min_n, self.max_n, self.window = min_n, max_n, window
+        self.seen: set[int] = set()
+        self.indexed: int | None = None  # tokens[:indexed] have had their n-grams added
+
+    def matches(self, prompt: list[int], outputs: list[int]) -> bool:
+        """Does a suffix of prompt + outputs (min_n..max_n tokens) occur earlier, followed by a token?"""
+        total = len(prompt) + len(outputs)
+        if self.indexed is None:
+            self.indexed = max(0, total - self.window)
+        first = max(0, min(self.indexed, total) - self.max_n)  # the new tokens and the n-grams ending there
+        tail = (prompt[first:] + outputs) if first < len(prompt) else outputs[first - len(prompt):]
+        for end in range(max(self.indexed, self.min_n, first), total):  # windows followed by a token
+            for n in range(self.min_n, min(self.max_n, end - first) + 1):
+                self.seen.add(hash((n, *tail[end - first - n:end - first])))
+        self.indexed = max(self.indexed, total)
+        return any(hash((n, *tail[len(tail) - n:])) in self.seen
+                   for n in range(self.min_n, min(self.max_n, total - 1, len(tail)) + 1))

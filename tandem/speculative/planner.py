@@ -12,6 +12,7 @@ from typing import Callable
 from tandem.request import Request
 from tandem.scheduler.batch import Row
 from tandem.speculative.config import SpeculativeConfig
+from tandem.speculative.ngram import HostNgramIndex
 
 
 # A request whose verify rows emit nothing MISSES_BEFORE_PAUSE times in a row (its text does
@@ -65,10 +66,16 @@ class VerifyPlanner:
     def k_for(self, req: Request) -> int:
         """Proposals for the request's row: k, fewer near max_tokens (every emitted token is
         then within max_samples, so no position passes the context), 0 if it cannot speculate."""
-        if req.spec_pause or not speculates(req):
+        if req.spec_pause or not speculates(req) or not self._match_likely(req):
             return 0
         room = req.max_samples - req.num_scheduled_samples - req.spec_extra - 1
         return max(0, min(self.cfg.num_speculative_tokens, room))
+
+    def _match_likely(self, req: Request) -> bool:
+        cfg = self.cfg
+        if req.spec_index is None:
+            req.spec_index = HostNgramIndex(cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+        return req.spec_index.matches(req.prompt_token_ids, req.output_token_ids)
 
     def plan(self, reqs: list[Request], available: int, alloc: Callable[[int], list[int]]) -> list[Row] | None:
         """Verify rows for every decoding request, or None: plain decode rows will do (every
