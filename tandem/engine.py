@@ -108,7 +108,6 @@ class Engine:
         self.pending: PendingResult | None = None
         self.timeline = None
         self._previous_forward_end = None
-        self._last_verify = (0, 0)  # the last verify step's proposals and accepted ones
         self.step_id = 0
         self.completed_step = -1
         self.fatal = FatalErrorGuard(log)
@@ -568,8 +567,6 @@ class Engine:
         pending.host.wait()
         t_wait = perf_counter() - t0
         outputs = self._read_result(pending)
-        if pending.record is not None and pending.batch.is_verify:
-            pending.record.proposed, pending.record.accepted = self._last_verify
         if pending.record is not None:
             pending.record.process_ms = (perf_counter() - t0) * 1e3
             pending.record.host_wait_ms = t_wait * 1e3
@@ -586,7 +583,8 @@ class Engine:
         top_lps = host.top_logprobs.tolist() if host.top_logprobs is not None else None
         self.completed_step = pending.batch.step
         if pending.batch.is_verify:
-            outputs = self._read_verify(pending.batch, pending.verify_queries, tokens, logprobs, top_ids, top_lps)
+            outputs = self._read_verify(pending.batch, pending.verify_queries, tokens, logprobs, top_ids, top_lps,
+                                        pending.record)
             self.scheduler.on_step_completed(self.completed_step)
             return outputs
         outputs = []
@@ -607,10 +605,11 @@ class Engine:
         return outputs
 
     def _read_verify(self, batch: ScheduledBatch, queries: list[int], flat: list[int], logprobs, top_ids,
-                     top_lps) -> list[StepOutput]:
+                     top_lps, record: StepRecord | None) -> list[StepOutput]:
         """A verify step's rows: [accepted, proposed, samples...] each. The emitted tokens go
         through the same per-token processing as plain decoding (a stop, stop string or
-        max_tokens cuts the run); the request's counts learn what its row really computed."""
+        max_tokens cuts the run); the request's counts learn what its row really computed, and
+        the step's timeline record what it proposed and accepted."""
         width, outputs, first_token = self.speculative.num_speculative_tokens + 3, [], 0
         self.spec_counters.verify_steps += 1
         proposed_total = accepted_total = 0
@@ -638,7 +637,8 @@ class Engine:
                 if req.finished:
                     break
             outputs.append(_merged(outs))
-        self._last_verify = (proposed_total, accepted_total)  # for the step's timeline record
+        if record is not None:
+            record.proposed, record.accepted = proposed_total, accepted_total
         return outputs
 
     def _append_token_or_fail(self, req: Request, token: int, lp: TokenLogprob | None) -> StepOutput:
