@@ -137,9 +137,6 @@ class Engine:
             return None
         if self.parallel.tp.size > 1:
             raise ValueError("speculative_config is not supported with tensor_parallel_size > 1 yet")
-        if self.device.type == "cuda" and self.backend.name != "triton":
-            # Its extend attention loops over host lengths, which a verify step has only on the device.
-            raise ValueError("speculative_config on CUDA needs the Triton attention backend")
         return spec
 
     def _quantize(self) -> None:

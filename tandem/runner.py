@@ -22,7 +22,7 @@ from tandem.sampling import Sampler, SamplingInputs, SamplingParams
 from tandem.sampling.inputs import seed_to_int64
 from tandem.sampling.noise import row_keys
 from tandem.scheduler.batch import ScheduledBatch
-from tandem.speculative.graphs import VERIFY_FIELDS, VerifyGraphs
+from tandem.speculative.graphs import VERIFY_FIELDS, VerifyGraphs, query_rows_batch
 from tandem.speculative.ngram import Proposal
 from tandem.speculative.state import SpecState, SpecStep
 
@@ -213,17 +213,8 @@ class ModelRunner:
         step = spec.prepare(slots, k_rows, r, dev["token_offset"])
         input_ids, positions = spec.inputs(step, self.future_map.resolve(slots))
         locs = self.table.table[slots[r], positions].to(torch.int64)
-        seq_lens, prefix_lens = step.lengths + k_rows, step.lengths - 1
-        ks = [row.spec_k for row in rows]
-        # The torch reference loops over host lengths: on the CPU reading them costs nothing
-        # (the engine refuses speculation with it on CUDA); the kernels take device lengths.
-        host_lens = (seq_lens.tolist() if self.backend.name == "torch"
-                     else [row.length_bound + k for row, k in zip(rows, ks)])
-        fb = ForwardBatch(
-            input_ids=input_ids, positions=positions, out_cache_loc=locs, req_slots=slots,
-            seq_lens=seq_lens, prefix_lens=prefix_lens, qo_indptr=dev["qo_indptr"],
-            req_to_token=self.table.table, host_req_slots=fields["req_slots"], host_seq_lens=host_lens,
-            host_extend_lens=[k + 1 for k in ks], is_decode=not any(ks), max_seq_len=max(host_lens))
+        bound = max(row.length_bound + row.spec_k for row in rows)  # the host's bound on every query's length
+        fb = query_rows_batch(input_ids, positions, locs, slots[r], self.table.table, bound)
         return self.model.compute_logits(self.model(fb, self.kv, self.backend)), step
 
     def _verify_bucket(self, batch: ScheduledBatch, defer_sampling: bool) -> int | None:
@@ -377,12 +368,11 @@ def _verify_metadata(batch: ScheduledBatch, bucket: int | None) -> dict[str, lis
                    "seeds": [seed_to_int64(r.req.seed) for r in rows], "reserved_req_slots": reserved_req,
                    "reserved_positions": reserved_pos, "reserved_locs": reserved_locs})
     if bucket is None:
-        token_row, token_offset, qo_indptr = [], [], [0]
+        token_row, token_offset = [], []
         for i, row in enumerate(rows):
             token_row += [i] * (row.spec_k + 1)
             token_offset += range(row.spec_k + 1)
-            qo_indptr.append(qo_indptr[-1] + row.spec_k + 1)
-        fields.update({"qo_indptr": qo_indptr, "token_row": token_row, "token_offset": token_offset})
+        fields.update({"token_row": token_row, "token_offset": token_offset})
     return fields
 
 

@@ -1,6 +1,7 @@
 """`tandem bench spec-verify` on the CPU: the verify forward (k + 1 tokens per row over a
 cached context) is laid out like the decode forward it is compared with — its first
-position's logits equal the decode's — and the report has every figure."""
+position's logits equal the decode's, every position's equal the extend layout's — and the
+report has every figure."""
 import json
 
 from tandem.bench import spec_verify
@@ -14,4 +15,5 @@ def test_verify_first_position_equals_decode_and_the_report_is_complete(tmp_path
     assert [(r["batch"], r["k"], r["context"]) for r in rows] == [(1, 3, 40), (3, 3, 40)]
     for r in rows:
         assert r["first_position_max_diff"] < 1e-4, r
+        assert r["layouts_max_diff"] < 1e-4, r  # a decode row per query == the extend kernel's causal mask
         assert r["decode_ms"] > 0 and r["verify_ms"] > 0 and r["ratio"] > 0

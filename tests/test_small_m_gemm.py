@@ -16,6 +16,8 @@ from tandem.models.linear import Linear, linear, m_bucket, quantize_fp8  # noqa:
 TOL = {torch.float32: 1e-4, torch.float16: 3e-3, torch.bfloat16: 2e-2}
 # (block_n, block_k, split_k): one split; splits with a ragged last one; N not a block multiple.
 CONFIGS = [GemmConfig(16, 64, 1), GemmConfig(32, 32, 3), GemmConfig(16, 128, 2)]
+# Per-lane accumulation for a few rows (no tl.dot): one split, ragged splits.
+LANE_CONFIGS = [GemmConfig(4, 64, 1, per_lane=True), GemmConfig(8, 32, 3, per_lane=True)]
 
 
 def _inputs(m: int, n: int, k: int, dtype: torch.dtype, seed: int = 0):
@@ -42,6 +44,34 @@ def test_small_m_gemm_matches_matmul(dtype, m, cfg, n, k):
     out = small_m_gemm(x, w, b, None, cfg)
     assert out.dtype == dtype and out.shape == (m, n)
     _close(out, expected, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m", [2, 5, 8])
+@pytest.mark.parametrize("cfg", LANE_CONFIGS, ids=str)
+@pytest.mark.parametrize("silu_mul", [False, True])
+def test_small_m_gemm_per_lane_matches_matmul(dtype, m, cfg, silu_mul):
+    """A verify step's few rows: each weight tile loaded once, products summed per lane."""
+    x, w, b = _inputs(m, 72, 200, dtype, seed=3)
+    if silu_mul:
+        gate_up = torch.cat([x, _inputs(m, 72, 200, dtype, seed=4)[0]], dim=1)
+        g, u = gate_up.float().chunk(2, dim=1)
+        act = (torch.nn.functional.silu(g).to(dtype).float() * u).to(dtype).float()
+        expected = act @ w.float().t() + b.float()
+        out = small_m_gemm(gate_up, w, b, None, cfg, silu_mul=True)
+    else:
+        expected = torch.matmul(x.float(), w.float().t()) + b.float()
+        out = small_m_gemm(x, w, b, None, cfg)
+    assert out.shape == (m, 72)
+    _close(out, expected, dtype)
+
+
+def test_tuner_offers_per_lane_tiles_for_a_few_rows():
+    from tandem.kernels.gemm_tuner import candidates
+    for m in (2, 4, 8):
+        lanes = [c for c in candidates(960, 576, m, 132) if c.per_lane]
+        assert lanes and all(m * c.block_n * c.block_k <= 8192 for c in lanes)
+    assert not any(c.per_lane for m in (1, 16) for c in candidates(960, 576, m, 132))
 
 
 @pytest.mark.parametrize("m", [1, 5])

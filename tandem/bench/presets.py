@@ -29,6 +29,13 @@ PRESETS = {
                          "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
         "torch_dtype": "bfloat16", "eos_token_id": 128001,
     },
+    "smollm2-135m": {  # the built-in model's shape
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 49152,
+        "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
+        "num_attention_heads": 9, "num_key_value_heads": 3, "max_position_embeddings": 8192,
+        "rms_norm_eps": 1e-5, "rope_theta": 100000.0, "tie_word_embeddings": True,
+        "torch_dtype": "bfloat16", "eos_token_id": 2,
+    },
     "tiny": {  # for CPU runs of the harness
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 512,
         "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,

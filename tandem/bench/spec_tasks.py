@@ -25,7 +25,14 @@ PASSAGE = (
     "night saw its beam sweep across the water every twelve seconds, steady as a heartbeat. "
     "When the keeper finally retired, the town installed an automatic lamp, and the stairs "
     "gathered dust. But on stormy nights the fishermen still swore they could see a figure at "
-    "the top of the tower, watching the sea, making sure the light never failed.")
+    "the top of the tower, watching the sea, making sure the light never failed.\n\n"
+    "Years later a young engineer came to inspect the automatic lamp. She found it in perfect "
+    "order, its gears oiled and its lens polished, though no one in the town admitted to "
+    "climbing the stairs. In the logbook on the keeper's desk, the last entry was dated the "
+    "week he retired, but beneath it, in the same careful handwriting, someone had added a "
+    "single line for every storm since: the date, the wind, and the words all ships safe. The "
+    "engineer closed the book, put it back where she had found it, and wrote in her report "
+    "that the lighthouse needed nothing at all.")
 CODE = '''def moving_average(values, window):
     """Return the moving averages of `values` over `window` items."""
     averages = []
@@ -37,9 +44,18 @@ CODE = '''def moving_average(values, window):
     return averages
 
 
+def moving_average_spread(values, window):
+    """Return the largest minus the smallest moving average."""
+    averages = moving_average(values, window)
+    if not averages:
+        return 0
+    return max(averages) - min(averages)
+
+
 def main():
     data = [3, 5, 7, 2, 8, 10, 11, 65, 72, 81, 99, 100, 150]
     print(moving_average(data, 3))
+    print(moving_average_spread(data, 3))
 '''
 TASKS = {
     "copy": f"Repeat the following passage exactly, word for word:\n\n{PASSAGE}",

@@ -1,7 +1,9 @@
 """`tandem bench spec-verify`: what a speculative verify step costs against a decode step.
 
 A verify forward scores each row's last token and its k proposals: k + 1 query tokens per
-row over the row's cached context (an extend with a prefix), and logits at every position.
+row over the row's cached context, and logits at every position. The engine runs it as a
+decode batch of one row per query (`speculative.graphs.query_rows_batch`); the extend layout
+(k + 1 new tokens after a prefix, the extend kernel) is timed beside it for comparison.
 Speculation pays when (accepted + 1) tokens per verify outweigh its cost over one decode
 step, so this ratio is the break-even acceptance, per batch size (issue 20 asks for <= 1.15x
 at batch 1 on the Llama-3.1-8B shape with k + 1 = 5).
@@ -25,6 +27,7 @@ from tandem.bench.presets import preset_dir
 from tandem.config import EngineConfig
 from tandem.engine import Engine
 from tandem.forward_batch import ForwardBatch
+from tandem.speculative.graphs import query_rows_batch
 
 
 @dataclass
@@ -33,10 +36,12 @@ class VerifyRow:
     k: int
     context: int
     decode_ms: float  # graph replay on CUDA, eager elsewhere
-    verify_ms: float
+    verify_ms: float  # the engine's layout: a decode row per query
+    verify_extend_ms: float  # the extend layout, for comparison
     decode_eager_ms: float
     verify_eager_ms: float
     first_position_max_diff: float  # |verify logits[pos 0] - decode logits|, the layout check
+    layouts_max_diff: float  # |verify logits - extend layout's|, every position
 
     @property
     def ratio(self) -> float:
@@ -64,7 +69,10 @@ class Shapes:
             qo_indptr=torch.arange(batch + 1, dtype=torch.int32, device=dev), req_to_token=table.table,
             host_req_slots=list(range(1, batch + 1)), host_seq_lens=[context + 1] * batch,
             host_extend_lens=[1] * batch, is_decode=True, max_seq_len=context + 1)
-        self.verify = ForwardBatch(
+        positions = (context + torch.arange(q, device=dev)).repeat(batch)
+        self.verify = query_rows_batch(tokens.flatten(), positions, locs[:, context:context + q].flatten(),
+                                       slots.repeat_interleave(q), table.table, context + q)
+        self.verify_extend = ForwardBatch(
             input_ids=tokens.flatten(), positions=(context + torch.arange(q, device=dev)).repeat(batch),
             out_cache_loc=locs[:, context:context + q].flatten(), req_slots=slots,
             seq_lens=torch.full((batch,), context + q, dtype=torch.int32, device=dev),
@@ -96,17 +104,19 @@ def measure(engine: Engine, batch: int, k: int, context: int, iters: int) -> Ver
     # Fill the context's KV once (a prefill of `context` random tokens is not needed: any KV
     # values time the same), then check the layout on the verify's first position.
     decode_logits = shapes.run(shapes.decode).clone()
-    verify_logits = shapes.run(shapes.verify)
+    verify_logits = shapes.run(shapes.verify).clone()
+    layouts = float((verify_logits - shapes.run(shapes.verify_extend)).abs().max())
     first = verify_logits.view(batch, k + 1, -1)[:, 0]
     diff = float((first - decode_logits).abs().max())
     dev = engine.device
-    eager = [_time_eager(lambda fb=fb: shapes.run(fb), iters, dev) for fb in (shapes.decode, shapes.verify)]
+    batches = (shapes.decode, shapes.verify, shapes.verify_extend)
+    eager = [_time_eager(lambda fb=fb: shapes.run(fb), iters, dev) for fb in batches]
     if dev.type == "cuda":
         from tandem.kernels.gemm_tuner import graph_time_ms  # imports Triton: CUDA only
-        timed = [graph_time_ms(lambda _, fb=fb: shapes.run(fb), 1, iters) for fb in (shapes.decode, shapes.verify)]
+        timed = [graph_time_ms(lambda _, fb=fb: shapes.run(fb), 1, iters) for fb in batches]
     else:
         timed = eager
-    return VerifyRow(batch, k, context, timed[0], timed[1], eager[0], eager[1], diff)
+    return VerifyRow(batch, k, context, timed[0], timed[1], timed[2], eager[0], eager[1], diff, layouts)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -133,11 +143,13 @@ def main(argv: list[str] | None = None) -> int:
         engine.close()
     print(f"verify of k + 1 = {args.k + 1} tokens per row vs one decode step, {args.preset}, "
           f"{args.context} cached tokens per row ({'CUDA graphs' if engine.device.type == 'cuda' else 'eager'}):")
-    print("| batch | decode ms | verify ms | verify / decode | eager decode ms | eager verify ms | check |")
-    print("|---:|---:|---:|---:|---:|---:|---:|")
+    print("| batch | decode ms | verify ms | verify / decode | extend layout ms | extend / decode | "
+          "eager decode ms | eager verify ms | check | layouts |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r.batch} | {r.decode_ms:.3f} | {r.verify_ms:.3f} | {r.ratio:.3f} | {r.decode_eager_ms:.3f} | "
-              f"{r.verify_eager_ms:.3f} | {r.first_position_max_diff:.2g} |")
+        print(f"| {r.batch} | {r.decode_ms:.3f} | {r.verify_ms:.3f} | {r.ratio:.3f} | {r.verify_extend_ms:.3f} | "
+              f"{r.verify_extend_ms / r.decode_ms:.3f} | {r.decode_eager_ms:.3f} | {r.verify_eager_ms:.3f} | "
+              f"{r.first_position_max_diff:.2g} | {r.layouts_max_diff:.2g} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "rows": [{**asdict(r), "ratio": r.ratio} for r in rows]}, f, indent=1)

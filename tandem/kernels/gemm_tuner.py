@@ -27,19 +27,26 @@ REPLAYS = 5
 _TILES_M1 = ((4, 1024, 4), (8, 512, 4), (8, 1024, 4), (16, 256, 4), (16, 512, 4), (32, 256, 4),
              (16, 512, 8))
 _TILES_DOT = ((16, 256, 4), (32, 256, 4), (64, 128, 4), (32, 128, 4))
+# M = 2..8 per lane (GemmConfig.per_lane): the accumulator holds M x block_n x block_k fp32,
+# 8192 of them (64 registers a thread at 4 warps), so the tile shrinks as M grows.
+_LANE_ELEMENTS = 8192
+_LANE_BLOCK_N = (4, 8)
 
 
 def candidates(n: int, k: int, m: int, num_sms: int) -> list[GemmConfig]:
     """Each tile with no split and with the splits that fill ~2 and ~4 waves of SMs."""
     out: list[GemmConfig] = []
-    for block_n, block_k, warps in (_TILES_M1 if m == 1 else _TILES_DOT):
+    tiles = [(bn, bk, w, False) for bn, bk, w in (_TILES_M1 if m == 1 else _TILES_DOT)]
+    if 1 < m <= 8:
+        tiles += [(bn, _LANE_ELEMENTS // (m * bn), 4, True) for bn in _LANE_BLOCK_N]
+    for block_n, block_k, warps, per_lane in tiles:
         if block_k > triton.next_power_of_2(k):
             continue
         blocks = triton.cdiv(n, block_n)
         max_split = max(1, k // block_k)
         for waves in (0, 2, 4):
             split = min(max_split, triton.next_power_of_2(triton.cdiv(waves * num_sms, blocks))) if waves else 1
-            cfg = GemmConfig(block_n, block_k, max(split, 1), warps)
+            cfg = GemmConfig(block_n, block_k, max(split, 1), warps, per_lane=per_lane)
             if cfg not in out and triton.cdiv(k, k_per_split(k, cfg)) == cfg.split_k:
                 out.append(cfg)
     return out

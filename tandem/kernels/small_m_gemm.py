@@ -7,8 +7,9 @@ programs in flight to saturate HBM even when N is small. With one split the prog
 writes the output (bias and dtype cast fused); with several, fp32 partials go to a
 workspace and a tiny second kernel sums them.
 
-M = 1 reduces in registers (multiply + sum along K); larger M pads to 16 rows for a
-`tl.dot`. For the MLP's down projection the input can be the packed gate_up rows: the
+M = 1 reduces in registers (multiply + sum along K); larger M either pads to 16 rows for a
+`tl.dot`, or (`per_lane`, a few rows: a verify step's k + 1 queries) keeps the M = 1 scheme
+with a [M, BLOCK_N, BLOCK_K] accumulator, each weight tile loaded once for every row. For the MLP's down projection the input can be the packed gate_up rows: the
 kernel then forms silu(gate) * up while loading x (rounded as `kernels.activation`
 does), which saves the separate SiLU-mul launch per layer at small batch. FP8 (e4m3) weights are converted in registers and their per-output-channel
 scale is applied to the accumulator (it commutes with the sum over K).
@@ -28,6 +29,7 @@ class GemmConfig:
     split_k: int
     num_warps: int = 4
     num_stages: int = 3
+    per_lane: bool = False  # M > 1: products accumulate per lane (rows padded to a power of 2), no tl.dot
 
 
 @triton.jit
@@ -37,7 +39,7 @@ def _small_m_gemm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, SILU_MUL: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, PER_LANE: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -52,6 +54,8 @@ def _small_m_gemm_kernel(
     if BLOCK_M == 1:
         # Elementwise products accumulate per lane; one cross-lane reduction at the end.
         acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    elif PER_LANE:
+        acc3 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
@@ -74,10 +78,14 @@ def _small_m_gemm_kernel(
             x = (act * up).to(x.dtype)
         if BLOCK_M == 1:
             acc2 += x.to(tl.float32) * w.to(tl.float32)
+        elif PER_LANE:
+            acc3 += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
         else:
             acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc, input_precision=DOT_PRECISION)
     if BLOCK_M == 1:
         acc = tl.sum(acc2, axis=1)[None, :]
+    elif PER_LANE:
+        acc = tl.sum(acc3, axis=2)
     if HAS_SCALE:
         acc = acc * tl.load(Scale + offs_n, mask=mask_n, other=0.0)[None, :]
     mask = mask_m[:, None] & mask_n[None, :]
@@ -133,7 +141,7 @@ def small_m_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     even_k = k % cfg.block_k == 0 and per_split * splits == k
     partial = (torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
                if splits > 1 else out)
-    block_m = 1 if m == 1 else 16
+    block_m = 1 if m == 1 else (triton.next_power_of_2(m) if cfg.per_lane else 16)
     _small_m_gemm_kernel[(triton.cdiv(n, cfg.block_n), splits)](
         x2, weight, scale if scale is not None else weight, bias if bias is not None else weight,
         out, partial, m, n, k, per_split, x2.stride(0), weight.stride(0), out.stride(0),
@@ -141,7 +149,8 @@ def small_m_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=splits > 1,
         HAS_SCALE=scale is not None, HAS_BIAS=bias is not None, EVEN_K=even_k,
         EVEN_N=n % cfg.block_n == 0, SILU_MUL=silu_mul,
-        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # fp32 tests: exact num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # fp32 tests: exact
+        PER_LANE=cfg.per_lane, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if splits > 1:
         block = 1024

@@ -19,6 +19,25 @@ from tandem.speculative.state import SpecState, SpecStep
 
 log = logging.getLogger("tandem")
 
+
+def query_rows_batch(input_ids: torch.Tensor, positions: torch.Tensor, locs: torch.Tensor,
+                     req_slots: torch.Tensor, req_to_token: torch.Tensor, max_seq_len: int) -> ForwardBatch:
+    """A verify step as the model runs it: every query token is a decode row of its request
+    (`req_slots` [T], one per query) whose length ends at the query's own position. Each layer
+    writes every query's KV before its attention reads (the backends' order), so query j sees
+    its row's cache and queries 0..j: causal masking from lengths alone. It is the decode
+    kernel plain decoding runs at that position, and graph-capturable (device lengths;
+    `max_seq_len` a host bound)."""
+    t = input_ids.shape[0]
+    seq_lens = (positions + 1).clamp(max=max_seq_len)
+    return ForwardBatch(
+        input_ids=input_ids, positions=positions, out_cache_loc=locs, req_slots=req_slots,
+        seq_lens=seq_lens, prefix_lens=seq_lens - 1,
+        qo_indptr=torch.arange(t + 1, device=input_ids.device), req_to_token=req_to_token,
+        # Decode kernels read device lengths; these host fields only size extend kernels.
+        host_req_slots=[0] * t, host_seq_lens=[1] * t, host_extend_lens=[1] * t,
+        is_decode=True, max_seq_len=max_seq_len)
+
 # The fixed fields a graph reads from the staging ring, in this order at the ring slot's start.
 VERIFY_FIELDS = ("req_slots", "k_rows")
 
@@ -40,7 +59,6 @@ class VerifyGraphs:
         rows = {b: torch.arange(b, device=dev) for b in buckets}
         self.token_row = {b: rows[b].repeat_interleave(q) for b in buckets}
         self.token_offset = {b: torch.arange(q, device=dev).repeat(b) for b in buckets}
-        self.qo_indptr = {b: torch.arange(b + 1, device=dev) * q for b in buckets}
         # One logits buffer for every graph; replays and the sampling reading them are all on
         # the forward stream, so a replay never overwrites logits still to be read.
         self.logits = torch.empty(self.max_batch * q, model.config.vocab_size, dtype=torch.float32, device=dev)
@@ -64,20 +82,8 @@ class VerifyGraphs:
         live = j <= k_rows[r]
         width = self.table.table.shape[1]
         locs = torch.where(live, self.table.table[slots[r], positions.clamp(max=width - 1)].to(torch.int64), 0)
-        lengths = step.lengths.clamp(min=1)
-        # The kernels bound each row's keys by its device length (queries past k_row see the
-        # same keys, and are never used). The torch reference (the CPU tests, never captured)
-        # takes host lengths and counts every query as new: it gets length + k, read here.
-        if self.backend.name == "torch":
-            seq_lens = lengths + self.k
-            host_slots, host_lens = slots.tolist(), seq_lens.tolist()
-        else:
-            seq_lens, host_slots, host_lens = lengths + k_rows, [0] * bucket, [1] * bucket
-        fb = ForwardBatch(
-            input_ids=input_ids, positions=positions, out_cache_loc=locs, req_slots=slots,
-            seq_lens=seq_lens, prefix_lens=lengths - 1, qo_indptr=self.qo_indptr[bucket],
-            req_to_token=self.table.table, host_req_slots=host_slots, host_seq_lens=host_lens,
-            host_extend_lens=[self.k + 1] * bucket, is_decode=False, max_seq_len=self.max_seq_len)
+        # Dead queries' lengths are clamped into the table; what they read is never used.
+        fb = query_rows_batch(input_ids, positions, locs, slots[r], self.table.table, self.max_seq_len)
         hidden = self.model(fb, self.kv, self.backend)
         logits = self.model.compute_logits(hidden, out=self.logits[:bucket * (self.k + 1)])
         return logits, step
