@@ -32,6 +32,36 @@ def decode_sizes(bucket: int) -> dict[str, int]:
     return {name: bucket for name in DECODE_FIELDS}
 
 
+def warm_and_capture(run, pool, stream: torch.cuda.Stream) -> tuple[torch.cuda.CUDAGraph, object]:
+    """Run `run()` once (compiles kernels, fills caches), then capture it: (graph, its outputs)."""
+    with torch.cuda.stream(stream):
+        run()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool, stream=stream):
+        out = run()
+    return graph, out
+
+
+def capture_all(streams: StreamSet, buckets: list[int], depth: int, views, capture_one) -> int:
+    """The capture loop of every graph set: per bucket and staging ring slot, all-padding
+    inputs (`views(ring, bucket)` zeroed), then `capture_one(ring, bucket, views, pool)`, on
+    the forward stream. Returns the device memory the graphs took."""
+    device = streams.device
+    free_before = torch.cuda.mem_get_info(device)[0]
+    pool = torch.cuda.graph_pool_handle()
+    forward = streams.forward
+    forward.wait_stream(torch.cuda.current_stream(device))
+    for bucket in reversed(buckets):  # largest first: smaller ones reuse its pool
+        for ring in range(depth):
+            v = views(ring, bucket)
+            for t in v.values():
+                t.zero_()
+            capture_one(ring, bucket, v, pool)
+    torch.cuda.current_stream(device).wait_stream(forward)
+    torch.cuda.synchronize(device)
+    return free_before - torch.cuda.mem_get_info(device)[0]
+
+
 class DecodeGraphs:
     def __init__(self, model: DecoderModel, kv: KVCache, table: ReqToTokenTable, backend,
                  future_map: FutureMap, streams: StreamSet, stager: InputStager,
@@ -75,27 +105,13 @@ class DecodeGraphs:
 
     @torch.no_grad()
     def capture(self) -> None:
-        free_before = torch.cuda.mem_get_info(self.streams.device)[0]
-        pool = torch.cuda.graph_pool_handle()
-        forward = self.streams.forward
-        forward.wait_stream(torch.cuda.current_stream(self.streams.device))
-        for bucket in reversed(self.buckets):  # largest first: smaller ones reuse its pool
-            for ring in range(self.stager.depth):
-                views = self.stager.views(ring, decode_sizes(bucket))
-                for v in views.values():
-                    v.zero_()  # all-padding inputs
-                with torch.cuda.stream(forward):
-                    self.forward(views, bucket)  # warm-up: compiles kernels, fills caches
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, stream=forward):
-                    logits = self.forward(views, bucket)
-                self.graphs[(bucket, ring)] = (graph, logits)
-        torch.cuda.current_stream(self.streams.device).wait_stream(forward)
-        torch.cuda.synchronize(self.streams.device)
-        used = free_before - torch.cuda.mem_get_info(self.streams.device)[0]
+        def one(ring: int, bucket: int, views: dict[str, torch.Tensor], pool) -> None:
+            self.graphs[(bucket, ring)] = warm_and_capture(lambda: self.forward(views, bucket), pool,
+                                                           self.streams.forward)
+        self.memory_bytes = capture_all(self.streams, self.buckets, self.stager.depth,
+                                        lambda ring, bucket: self.stager.views(ring, decode_sizes(bucket)), one)
         log.info("captured %d decode graphs (buckets up to %d) using %.0f MiB",
-                 len(self.graphs), self.max_batch, used / 2**20)
-        self.memory_bytes = used
+                 len(self.graphs), self.max_batch, self.memory_bytes / 2**20)
 
     def close(self) -> None:
         """Free the graphs; their private memory pool goes back once no graph uses it."""

@@ -22,7 +22,7 @@ from tandem.sampling import Sampler, SamplingInputs, SamplingParams
 from tandem.sampling.inputs import seed_to_int64
 from tandem.sampling.noise import row_keys
 from tandem.scheduler.batch import ScheduledBatch
-from tandem.speculative.graphs import VERIFY_FIELDS, VerifyGraphs, query_rows_batch
+from tandem.speculative.graphs import VERIFY_FIELDS, VerifyGraphs, query_rows_batch, settle
 from tandem.speculative.ngram import Proposal
 from tandem.speculative.state import SpecState, SpecStep
 
@@ -43,6 +43,9 @@ class PendingResult:
     unsampled: tuple | None = None  # (logits, sample slots, sampling inputs) until `sample` ran
     mask_wait: tuple | None = None  # timing events around the forward stream's wait for the masks
     verify: SpecStep | None = None  # a verify step's proposals and lengths, until `sample` ran
+    # A greedy graphed verify step: (bucket, ring slot, untrimmed logits, untrimmed SpecStep)
+    # for its captured tail, until `sample` ran.
+    verify_tail: tuple | None = None
     verify_queries: list[int] | None = None  # a verify step: query tokens per row (their logprobs' layout)
     # Speculative decoding, plain steps: the positions of the tokens sampled (history appends).
     sampled_positions: torch.Tensor | None = None
@@ -185,7 +188,10 @@ class ModelRunner:
                 self.table.write_on_device(dev["reserved_req_slots"], dev["reserved_positions"],
                                            dev["reserved_locs"])
             if bucket is not None:
-                logits, step = self.verify_graphs.replay(bucket, batch.step % self.stager.depth)
+                ring = batch.step % self.stager.depth
+                logits, step = self.verify_graphs.replay(bucket, ring)
+                if greedy:
+                    pending.verify_tail = (bucket, ring, logits, step)
                 n = len(rows)
                 logits = logits[:len(per_token)]
                 step = SpecStep(step.lengths[:n], Proposal(step.proposal.tokens[:n], step.proposal.count[:n]),
@@ -233,12 +239,14 @@ class ModelRunner:
         leave the new lengths, history and last tokens on the device. The result row b is
         [accepted, proposed, tokens[0..k]]: it emits tokens[:accepted + 1]."""
         step, pending.verify = pending.verify, None
+        tail, pending.verify_tail = pending.verify_tail, None
+        if tail is not None and bitmask is None:
+            bucket, ring, full_logits, full_step = tail
+            packed = self.verify_graphs.replay_tail(bucket, ring, len(pending.batch.rows), full_logits, full_step)
+            return packed, None, None, None
         out = self.sampler.sample(logits, sampling, bitmask)  # a bitmask only when every k is 0
-        accepted, tokens = self.spec.finish(step, slots, out.token_ids)
-        last = tokens.gather(1, accepted[:, None]).squeeze(1)
-        self.future_map.stash(slots, last)
+        packed, last = settle(self.spec, self.future_map, step, slots, out.token_ids)
         self.sampler.record(slots, last)  # penalties: only rows without proposals have them
-        packed = torch.cat([accepted[:, None], step.proposal.count[:, None], tokens], dim=1).flatten()
         return packed, out.logprobs, out.top_ids, out.top_logprobs
 
     def _graph_bucket(self, batch: ScheduledBatch) -> int | None:

@@ -325,6 +325,37 @@ def test_the_fixed_shape_layout_of_graphed_verify_steps(cycling_model):
     engine.close()
 
 
+def test_greedy_verify_steps_settle_in_the_graphed_tail(cycling_model):
+    """A greedy-only graphed verify step samples and settles in its second graph (argmax,
+    verdict, lengths, history, the relay): here eagerly on the CPU, the same fixed-shape
+    work. Outputs are plain's; a step with a sampled row settles eagerly instead."""
+    from tandem.speculative.graphs import VerifyGraphs
+    prompts = _prompts(5, seed=9)
+    greedy = [SamplingParams(max_tokens=24 + 7 * i, temperature=0, ignore_eos=True) for i in range(5)]
+    plain, _ = _generate(cycling_model, prompts, greedy)
+    engine = _engine(cycling_model, NGRAM)
+    e = engine
+    graphs = VerifyGraphs(e.model, e.kv, e.table, e.backend, e.future_map, e.streams, e.stager, e.spec_state,
+                          [1, 2, 4, 8], e.max_model_len, capture=False)
+    tails = []
+    replay_tail = graphs.replay_tail
+    graphs.replay_tail = lambda *a: tails.append(a[2]) or replay_tail(*a)
+    engine.runner.verify_graphs = graphs
+    rids = [engine.add_request(p, sp) for p, sp in zip(prompts, greedy)]
+    while engine.has_unfinished():
+        engine.step()
+    assert [engine.output(r).token_ids for r in rids] == [o.token_ids for o in plain]
+    assert len(tails) > 5 and engine.stats()["spec_decode_num_accepted_tokens"] > 50
+    assert int(engine.spec_state.length[0]) == 0  # padding rows (5 requests in bucket 8) never lengthen row 0
+    assert_kv_conserved(engine)
+    used = len(tails)
+    rid = engine.add_request(prompts[0], SamplingParams(max_tokens=20, temperature=0.7, seed=3, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+    assert len(tails) == used and len(engine.output(rid).token_ids) == 20
+    engine.close()
+
+
 def test_requests_whose_text_does_not_repeat_stop_proposing(tiny_text_model, cycling_model):
     """Random text (the tiny random model): verify rows find few proposals and accept
     almost none, so requests pause proposing and most steps are plain decode steps (CUDA

@@ -14,10 +14,23 @@ import logging
 
 import torch
 
+from tandem.cuda_graph import capture_all, warm_and_capture
 from tandem.forward_batch import ForwardBatch
 from tandem.speculative.state import SpecState, SpecStep
 
 log = logging.getLogger("tandem")
+
+
+def settle(spec: SpecState, future_map, step: SpecStep, slots: torch.Tensor,
+           sampled: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """After the target's sample at every query (`sampled` [T]): the verdict, the new lengths
+    and history, each row's last emitted token relayed to the next step. Returns (packed,
+    last): packed row b is [accepted, proposed, tokens[0..k]], it emits tokens[:accepted + 1]."""
+    accepted, tokens = spec.finish(step, slots, sampled)
+    last = tokens.gather(1, accepted[:, None]).squeeze(1)
+    future_map.stash(slots, last)
+    packed = torch.cat([accepted[:, None], step.proposal.count[:, None], tokens], dim=1).flatten()
+    return packed, last
 
 
 def query_rows_batch(input_ids: torch.Tensor, positions: torch.Tensor, locs: torch.Tensor,
@@ -51,6 +64,7 @@ class VerifyGraphs:
         self.use_graphs = capture  # False: the same fixed-shape work, run eagerly (CPU tests)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[int, int], tuple[torch.Tensor, SpecStep]] = {}
+        self.tails: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.memory_bytes = 0
         dev, q = streams.device, self.k + 1
         # The debug FutureMap's device assert cannot be captured: its gather runs eagerly.
@@ -92,25 +106,20 @@ class VerifyGraphs:
     def capture(self) -> None:
         if not self.use_graphs:
             return
-        free_before = torch.cuda.mem_get_info(self.streams.device)[0]
-        pool = torch.cuda.graph_pool_handle()
         forward = self.streams.forward
-        forward.wait_stream(torch.cuda.current_stream(self.streams.device))
-        for bucket in reversed(self.buckets):  # largest first: smaller ones reuse its pool
-            for ring in range(self.stager.depth):
-                views = self.views(ring, bucket)
-                for v in views.values():
-                    v.zero_()  # all-padding inputs
-                with torch.cuda.stream(forward):
-                    self.forward(views, bucket)  # warm-up: compiles kernels, fills caches
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, stream=forward):
-                    self.outputs[(bucket, ring)] = self.forward(views, bucket)
-                self.graphs[(bucket, ring)] = graph
-        torch.cuda.current_stream(self.streams.device).wait_stream(forward)
-        torch.cuda.synchronize(self.streams.device)
-        self.memory_bytes = free_before - torch.cuda.mem_get_info(self.streams.device)[0]
-        log.info("captured %d verify graphs (buckets up to %d, k=%d) using %.0f MiB",
+
+        def one(ring: int, bucket: int, views: dict[str, torch.Tensor], pool) -> None:
+            graph, (logits, step) = warm_and_capture(lambda: self.forward(views, bucket), pool, forward)
+            self.graphs[(bucket, ring)] = graph
+            self.outputs[(bucket, ring)] = (logits, step)
+            # The tail reads the forward graph's outputs at their fixed addresses: a replay makes
+            # them real before the tail's warm-up reads them (all padding rows, slot 0).
+            with torch.cuda.stream(forward):
+                graph.replay()
+            self.tails[(bucket, ring)] = warm_and_capture(
+                lambda: self.greedy_tail(logits, step, views["req_slots"]), pool, forward)
+        self.memory_bytes = capture_all(self.streams, self.buckets, self.stager.depth, self.views, one)
+        log.info("captured %d verify graphs and their greedy tails (buckets up to %d, k=%d) using %.0f MiB",
                  len(self.graphs), self.max_batch, self.k, self.memory_bytes / 2**20)
 
     def views(self, ring: int, bucket: int) -> dict[str, torch.Tensor]:
@@ -126,9 +135,29 @@ class VerifyGraphs:
         self.graphs[(bucket, ring)].replay()
         return self.outputs[(bucket, ring)]
 
+    def greedy_tail(self, logits: torch.Tensor, step: SpecStep, slots: torch.Tensor) -> torch.Tensor:
+        """A greedy-only step's sampling and settling, fixed-shape: packed [bucket * (k + 3)].
+        No penalty counts: a greedy-only step has no row with penalties, and a request with
+        them resets its slot's counts when admitted."""
+        return settle(self.spec, self.future_map, step, slots, logits.argmax(dim=-1))[0]
+
+    def replay_tail(self, bucket: int, ring: int, rows: int, logits: torch.Tensor, step: SpecStep) -> torch.Tensor:
+        """Queue the greedy tail of the step `replay(bucket, ring)` just queued (its untrimmed
+        `logits` and `step`, which a captured tail reads at their fixed addresses): packed
+        results of the first `rows` rows."""
+        if self.use_graphs:
+            graph, packed = self.tails[(bucket, ring)]
+            graph.replay()
+        else:
+            packed = self.greedy_tail(logits, step, self.views(ring, bucket)["req_slots"])
+        return packed[:rows * (self.k + 3)]
+
     def close(self) -> None:
         for graph in self.graphs.values():
             graph.reset()
+        for graph, _ in self.tails.values():
+            graph.reset()
         self.graphs.clear()
+        self.tails.clear()
         self.outputs.clear()
         self.logits = None

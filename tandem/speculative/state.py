@@ -87,5 +87,7 @@ class SpecState:
         cols = step.lengths[:, None] + torch.arange(self.k + 1, device=slots.device)[None, :]
         # Past accepted + 1 these are stale samples; they lie past the new length, unread.
         self.history[slots[:, None], cols] = target.to(torch.int32)
-        self.length[slots] = step.lengths + verdict.accepted + 1
+        # Padding rows (slot 0, a graphed step's rows past the batch) stay empty: else every
+        # step would lengthen row 0 until its history writes passed the end.
+        self.length[slots] = (step.lengths + verdict.accepted + 1).masked_fill(slots == 0, 0)
         return verdict.accepted, target
