@@ -1,5 +1,6 @@
 """Structured output and tool calls through the official `openai` client against a real server."""
 import json
+import re
 from typing import Annotated, Literal
 
 import jsonschema
@@ -160,11 +161,68 @@ def test_streamed_json_schema(client):
     (dict(extra_body={"regex": "a("}), "regex"),
     (dict(extra_body={"ebnf": "root ::= nothing_here"}), "ebnf"),
     (dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}}), "tool_choice"),
+    (dict(tools=TOOLS, tool_choice="required", extra_body={"regex": "a+"}), "only one of regex, tools"),
     (dict(response_format={"type": "json_object"}, extra_body={"regex": "a+"}), "only one of"),
 ])
 def test_invalid_constraints_are_400(client, kw, param):
     with pytest.raises(openai.BadRequestError) as err:
         client.chat.completions.create(model="llama", messages=ASK, max_tokens=8, **kw)
+    assert param in str(err.value)
+
+
+CHOICES = ["yes", "no", 'say "maybe"\n']
+
+
+@pytest.mark.parametrize("extra", [
+    {"structured_outputs": {"choice": CHOICES}},
+    {"guided_choice": CHOICES},
+], ids=["structured_outputs", "guided"])
+def test_vllms_choice_fields_constrain_chat_and_completions(client, extra):
+    """Code written for vLLM sends its own structured-output fields: the reply is one of the
+    choices, verbatim (quotes and a newline included), never free text."""
+    seen = set()
+    for seed in range(6):
+        chat = client.chat.completions.create(model="llama", messages=ASK, max_tokens=12, temperature=1.0,
+                                              seed=seed, extra_body=extra)
+        text = client.completions.create(model="llama", prompt="Answer:", max_tokens=12, temperature=1.0,
+                                         seed=seed, extra_body=extra).choices[0].text
+        assert chat.choices[0].message.content in CHOICES and text in CHOICES
+        seen |= {chat.choices[0].message.content, text}
+    assert len(seen) > 1  # the model picks, the grammar only allows
+
+
+@pytest.mark.parametrize("extra,check", [
+    ({"structured_outputs": {"regex": "[0-9]{3}-[a-c]{2}"}}, lambda t: re.fullmatch("[0-9]{3}-[a-c]{2}", t)),
+    ({"guided_regex": "(ab)+c"}, lambda t: re.fullmatch("(ab)+c", t)),
+    ({"structured_outputs": {"json": Person.model_json_schema()}}, Person.model_validate_json),
+    ({"guided_json": json.dumps(Person.model_json_schema())}, Person.model_validate_json),
+    ({"structured_outputs": {"json_object": True}}, None),  # a random model's free object runs to the limit
+    ({"guided_grammar": 'root ::= "x" [0-9] "y"', "guided_decoding_backend": "xgrammar"},
+     lambda t: re.fullmatch("x[0-9]y", t)),
+    ({"structured_outputs": {"grammar": 'root ::= ("a" | "b")+ "."'}}, lambda t: re.fullmatch("[ab]+[.]", t)),
+])
+def test_vllms_regex_json_and_grammar_fields(client, extra, check):
+    out = client.chat.completions.create(model="llama", messages=ASK, max_tokens=48, temperature=0.8, seed=1,
+                                         extra_body=extra).choices[0]
+    if check is None:  # constrained to a JSON object: it starts as one
+        assert out.message.content.lstrip().startswith("{"), out.message.content
+    else:
+        assert out.finish_reason == "stop" and check(out.message.content), out.message.content
+
+
+@pytest.mark.parametrize("extra,param", [
+    ({"structured_outputs": {"choice": []}}, "structured_outputs.choice"),
+    ({"guided_regex": "a("}, "guided_regex"),
+    ({"structured_outputs": {"json": {"type": "objectx"}}}, "structured_outputs.json"),
+    ({"guided_json": "{not json"}, "guided_json"),
+    ({"structured_outputs": {"grammar": "root ::= nothing_here"}}, "structured_outputs.grammar"),
+    ({"structured_outputs": {"regex": "a+", "structural_tag": "{}"}}, "structural_tag"),
+    ({"guided_choice": ["a"], "regex": "a+"}, "only one of regex, guided_choice"),
+    ({"structured_outputs": {"choice": ["a"], "regex": "a"}}, "structured_outputs.choice, structured_outputs.regex"),
+])
+def test_bad_or_clashing_vllm_constraints_are_400_naming_the_field(client, extra, param):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="llama", messages=ASK, max_tokens=8, extra_body=extra)
     assert param in str(err.value)
 
 

@@ -17,7 +17,7 @@ from tandem.sampling.params import check_unicode
 from tandem.server import protocol as P
 from tandem.server.errors import APIError
 from tandem.server.openai_schemas import ChatCompletionRequest, ChatMessage, CompletionRequest
-from tandem.server.structured import ToolMode, constraint, constraint_param
+from tandem.server.structured import ToolMode, constraint
 
 MAX_CHOICES = 128  # prompts x sequences per HTTP request
 # No prompt averages this many characters per token (English text: about 4).
@@ -56,8 +56,9 @@ def completion_inputs(body: CompletionRequest, tokenizer: Any, max_model_len: in
     _refuse(bool(body.echo) and body.logprobs is not None, "echo",
             "echo with logprobs needs prompt logprobs, which tandem does not compute yet")
     raw = _prompt_list(body.prompt)
+    constrained, source = constraint(body)
     sp = _sampling_params(body, len(raw), body.max_tokens, "max_tokens", body.logprobs, tokenizer, vocab_size,
-                          constraint(body))
+                          constrained, source)
     prompts = [_prompt_ids(p, tokenizer, vocab_size, max_model_len) for p in raw]  # the costly part: last
     explicit = "max_tokens" in body.model_fields_set and body.max_tokens is not None
     return _choices(prompts, sp, body.max_tokens, explicit, "max_tokens", "prompt", body.logprobs,
@@ -75,10 +76,8 @@ def chat_inputs(body: ChatCompletionRequest, tokenizer: Any, max_model_len: int,
     name = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    # A named or required tool choice constrains the output to its tools' schemas: their errors name tools.
-    source = "tools" if tools is not None and tools.kind != "auto" else None
-    sp = _sampling_params(body, 1, max_tokens, name, logprobs, tokenizer, vocab_size, constraint(body, tools),
-                          source)
+    constrained, source = constraint(body, tools)  # a 400 about the constraint names its field
+    sp = _sampling_params(body, 1, max_tokens, name, logprobs, tokenizer, vocab_size, constrained, source)
     ids = render_chat(tokenizer, body.messages, body.add_generation_prompt, body.continue_final_message,
                       body.chat_template_kwargs, tools)  # the costly part: after the cheap checks
     return _choices([ids], sp, max_tokens, max_tokens is not None, name, "messages", logprobs, max_model_len)
@@ -178,9 +177,9 @@ def _validate(fields: dict, max_tokens: int | None, logprobs: int | None, max_na
         param = msg.split(" ", 1)[0].rstrip(":")
         if param == "max_tokens":
             param, msg = max_name, msg.replace("max_tokens", max_name, 1)
-        elif param in ("json_schema", "grammar"):
-            param = constraint_source or constraint_param(param)
-            msg = msg.replace(msg.split(" ", 1)[0], param, 1)
+        elif param in ("json_schema", "grammar", "regex") and constraint_source is not None:
+            msg = msg.replace(msg.split(" ", 1)[0], constraint_source, 1)
+            param = constraint_source
         raise APIError(400, msg, param) from None
 
 

@@ -45,6 +45,7 @@ IGNORED = {
     "function_call": "the deprecated function-call API is not served; use tools",
     "include_obfuscation": "streams are not obfuscated",
     "spaces_between_special_tokens": "special tokens are decoded as the tokenizer does",
+    "guided_decoding_backend": "structured output has one backend here (xgrammar)",
 }
 
 
@@ -61,6 +62,20 @@ class StreamOptions(_Lenient):
     include_usage: bool | None = False
     continuous_usage_stats: bool | None = False  # vLLM: usage in every chunk
     include_obfuscation: bool | None = None
+
+
+class StructuredOutputs(_Body):
+    """vLLM's `structured_outputs` request object (one constraint kind). Keys beyond these are
+    refused by name: ignoring one would run the request unconstrained."""
+
+    model_config = ConfigDict(strict=True, extra="allow", populate_by_name=True)
+
+    choice: list[str] | None = None
+    regex: str | None = None
+    # A JSON schema, or its JSON text ("json" on the wire; the name would shadow BaseModel.json).
+    json_: SkipJsonSchema[dict[str, Any] | str | None] = Field(None, alias="json")
+    grammar: str | None = None  # EBNF
+    json_object: bool | None = None
 
 
 class _Sampling(_Body):
@@ -89,6 +104,13 @@ class _Sampling(_Body):
     user: str | None = None  # accepted as-is (an end-user id for the caller's own records)
     regex: str | None = None  # SGLang-style structured output
     ebnf: str | None = None
+    # vLLM's structured output: the current object and the older guided_* fields.
+    structured_outputs: StructuredOutputs | None = None
+    guided_choice: list[str] | None = None
+    guided_regex: str | None = None
+    guided_json: SkipJsonSchema[dict[str, Any] | str | None] = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None  # accepted and ignored (see IGNORED)
     # Accepted and ignored (see IGNORED).
     store: bool | None = None
     metadata: _Opaque = None

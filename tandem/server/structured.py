@@ -1,7 +1,9 @@
 """Structured output and tool calls over the OpenAI API.
 
-Request side: `response_format`, SGLang-style `regex` / `ebnf`, and `tools` + `tool_choice`
-become one grammar constraint of SamplingParams. For `required` the output is a JSON array of
+Request side: `response_format`, SGLang-style `regex` / `ebnf`, vLLM's `structured_outputs`
+object and its older `guided_choice` / `guided_regex` / `guided_json` / `guided_grammar`
+fields, and `tools` + `tool_choice` become one grammar constraint of SamplingParams (a
+choice is an EBNF alternation of its strings, emitted verbatim as vLLM does). For `required` the output is a JSON array of
 calls ([{"name": ..., "arguments": {...}}], one item unless `parallel_tool_calls`); for a named
 function it is that function's arguments. With `auto` the model writes freely with the tools in
 its chat template, and calls are parsed from its text: Qwen/Hermes `<tool_call>{...}</tool_call>`
@@ -99,8 +101,9 @@ def _template_family(template: str) -> str | None:
     return None
 
 
-def constraint(body, tools: ToolMode | None = None) -> dict:
-    """SamplingParams fields (json_schema / regex / grammar) from the request; 400 if two clash."""
+def constraint(body, tools: ToolMode | None = None) -> tuple[dict, str | None]:
+    """SamplingParams fields (json_schema / regex / grammar) from the request, and the request
+    field they came from (a 400 about the constraint names it); 400 if two clash."""
     found: dict[str, tuple[str, object]] = {}
     if body.regex is not None:
         found["regex"] = ("regex", body.regex)
@@ -113,18 +116,49 @@ def constraint(body, tools: ToolMode | None = None) -> dict:
         if fmt.json_schema is None:
             raise APIError(400, "response_format of type json_schema needs a json_schema", "response_format")
         found["response_format"] = ("json_schema", fmt.json_schema.schema_ or {"type": "object"})
+    found.update(_vllm_constraints(body))
     if tools is not None and tools.schema() is not None:
-        found["tool_choice"] = ("json_schema", tools.schema())
+        found["tools"] = ("json_schema", tools.schema())
     elif tools is not None and tools.grammar() is not None:
-        found["tool_choice"] = ("grammar", tools.grammar())
+        found["tools"] = ("grammar", tools.grammar())
     if len(found) > 1:
         raise APIError(400, f"only one of {', '.join(found)} may constrain the output", list(found)[-1])
-    return dict(found.values())
+    source = next(iter(found), None)
+    return dict(found.values()), source
 
 
-def constraint_param(field: str) -> str:
-    """The request field behind a SamplingParams constraint field."""
-    return {"json_schema": "response_format", "grammar": "ebnf"}.get(field, field)
+_VLLM_KINDS = ("choice", "regex", "json", "grammar", "json_object")
+
+
+def _vllm_constraints(body) -> dict[str, tuple[str, object]]:
+    """vLLM's structured-output fields, by request field name."""
+    found: dict[str, tuple[str, object]] = {}
+    outputs = getattr(body, "structured_outputs", None)
+    if outputs is not None:
+        unknown = sorted(outputs.model_extra or ())
+        if unknown:
+            raise APIError(400, f"structured_outputs: {', '.join(unknown)} not supported (supported: "
+                                f"{', '.join(_VLLM_KINDS)})", "structured_outputs")
+        for kind in _VLLM_KINDS:
+            value = getattr(outputs, "json_" if kind == "json" else kind)
+            if value is not None and value is not False:
+                found[f"structured_outputs.{kind}"] = _vllm_constraint(kind, value, f"structured_outputs.{kind}")
+    for kind in ("choice", "regex", "json", "grammar"):
+        value = getattr(body, f"guided_{kind}", None)
+        if value is not None:
+            found[f"guided_{kind}"] = _vllm_constraint(kind, value, f"guided_{kind}")
+    return found
+
+
+def _vllm_constraint(kind: str, value, name: str) -> tuple[str, object]:
+    if kind == "choice":
+        if not value or any(not c for c in value):
+            raise APIError(400, f"{name} needs at least one choice, each a non-empty string", name)
+        # EBNF string literals take JSON's escapes; non-ASCII stays itself.
+        return "grammar", "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in value)
+    if kind == "json_object":
+        return "json_schema", {"type": "object"}
+    return {"regex": "regex", "json": "json_schema", "grammar": "grammar"}[kind], value
 
 
 @dataclass
