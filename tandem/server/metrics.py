@@ -43,7 +43,7 @@ class Metrics:
                                   registry=r)
         self.cache_tokens = Gauge("tandem_prefix_cache_tokens", "KV slots held only by the prefix cache "
                                   "(evictable)", registry=r)
-        self._cache_totals = (0, 0)  # the engine's running totals last seen (counters take deltas)
+        self._seen_totals: dict[str, tuple] = {}  # the engine's running totals last seen (see _add_deltas)
         self.spec_drafts = Counter("tandem_spec_decode_num_drafts", "Verify rows that carried proposals "
                                    "(speculative decoding)", registry=r)
         self.spec_draft_tokens = Counter("tandem_spec_decode_num_draft_tokens", "Proposed tokens verified",
@@ -52,7 +52,6 @@ class Metrics:
                                      registry=r)
         self.spec_accepted_pos = Counter("tandem_spec_decode_num_accepted_tokens_per_pos", "Verify rows "
                                          "that accepted the proposal at each position", ["position"], registry=r)
-        self._spec_totals: tuple = (0, 0, 0, ())
         self.e2e = Histogram("tandem_e2e_request_latency_seconds", "Arrival to last token",
                              buckets=_LATENCY_BUCKETS, registry=r)
         self._replica_stats: dict[int, Stats] = {}
@@ -89,26 +88,25 @@ class Metrics:
             self.gpu_busy.set(stats.gpu_busy_fraction)
         if stats.mean_cpu_lead_ms is not None:
             self.cpu_lead.set(stats.mean_cpu_lead_ms)
-        queried, hits = stats.prefix_cache_queried_tokens, stats.prefix_cache_hit_tokens
-        seen_queried, seen_hits = self._cache_totals
-        if queried >= seen_queried and hits >= seen_hits:  # an engine restart starts from 0 again
-            self.cache_queries.inc(queried - seen_queried)
-            self.cache_hits.inc(hits - seen_hits)
-        self._cache_totals = (queried, hits)
+        self._add_deltas("cache", [(self.cache_queries, (), stats.prefix_cache_queried_tokens),
+                                   (self.cache_hits, (), stats.prefix_cache_hit_tokens)])
         self.cache_tokens.set(stats.prefix_cache_tokens)
-        self._count_speculation(stats)
+        self._add_deltas("spec", [(self.spec_drafts, (), stats.spec_decode_num_drafts),
+                                  (self.spec_draft_tokens, (), stats.spec_decode_num_draft_tokens),
+                                  (self.spec_accepted, (), stats.spec_decode_num_accepted_tokens)]
+                         + [(self.spec_accepted_pos, (str(j),), n)
+                            for j, n in enumerate(stats.spec_decode_num_accepted_tokens_per_pos)])
 
-    def _count_speculation(self, stats: Stats) -> None:
-        now = (stats.spec_decode_num_drafts, stats.spec_decode_num_draft_tokens,
-               stats.spec_decode_num_accepted_tokens, tuple(stats.spec_decode_num_accepted_tokens_per_pos))
-        seen = self._spec_totals
-        grew = all(a >= b for a, b in zip(now[:3], seen[:3])) and all(a >= b for a, b in zip(now[3], seen[3]))
-        if grew:  # an engine restart starts from 0 again
-            for counter, a, b in zip((self.spec_drafts, self.spec_draft_tokens, self.spec_accepted), now, seen):
-                counter.inc(a - b)
-            for j, a in enumerate(now[3]):
-                self.spec_accepted_pos.labels(str(j)).inc(a - (seen[3][j] if j < len(seen[3]) else 0))
-        self._spec_totals = now
+    def _add_deltas(self, group: str, totals: list[tuple[Counter, tuple, int]]) -> None:
+        """Counters take deltas of the engine's running totals: (counter, its labels, total),
+        in a fixed order per group. A total below the one last seen means the engine restarted
+        (its totals start from 0 again): nothing is added that time; the new totals are kept."""
+        seen = self._seen_totals.get(group, ())
+        before = [seen[i] if i < len(seen) else 0 for i in range(len(totals))]
+        if all(total >= b for (_, _, total), b in zip(totals, before)):
+            for (counter, labels, total), b in zip(totals, before):
+                (counter.labels(*labels) if labels else counter).inc(total - b)
+        self._seen_totals[group] = tuple(total for _, _, total in totals)
 
     def set_engine_up(self, up: bool) -> None:
         """A dead engine runs nothing and holds nothing: its last figures must not linger."""
