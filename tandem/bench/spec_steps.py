@@ -15,9 +15,8 @@ import argparse
 import json
 import statistics
 
-from tandem.bench.spec_tasks import TASKS
+from tandem.bench.spec_tasks import TASKS, add_model_args, timed_chat
 from tandem.entrypoints.llm import LLM
-from tandem.sampling import SamplingParams
 
 FIELDS = ("gpu_forward_ms", "gpu_idle_before_ms", "schedule_ms", "launch_ms", "process_ms", "host_wait_ms",
           "cpu_lead_ms")
@@ -45,13 +44,8 @@ def profile(model: str | None, spec: dict | None, task: str, batch: int, max_tok
         kw["model"] = model
     llm = LLM(**kw)
     try:
-        msgs = [[{"role": "user", "content": TASKS[task]}]] * batch
-        params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-        llm.chat(msgs, params, use_tqdm=False)  # warm the shape
-        timeline = llm.engine.timeline
-        first = len(timeline.records)
-        llm.chat(msgs, params, use_tqdm=False)
-        records = list(timeline.records)[first:]
+        _, _, first = timed_chat(llm, TASKS[task], batch, max_tokens)
+        records = list(llm.engine.timeline.records)[first:]
         out: dict = {"kinds": "".join(_kind_letter(r) for r in records), "groups": {}}
         for name, select in KINDS.items():
             group = [r for r in records if select(r)]
@@ -63,7 +57,7 @@ def profile(model: str | None, spec: dict | None, task: str, batch: int, max_tok
         if kernels:
             import torch
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-                llm.chat(msgs, params, use_tqdm=False)
+                timed_chat(llm, TASKS[task], batch, max_tokens, warm=False)
                 torch.cuda.synchronize()
             out["kernel_table"] = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=30,
                                                             max_name_column_width=60)
@@ -75,9 +69,7 @@ def profile(model: str | None, spec: dict | None, task: str, batch: int, max_tok
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="tandem bench spec-steps", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", help="model path (default: the built-in SmolLM2-135M-Instruct)")
-    ap.add_argument("--speculative-config", default='{"method": "ngram", "num_speculative_tokens": 4, '
-                                                    '"prompt_lookup_max": 3}')
+    add_model_args(ap)
     ap.add_argument("--task", default="copy", choices=sorted(TASKS))
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--max-tokens", type=int, default=256)

@@ -82,14 +82,31 @@ class TaskRow:
     identical: bool  # greedy outputs equal plain decoding's
 
 
-def _timed(llm: LLM, prompt: str, batch: int, max_tokens: int) -> tuple[float, list[list[int]], dict]:
+def add_model_args(ap: argparse.ArgumentParser) -> None:
+    """--model and --speculative-config, as every speculative benchmark takes them."""
+    ap.add_argument("--model", help="model path (default: the built-in SmolLM2-135M-Instruct)")
+    ap.add_argument("--speculative-config", default='{"method": "ngram", "num_speculative_tokens": 4, '
+                                                    '"prompt_lookup_max": 3}')
+
+
+def timed_chat(llm: LLM, prompt: str, batch: int, max_tokens: int, warm: bool = True) -> tuple[float, list, int]:
+    """`batch` copies of the task's prompt, greedy, after an untimed warm-up of the same shape
+    (`warm`): (wall seconds, the outputs, the index of the timed run's first timeline record)."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-    llm.chat([[{"role": "user", "content": prompt}]] * batch, params, use_tqdm=False)  # warm the shape
-    engine = llm.engine
-    before, first = engine.stats(), len(engine.timeline.records) if engine.timeline is not None else 0
+    messages = [[{"role": "user", "content": prompt}]] * batch
+    if warm:
+        llm.chat(messages, params, use_tqdm=False)
+    timeline = llm.engine.timeline
+    first = len(timeline.records) if timeline is not None else 0
     start = time.perf_counter()
-    outs = llm.chat([[{"role": "user", "content": prompt}]] * batch, params, use_tqdm=False)
-    wall = time.perf_counter() - start
+    outs = llm.chat(messages, params, use_tqdm=False)
+    return time.perf_counter() - start, outs, first
+
+
+def _timed(llm: LLM, prompt: str, batch: int, max_tokens: int) -> tuple[float, list[list[int]], dict]:
+    engine = llm.engine
+    before = engine.stats()
+    wall, outs, first = timed_chat(llm, prompt, batch, max_tokens)
     after = engine.stats()
     delta = {k: after[k] - before[k] for k in after if k.startswith("spec_decode_num") and
              isinstance(after[k], int)}
@@ -125,9 +142,7 @@ def run(model: str | None, spec: dict, tasks: list[str], batches: list[int], max
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="tandem bench spec", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", help="model path (default: the built-in SmolLM2-135M-Instruct)")
-    ap.add_argument("--speculative-config", default='{"method": "ngram", "num_speculative_tokens": 4, '
-                                                    '"prompt_lookup_max": 3}')
+    add_model_args(ap)
     ap.add_argument("--tasks", default=",".join(TASKS), help=f"comma-separated, of: {','.join(TASKS)}")
     ap.add_argument("--batch-sizes", default="1,8,32")
     ap.add_argument("--max-tokens", type=int, default=256)
