@@ -60,22 +60,32 @@ class ToolMode:
         """auto with a known template: free text, but a started call (`<tool_call>` for
         Hermes/Qwen, `{"name": ` for Llama 3.1) must be a valid call of one of the tools
         (EBNF from xgrammar's triggered structural tag)."""
+        tags = self.call_tags()
+        return structural_grammar(tags) if tags is not None else None
+
+    def call_tags(self, at_least_one: bool = False) -> dict | None:
+        """auto with a known template: the calls as xgrammar's triggered-tags format (with
+        `at_least_one` the output must start with a call), else None."""
         if self.kind != "auto" or self.family not in _CALL_FORMATS:
             return None
-        import xgrammar as xgr
-
         trigger, key, end = _CALL_FORMATS[self.family]
         tags = [{"begin": trigger + json.dumps(t.function.name) + f', "{key}": ',
                  "content": {"type": "json_schema", "json_schema": _parameters(t)}, "end": end}
                 for t in self.tools]
         single = not self.parallel or self.family == "llama3"  # Llama 3.1 makes one call per turn
-        tag = {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": [trigger], "tags": tags,
-                                                    "at_least_one": False, "stop_after_first": single}}
-        try:
-            return str(xgr.Grammar.from_structural_tag(json.dumps(tag)))
-        except (RuntimeError, ValueError) as e:
-            raise APIError(400, f"tools: a function's parameters are not a valid JSON schema: {e}",
-                           "tools") from None
+        return {"type": "triggered_tags", "triggers": [trigger], "tags": tags, "at_least_one": at_least_one,
+                "stop_after_first": single}
+
+
+def structural_grammar(fmt: dict) -> str:
+    """EBNF of an xgrammar structural-tag format; 400 if a JSON schema in it is invalid."""
+    import xgrammar as xgr
+
+    try:
+        return str(xgr.Grammar.from_structural_tag(json.dumps({"type": "structural_tag", "format": fmt})))
+    except (RuntimeError, ValueError) as e:
+        raise APIError(400, f"tools: a function's parameters are not a valid JSON schema: {e}",
+                       "tools") from None
 
 
 def tool_mode(body: ChatCompletionRequest, chat_template: str | None = None) -> ToolMode | None:
