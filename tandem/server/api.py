@@ -27,6 +27,7 @@ from tandem.server.generation import Generation
 from tandem.server.inputs import EngineInputs, chat_inputs, completion_inputs
 from tandem.server.openai_schemas import ChatCompletionRequest, CompletionRequest, StreamOptions
 from tandem.server.responses import Choice, Envelope, TokenNames, best_choices, chat_logprobs, usage
+from tandem.server.responses_api import RouteKit, add_responses_routes
 from tandem.server.structured import ToolCalls, ToolMode, tool_mode
 from tandem.server.state import ServerState
 from tandem.server.tokenize import add_tokenizer_routes
@@ -202,6 +203,8 @@ def create_app(state: ServerState, api_key: str | None = None,
                                                                                       c.finish_reason)
             return _json(out)
         return await _unless_disconnected(request, gen, work())
+
+    add_responses_routes(app, state, RouteKit(start, _unless_disconnected, _AbortingStream))
 
     @app.get("/v1/models")
     async def models() -> Response:

@@ -21,8 +21,9 @@ class FieldPolicy:
         self.strict = strict
         self._logged: set[str] = set()
 
-    def check(self, body: BaseModel) -> None:
-        """Raise APIError for an unknown field under strict mode; otherwise log what is ignored."""
+    def check(self, body: BaseModel, ignored: dict[str, str] = IGNORED) -> None:
+        """Raise APIError for an unknown field under strict mode; otherwise log what is ignored
+        (`ignored`: field -> reason; an endpoint whose standard fields differ passes its own)."""
         unknown = list(body.model_extra or ())
         if unknown and self.strict:
             raise APIError(400, f"unrecognized request argument: {unknown[0]} (the server runs "
@@ -30,9 +31,9 @@ class FieldPolicy:
         for name in unknown:
             self._once(name, f"ignoring unknown request field {name!r} (--strict-api refuses such "
                              "requests)")
-        for name in body.model_fields_set & IGNORED.keys():
+        for name in body.model_fields_set & ignored.keys():
             if getattr(body, name) is not None:
-                self._once(name, f"ignoring request field {name!r}: {IGNORED[name]}")
+                self._once(name, f"ignoring request field {name!r}: {ignored[name]}")
         options = getattr(body, "stream_options", None)
         if options is not None and options.include_obfuscation is not None:
             self._once("include_obfuscation", "ignoring stream_options.include_obfuscation: "

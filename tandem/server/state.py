@@ -11,6 +11,7 @@ from tandem.server.errors import APIError
 from tandem.server.fields import FieldPolicy
 from tandem.server.metrics import Metrics
 from tandem.server.responses import TokenNames
+from tandem.server.responses_store import ResponseStore
 
 
 @dataclass
@@ -24,6 +25,7 @@ class ServerState:
     # GET /server_info: engine configuration and server arguments, secrets redacted (`tandem serve`)
     server_info: dict = field(default_factory=dict)
     draining: bool = False  # shutting down: no new generations
+    responses: ResponseStore = field(default_factory=ResponseStore)  # /v1/responses kept for previous_response_id
 
     def __post_init__(self) -> None:
         self.names = TokenNames(self.tokenizer)

@@ -1,0 +1,234 @@
+"""POST /v1/responses against a live `tandem serve` on the tiny model, through the `openai`
+SDK (responses.create / .stream / .parse) and the OpenAI Agents SDK (its Responses model
+and its chat-completions model) running a function-tool loop. The model is random: where a
+test needs a shape (a call, JSON) a grammar makes it, and greedy sampling makes two runs equal."""
+import asyncio
+import json
+from typing import Literal
+
+import httpx
+import jsonschema
+import openai
+import pytest
+from pydantic import BaseModel, Field
+
+from test_server import running_server
+
+pytest.importorskip("xgrammar")
+
+GREEDY = dict(temperature=0)
+WEATHER = {"type": "function", "name": "get_weather", "description": "Weather in a city",
+           "parameters": {"type": "object", "additionalProperties": False, "required": ["city"],
+                          "properties": {"city": {"enum": ["Paris", "Tokyo", "Lima"]}}}}
+TIME = {"type": "function", "name": "get_time",
+        "parameters": {"type": "object", "additionalProperties": False, "required": ["zone"],
+                       "properties": {"zone": {"type": "integer", "minimum": -12, "maximum": 12}}}}
+TOOLS = [WEATHER, TIME]
+ASK = "What is the weather in Paris?"
+
+
+class Answer(BaseModel):
+    city: Literal["Paris", "Tokyo", "Lima"]
+    warm: bool
+    degrees: int = Field(ge=-20, le=40)
+
+
+@pytest.fixture(scope="module")
+def served(tiny_text_model, tmp_path_factory):
+    log = tmp_path_factory.mktemp("server_responses") / "server.log"
+    with running_server(tiny_text_model, log, "--max-running-requests", "8", "--max-model-len", "256") as (url, proc):
+        yield url
+    assert proc.returncode == 0, log.read_text()
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    return openai.OpenAI(base_url=served + "/v1", api_key="none", max_retries=0)
+
+
+def _text(response) -> str:
+    (item,) = response.output
+    assert item.type == "message" and item.role == "assistant"
+    (part,) = item.content
+    assert part.type == "output_text"
+    return part.text
+
+
+def test_text_input_forms_match_the_chat_endpoint(client):
+    """A string, a message list with instructions, and text content parts all render as the
+    chat endpoint renders the same conversation: same prompt tokens, same greedy text."""
+    chat = client.chat.completions.create(model="llama", messages=[{"role": "system", "content": "Be brief."},
+                                                                   {"role": "user", "content": ASK}],
+                                          max_tokens=6, extra_body={"ignore_eos": True}, **GREEDY)
+    forms = [dict(input=ASK, instructions="Be brief."),
+             dict(input=[{"role": "developer", "content": "Be brief."}, {"role": "user", "content": ASK}]),
+             dict(input=[{"type": "message", "role": "user",
+                          "content": [{"type": "input_text", "text": ASK[:8]}, {"type": "input_text", "text": ASK[8:]}]}],
+                  instructions="Be brief.")]
+    for form in forms:
+        r = client.responses.create(model="llama", max_output_tokens=6, extra_body={"ignore_eos": True}, **GREEDY,
+                                    **form)
+        assert _text(r) == chat.choices[0].message.content and r.output_text == _text(r)
+        assert (r.usage.input_tokens, r.usage.output_tokens) == (chat.usage.prompt_tokens, 6)
+        assert r.usage.total_tokens == r.usage.input_tokens + 6
+        assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+        assert r.output[0].status == "incomplete" and r.id.startswith("resp_") and r.object == "response"
+
+
+def test_stream_event_sequence_adds_up_to_the_whole_response(client):
+    kw = dict(model="llama", input=ASK, max_output_tokens=8, extra_body={"ignore_eos": True}, **GREEDY)
+    whole = client.responses.create(**kw)
+    events = list(client.responses.create(stream=True, **kw))
+    kinds = [e.type for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          "response.incomplete"]
+    assert set(kinds[4:-4]) == {"response.output_text.delta"}
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert deltas == _text(whole) == events[-4].text
+    final = events[-1].response
+    assert final.status == "incomplete" and _text(final) == deltas and final.usage.output_tokens == 8
+    assert final.id == events[0].response.id and events[0].response.status == "in_progress"
+
+
+def test_parse_and_stream_with_a_json_schema_text_format(client):
+    parsed = client.responses.parse(model="llama", input=ASK, text_format=Answer, max_output_tokens=60,
+                                    temperature=0.9, extra_body={"seed": 1})
+    assert parsed.status == "completed" and isinstance(parsed.output_parsed, Answer)
+    with client.responses.stream(model="llama", input=ASK, text_format=Answer, max_output_tokens=60,
+                                 temperature=0.9, extra_body={"seed": 1}) as stream:
+        kinds = [e.type for e in stream]
+        final = stream.get_final_response()
+    assert kinds[-1] == "response.completed"
+    assert final.output_parsed == parsed.output_parsed and final.output_text == parsed.output_text
+    assert final.text.format.type == "json_schema"
+
+
+def _check_call(item, names=("get_weather", "get_time")):
+    assert item.type == "function_call" and item.call_id and item.status == "completed"
+    assert item.name in names
+    schema = {t["name"]: t["parameters"] for t in TOOLS}[item.name]
+    jsonschema.validate(json.loads(item.arguments), schema)
+
+
+def test_function_calls_required_named_and_streamed(client):
+    required = client.responses.create(model="llama", input=ASK, tools=TOOLS, tool_choice="required",
+                                       max_output_tokens=60, temperature=0.9, extra_body={"seed": 3})
+    assert required.status == "completed" and len(required.output) >= 1
+    for item in required.output:
+        _check_call(item)
+    named = dict(model="llama", input=ASK, tools=TOOLS, tool_choice={"type": "function", "name": "get_time"},
+                 max_output_tokens=40, temperature=0.9, extra_body={"seed": 4})
+    whole = client.responses.create(**named)
+    (call,) = whole.output
+    _check_call(call, ("get_time",))
+    with client.responses.stream(**named) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    args = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    (done,) = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert args == done.arguments == call.arguments == final.output[0].arguments
+    assert final.output[0].name == "get_time" and events[-1].type == "response.completed"
+
+
+def test_tool_loop_through_previous_response_id_equals_the_explicit_input(client):
+    """Turn 2 sends only the call's output and previous_response_id: the model sees what it
+    would see were the whole conversation sent again (same prompt tokens, same greedy text)."""
+    first = client.responses.create(model="llama", input=ASK, tools=TOOLS,
+                                    tool_choice={"type": "function", "name": "get_weather"}, max_output_tokens=40,
+                                    **GREEDY)
+    (call,) = first.output
+    answer = {"type": "function_call_output", "call_id": call.call_id, "output": "Sunny, 21 C"}
+    kw = dict(model="llama", tools=TOOLS, max_output_tokens=5, extra_body={"ignore_eos": True}, **GREEDY)
+    chained = client.responses.create(input=[answer], previous_response_id=first.id, **kw)
+    explicit = client.responses.create(input=[{"role": "user", "content": ASK}, call.model_dump(), answer],
+                                       store=False, **kw)
+    assert chained.previous_response_id == first.id
+    assert chained.usage.input_tokens == explicit.usage.input_tokens > first.usage.input_tokens + 5
+    assert chained.output_text == explicit.output_text and chained.output_text
+    # A third turn chains on the second: the conversation grows again.
+    third = client.responses.create(input="Thanks!", previous_response_id=chained.id, **kw)
+    assert third.usage.input_tokens > chained.usage.input_tokens + 5
+
+
+def test_store_retrieve_delete_and_store_false(client):
+    kept = client.responses.create(model="llama", input="Hi", max_output_tokens=3, **GREEDY)
+    got = client.responses.retrieve(kept.id)
+    assert got.id == kept.id and got.output_text == kept.output_text and got.store is True
+    unstored = client.responses.create(model="llama", input="Hi", max_output_tokens=3, store=False, **GREEDY)
+    assert unstored.store is False
+    for missing in (unstored.id, "resp_nope"):
+        with pytest.raises(openai.NotFoundError):
+            client.responses.retrieve(missing)
+        with pytest.raises(openai.NotFoundError) as err:
+            client.responses.create(model="llama", input="Hi", previous_response_id=missing, max_output_tokens=3)
+        assert err.value.body["code"] == "previous_response_not_found"
+        assert err.value.body["param"] == "previous_response_id"
+    client.responses.delete(kept.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(kept.id)
+
+
+@pytest.mark.parametrize("body,param,words", [
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}]},
+     "input[0].content[0].type", "'input_image'"),
+    ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]},
+     "input[0].content[0].type", "'input_file'"),
+    ({"input": ASK, "tools": [{"type": "web_search"}]}, "tools[0].type", "'web_search'"),
+    ({"input": ASK, "tools": [WEATHER, {"type": "file_search", "vector_store_ids": ["v"]}]}, "tools[1].type",
+     "'file_search'"),
+    ({"input": [{"type": "web_search_call", "id": "w"}]}, "input[0].type", "'web_search_call'"),
+    ({"input": ASK, "tool_choice": {"type": "web_search_preview"}}, "tool_choice", "'web_search_preview'"),
+    ({"input": ASK, "tools": TOOLS, "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice", "'nope'"),
+    ({"input": ASK, "text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema", "schema"),
+    ({"input": ASK, "text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "objectx"}}}},
+     "text.format", "objectx"),
+    ({"input": ASK, "background": True}, "background", "background"),
+    ({"input": ASK, "temperature": -1.0}, "temperature", "temperature"),
+    ({"input": ASK, "max_output_tokens": 0}, "max_output_tokens", "max_output_tokens"),
+    ({"input": ASK * 100, "max_output_tokens": 8}, "input", "maximum context length"),
+    ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "input[0].call_id", "call_id"),
+    ({"input": [{"role": "robot", "content": "x"}]}, "input[0].role", "robot"),
+    ({"input": []}, "input", "empty"),
+])
+def test_unsupported_or_bad_requests_are_400_naming_the_field(served, body, param, words):
+    r = httpx.post(served + "/v1/responses", json={"model": "llama", **body}, timeout=30)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and words in err["message"] and err["type"] == "invalid_request_error"
+
+
+def test_store_is_bounded_by_count_and_bytes():
+    from tandem.server.responses_store import ResponseStore
+
+    store = ResponseStore(max_responses=3, max_bytes=10_000)
+    for i in range(5):
+        store.put({"id": f"r{i}"}, [{"role": "user", "content": "x"}])
+    assert [store.get(f"r{i}") is not None for i in range(5)] == [False, False, True, True, True]
+    store.put({"id": "big"}, [{"role": "user", "content": "y" * 6000}])
+    store.put({"id": "big2"}, [{"role": "user", "content": "z" * 6000}])
+    assert store.get("big") is None and store.get("big2") is not None and store.bytes <= 10_000
+    store.put({"id": "huge"}, [{"role": "user", "content": "w" * 20_000}])  # over the bound alone: not kept
+    assert store.get("huge") is None and store.get("big2") is not None
+    assert ResponseStore(max_responses=0).put({"id": "a"}, []) is None and len(ResponseStore(max_responses=0)) == 0
+
+
+def test_a_json_format_with_auto_tools_allows_json_or_a_call():
+    """auto + a JSON text format on a template with a known call format: the output is JSON
+    in the format or the tools' calls, never free text (an agent with an output type still
+    calls its tools)."""
+    from xgrammar.testing import _is_grammar_accept_string as accepts
+
+    from tandem.server.openai_schemas import Tool
+    from tandem.server.responses_input import _FormatOrCalls
+
+    tools = [Tool.model_validate({"type": "function", "function": {k: v for k, v in t.items() if k != "type"}})
+             for t in TOOLS]
+    fmt = {"type": "json_schema", "json_schema": {"name": "a", "schema": Answer.model_json_schema()}}
+    grammar = _FormatOrCalls("auto", tools, True, "hermes", fmt).grammar()
+    assert accepts(grammar, '{"city": "Lima", "warm": true, "degrees": 3}')
+    assert accepts(grammar, '<tool_call>\n{"name": "get_time", "arguments": {"zone": 2}}\n</tool_call>')
+    assert not accepts(grammar, "Just text.")
+    assert not accepts(grammar, '{"city": "Rome", "warm": true, "degrees": 3}')
