@@ -65,8 +65,9 @@ def capture_all(streams: StreamSet, buckets: list[int], depth: int, views, captu
 class DecodeGraphs:
     def __init__(self, model: DecoderModel, kv: KVCache, table: ReqToTokenTable, backend,
                  future_map: FutureMap, streams: StreamSet, stager: InputStager,
-                 buckets: list[int], max_seq_len: int):
+                 buckets: list[int], max_seq_len: int, draft=None):
         self.model, self.kv, self.table, self.backend = model, kv, table, backend
+        self.draft = draft  # speculative decoding's draft model: the graph writes its KV too
         self.future_map, self.streams, self.stager = future_map, streams, stager
         self.buckets = buckets
         # Decode kernels take their split count from this host int; fixed for every replay.
@@ -101,7 +102,10 @@ class DecodeGraphs:
             qo_indptr=views["seq_lens"], req_to_token=self.table.table,
             host_req_slots=[0] * bucket, host_seq_lens=[1] * bucket, host_extend_lens=[1] * bucket,
             is_decode=True, max_seq_len=self.max_seq_len)
-        return self.model.compute_logits(self.model(fb, self.kv, self.backend), out=self.logits[:bucket])
+        hidden = self.model(fb, self.kv, self.backend)
+        if self.draft is not None:
+            self.draft.mirror(fb)  # the draft's KV is valid wherever the target's is
+        return self.model.compute_logits(hidden, out=self.logits[:bucket])
 
     @torch.no_grad()
     def capture(self) -> None:

@@ -33,6 +33,7 @@ from tandem.memory_budget import (MemoryBudget, graph_reserve, measure_activatio
 from tandem.memory.req_to_token import ReqToTokenTable
 from tandem.models.checkpoint import builtin_model_path, open_checkpoint
 from tandem.models.linear import check_fp8_support, quantize_model_fp8
+from tandem.models.decoder import DecoderModel
 from tandem.models.loader import load_model
 from tandem.outputs import CompletionOutput, RequestOutput, StepOutput, TokenLogprob
 from tandem.overlap.future_map import FutureMap
@@ -46,6 +47,7 @@ from tandem.sampling.bias import BAN, BadWordsMask, min_tokens_bias, static_bias
 from tandem.sampling.params import check_unicode
 from tandem.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from tandem.speculative.config import SpeculativeConfig
+from tandem.speculative.draft import DraftProposer, check_draft
 from tandem.speculative.graphs import VerifyGraphs
 from tandem.speculative.metrics import SpecCounters
 from tandem.speculative.planner import VerifyPlanner, note_plain, note_verified
@@ -88,6 +90,8 @@ class Engine:
                                 self.max_model_len, cfg.dummy_weights, self.parallel.tp)
         log.info("loaded %s in %.1fs", path, time.monotonic() - started)
         self._quantize()
+        self.speculative = self._speculative_config()
+        self.draft_model = self._load_draft()
         self.gemm_tuning = self._tune_gemms()
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
@@ -95,7 +99,6 @@ class Engine:
         self.backend = make_attention_backend(cfg.attention_backend, self.device,
                                               cfg.experiments.attention_split_by_context)
         self.debug = DebugChecks.from_env()  # TANDEM_DEBUG_*: read once, for this engine's life
-        self.speculative = self._speculative_config()
         self._build_memory()
         self.parallel.connect(self.device)
         self._build_loop()
@@ -139,6 +142,30 @@ class Engine:
             raise ValueError("speculative_config is not supported with tensor_parallel_size > 1 yet")
         return spec
 
+    def _load_draft(self) -> DecoderModel | None:
+        """The draft model of speculative_config's method 'draft_model', in the target's dtype
+        (not quantized); the context is capped at the draft's."""
+        spec, cfg = self.speculative, self.cfg
+        if spec is None or spec.method != "draft_model":
+            return None
+        try:
+            ckpt = open_checkpoint(spec.model, allow_pickle=cfg.allow_pickle, config_only=cfg.dummy_weights)
+            config = ModelConfig.from_hf(ckpt.config)
+        except (OSError, ValueError, KeyError) as e:
+            raise ValueError(f"speculative_config: the draft model {spec.model!r}: {e}") from None
+        check_draft(config, ckpt.load_tokenizer(), self.model_config, self.tokenizer)
+        if config.max_position_embeddings < self.max_model_len:
+            if cfg.max_model_len is not None:
+                raise ValueError(f"speculative_config: the draft model takes {config.max_position_embeddings} "
+                                 f"positions, fewer than max_model_len={cfg.max_model_len}")
+            log.warning("the draft model takes %d positions: max_model_len %d -> %d",
+                        config.max_position_embeddings, self.max_model_len, config.max_position_embeddings)
+            self.max_model_len = config.max_position_embeddings
+        started = time.monotonic()
+        model = load_model(ckpt, config, self.dtype, self.device, self.max_model_len, cfg.dummy_weights)
+        log.info("loaded the draft model %s in %.1fs", spec.model, time.monotonic() - started)
+        return model
+
     def _quantize(self) -> None:
         if self.cfg.quantization is None:
             return
@@ -161,11 +188,15 @@ class Engine:
         if mode == "off" or self.device.type != "cuda" or self.dtype == torch.float32:
             return {}
         from tandem.kernels.gemm_tuner import tune_model
-        return tune_model(self.model, self.dtype)
+        models = [self.model] + ([self.draft_model] if self.draft_model is not None else [])
+        return tune_model(torch.nn.ModuleList(models), self.dtype)
 
     def _build_memory(self) -> None:
         mc, cfg = self.model.local_config, self.cfg  # this rank's KV heads
         per_token = KVCache.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype)
+        draft = self.draft_model.local_config if self.draft_model is not None else None
+        if draft is not None:  # the draft's KV has the target pool's slots
+            per_token += KVCache.bytes_per_token(draft.num_layers, draft.num_kv_heads, draft.head_dim, self.dtype)
         self.memory: MemoryBudget | None = None
         if cfg.max_total_tokens is not None:
             num_tokens = cfg.max_total_tokens
@@ -181,6 +212,8 @@ class Engine:
             raise ValueError(f"KV pool of {num_tokens} tokens is too small")
         self.max_model_len = min(self.max_model_len, num_tokens)
         self.kv = KVCache(mc.num_layers, num_tokens + 1, mc.num_kv_heads, mc.head_dim, self.dtype, self.device)
+        self.draft_kv = (KVCache(draft.num_layers, num_tokens + 1, draft.num_kv_heads, draft.head_dim, self.dtype,
+                                 self.device) if draft is not None else None)
         self.kv_slots = SlotAllocator(num_tokens)  # slot 0 is the dummy slot
         self.prefix_cache = PrefixCache(self.kv_slots, enabled=cfg.enable_prefix_caching,
                                         debug=self.debug.prefix_cache)
@@ -196,7 +229,8 @@ class Engine:
             self.model, self.backend, mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype, dev,
             tokens, self.max_model_len, mc.vocab_size, cfg.max_running_requests))
         free, total = torch.cuda.mem_get_info(dev)
-        weights = sum(t.nbytes for t in itertools.chain(self.model.parameters(), self.model.buffers()))
+        models = [self.model] + ([self.draft_model] if self.draft_model is not None else [])
+        weights = sum(t.nbytes for m in models for t in itertools.chain(m.parameters(), m.buffers()))
         graphs = graph_reserve(self._graph_max_batch(), mc.vocab_size, activations, tokens)
         buffers = request_buffers(cfg.max_running_requests, self.max_model_len, mc.vocab_size)
         return plan_kv_pool(total, cfg.gpu_memory_utilization, total - free, weights, activations, buffers,
@@ -236,10 +270,9 @@ class Engine:
                                   coarse=cfg.experiments.coarse_war_barrier)
         # A verify row's result: accepted, proposed, then its k + 1 samples.
         self.copier = ResultCopier(self.streams, max_rows=rows * (k + 3) if spec is not None else rows)
-        self.spec_state = (SpecState(rows, self.max_model_len, k, spec.prompt_lookup_min, spec.prompt_lookup_max,
-                                     self.device) if spec is not None else None)
-        self.spec_counters = SpecCounters(k)
         self.sampler = Sampler(self.model_config.vocab_size, rows + 1, self.device)
+        self.spec_state = self._spec_state(k) if spec is not None else None
+        self.spec_counters = SpecCounters(k)
         self.future_map = FutureMap(rows, self.device, debug=self.debug.future_map)
         # Constraints are refused under tensor parallelism: no grammar pool to prepare there.
         self.grammar = GrammarManager(self.tokenizer, self.model_config.vocab_size, sorted(self.eos_token_ids),
@@ -257,11 +290,21 @@ class Engine:
             self.prefix_cache, self.req_slots, on_admit=self.runner.admit,
             verify=VerifyPlanner(spec) if spec is not None else None)
 
+    def _spec_state(self, k: int) -> SpecState:
+        spec, rows = self.speculative, self.cfg.max_running_requests
+        if spec.method == "ngram":
+            return SpecState.ngram(rows, self.max_model_len, k, spec.prompt_lookup_min, spec.prompt_lookup_max,
+                                   self.device)
+        draft = DraftProposer(self.draft_model, self.draft_kv, self.backend, self.table, k, self.sampler.token_hash,
+                              rows, self.device)
+        return SpecState(rows, self.max_model_len, k, self.device, draft)
+
     def _capture_graphs(self) -> DecodeGraphs | None:
         if not self._graphs_usable():
             return None
+        draft = self.spec_state.draft if self.spec_state is not None else None
         graphs = DecodeGraphs(self.model, self.kv, self.table, self.backend, self.future_map, self.streams,
-                              self.stager, self._graph_buckets(), self.max_model_len)
+                              self.stager, self._graph_buckets(), self.max_model_len, draft)
         graphs.capture()
         return graphs
 
@@ -748,7 +791,8 @@ NO_TOKEN_ERROR = "no token satisfies the request's constraints (its grammar allo
 
 # What close() drops: everything that holds device memory or refers back to the engine.
 _DEVICE_STATE = ("model", "backend", "kv", "kv_slots", "prefix_cache", "grammar", "req_slots", "table",
-                 "streams", "stager", "copier", "sampler", "future_map", "runner", "scheduler", "spec_state")
+                 "streams", "stager", "copier", "sampler", "future_map", "runner", "scheduler", "spec_state",
+                 "draft_model", "draft_kv")
 
 
 def _token_ids(prompt) -> list[int]:

@@ -26,3 +26,22 @@ class ForwardBatch:
     host_extend_lens: list[int]
     is_decode: bool  # every request has exactly one new token
     max_seq_len: int
+
+
+def query_rows_batch(input_ids: torch.Tensor, positions: torch.Tensor, locs: torch.Tensor,
+                     req_slots: torch.Tensor, req_to_token: torch.Tensor, max_seq_len: int) -> ForwardBatch:
+    """A verify step as the model runs it: every query token is a decode row of its request
+    (`req_slots` [T], one per query) whose length ends at the query's own position. Each layer
+    writes every query's KV before its attention reads (the backends' order), so query j sees
+    its row's cache and queries 0..j: causal masking from lengths alone. It is the decode
+    kernel plain decoding runs at that position, and graph-capturable (device lengths;
+    `max_seq_len` a host bound)."""
+    t = input_ids.shape[0]
+    seq_lens = (positions + 1).clamp(max=max_seq_len)
+    return ForwardBatch(
+        input_ids=input_ids, positions=positions, out_cache_loc=locs, req_slots=req_slots,
+        seq_lens=seq_lens, prefix_lens=seq_lens - 1,
+        qo_indptr=torch.arange(t + 1, device=input_ids.device), req_to_token=req_to_token,
+        # Decode kernels read device lengths; these host fields only size extend kernels.
+        host_req_slots=[0] * t, host_seq_lens=[1] * t, host_extend_lens=[1] * t,
+        is_decode=True, max_seq_len=max_seq_len)

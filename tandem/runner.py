@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tandem.cuda_graph import DECODE_FIELDS, DecodeGraphs
-from tandem.forward_batch import ForwardBatch
+from tandem.forward_batch import ForwardBatch, query_rows_batch
 from tandem.memory.kv_cache import KVCache
 from tandem.memory.req_to_token import ReqToTokenTable
 from tandem.models.decoder import DecoderModel
@@ -19,12 +19,14 @@ from tandem.overlap.staging import InputStager
 from tandem.overlap.streams import StreamSet
 from tandem.request import Request
 from tandem.sampling import Sampler, SamplingInputs, SamplingParams
+from tandem.sampling.inputs import SampleOutput
 from tandem.sampling.inputs import seed_to_int64
 from tandem.sampling.noise import row_keys
 from tandem.scheduler.batch import ScheduledBatch
-from tandem.speculative.graphs import VERIFY_FIELDS, VerifyGraphs, query_rows_batch, settle
+from tandem.speculative.graphs import VERIFY_FIELDS, VerifyGraphs, settle
 from tandem.speculative.ngram import Proposal
 from tandem.speculative.state import SpecState, SpecStep
+from tandem.speculative.verify import Verdict, accept_rejection
 
 
 @dataclass
@@ -216,10 +218,11 @@ class ModelRunner:
         """The ragged layout: row b scores k_row + 1 queries."""
         rows, spec = batch.rows, self.spec
         slots, r, k_rows = dev["req_slots"], dev["token_row"], dev["k_rows"]
-        step = spec.prepare(slots, k_rows, r, dev["token_offset"])
-        input_ids, positions = spec.inputs(step, self.future_map.resolve(slots))
-        locs = self.table.table[slots[r], positions].to(torch.int64)
         bound = max(row.length_bound + row.spec_k for row in rows)  # the host's bound on every query's length
+        last = self.future_map.resolve(slots)
+        step = spec.prepare(slots, k_rows, r, dev["token_offset"], last, bound)
+        input_ids, positions = spec.inputs(step, last)
+        locs = self.table.table[slots[r], positions].to(torch.int64)
         fb = query_rows_batch(input_ids, positions, locs, slots[r], self.table.table, bound)
         return self.model.compute_logits(self.model(fb, self.kv, self.backend)), step
 
@@ -244,10 +247,28 @@ class ModelRunner:
             bucket, ring, full_logits, full_step = tail
             packed = self.verify_graphs.replay_tail(bucket, ring, len(pending.batch.rows), full_logits, full_step)
             return packed, None, None, None
-        out = self.sampler.sample(logits, sampling, bitmask)  # a bitmask only when every k is 0
-        packed, last = settle(self.spec, self.future_map, step, slots, out.token_ids)
+        if self.spec.draft is not None and not sampling.all_greedy:
+            verdict, out = self._rejection_verdict(step, logits, sampling, bitmask)
+        else:
+            out = self.sampler.sample(logits, sampling, bitmask)  # a bitmask only when every k is 0
+            verdict = self.spec.point_mass_verdict(step, out.token_ids)
+        packed, last = settle(self.spec, self.future_map, step, slots, verdict)
         self.sampler.record(slots, last)  # penalties: only rows without proposals have them
         return packed, out.logprobs, out.top_ids, out.top_logprobs
+
+    def _rejection_verdict(self, step: SpecStep, logits: torch.Tensor, sampling: SamplingInputs,
+                           bitmask: torch.Tensor | None) -> tuple[Verdict, SampleOutput]:
+        """Draft-model proposals with sampled rows: rejection sampling against the draft's
+        distributions (greedy rows' are point masses, which it treats exactly), keyed by
+        each query's output index as plain decoding's draws are. The output's logprobs are
+        those of each query's emitted token."""
+        spec = self.spec
+        probs, raw = self.sampler.distribution(logits, sampling, bitmask)
+        verdict = accept_rejection(spec.per_row(step, probs), step.proposal.probs, step.proposal.tokens,
+                                   step.proposal.count, spec.per_row(step, sampling.noise_key),
+                                   self.sampler.token_hash)
+        emitted = verdict.tokens[step.token_row, step.token_offset]
+        return verdict, self.sampler.with_logprobs(raw, emitted, sampling)
 
     def _graph_bucket(self, batch: ScheduledBatch) -> int | None:
         if self.graphs is None or not batch.is_decode or len(batch.rows) > self.graphs.max_batch:
@@ -269,6 +290,8 @@ class ModelRunner:
             host_extend_lens=[r.num_new for r in batch.rows], is_decode=batch.is_decode,
             max_seq_len=max(fields["seq_lens"]))
         hidden = self.model(fb, self.kv, self.backend)
+        if self.spec is not None and self.spec.draft is not None:
+            self.spec.draft.mirror(fb)  # the draft's KV is valid wherever the target's is
         if not batch.sample_rows:
             return None
         return self.model.compute_logits(hidden[dev["sample_token_idx"]])
@@ -285,16 +308,17 @@ class ModelRunner:
     def admit(self, req: Request) -> None:
         """The scheduler's hook for a (re)admitted request. A method, not a closure over the
         engine: no reference cycle, so a dropped engine is freed at once, even when frozen."""
-        self.start_request(req.slot, req.prompt_token_ids, req.params, req.output_token_ids)
+        self.start_request(req.slot, req.prompt_token_ids, req.params, req.output_token_ids, req.seed)
 
     def start_request(self, slot: int, prompt_ids: list[int], params: SamplingParams,
-                      outputs: list[int]) -> None:
+                      outputs: list[int], seed: int = 0) -> None:
         """Reset per-slot sampling state; on the forward stream so it orders before sampling."""
         if self.mirror is not None:
             self.mirror.admit(slot, prompt_ids, params, outputs)
         if self.spec is not None:
             with self.streams.use(self.streams.forward):  # ordered before the prefill's sample
-                self.spec.admit(slot, _to_device(prompt_ids + outputs, self.streams))
+                self.spec.admit(slot, _to_device(prompt_ids + outputs, self.streams), len(prompt_ids),
+                                params.temperature, seed)
         if not params.uses_penalties:
             return
         with self.streams.use(self.streams.forward):

@@ -2,7 +2,7 @@
 
 A verify forward scores each row's last token and its k proposals: k + 1 query tokens per
 row over the row's cached context, and logits at every position. The engine runs it as a
-decode batch of one row per query (`speculative.graphs.query_rows_batch`); the extend layout
+decode batch of one row per query (`forward_batch.query_rows_batch`); the extend layout
 (k + 1 new tokens after a prefix, the extend kernel) is timed beside it for comparison.
 Speculation pays when (accepted + 1) tokens per verify outweigh its cost over one decode
 step, so this ratio is the break-even acceptance, per batch size (issue 20 asks for <= 1.15x
@@ -27,7 +27,7 @@ from tandem.bench.presets import preset_dir
 from tandem.config import EngineConfig
 from tandem.engine import Engine
 from tandem.forward_batch import ForwardBatch
-from tandem.speculative.graphs import query_rows_batch
+from tandem.forward_batch import query_rows_batch
 
 
 @dataclass

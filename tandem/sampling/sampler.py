@@ -123,26 +123,30 @@ class Sampler:
         """Sample one token per row of `logits` [B, V]. Queues device work only. A `bitmask`
         (structured output) applies first, so penalties, every draw and the logprobs see the
         constrained distribution."""
-        logits = logits.to(torch.float32)
-        if bitmask is not None:
-            logits = self.apply_bitmask(logits, bitmask)
-        raw = logits
-        if inputs.need_bias:
-            logits = self.apply_bias(logits, inputs)
-        if inputs.need_penalties:
-            logits = self.apply_penalties(logits, inputs)
-
+        raw, logits = self._adjusted(logits, inputs, bitmask)
         greedy_ids = logits.argmax(dim=-1)
         if inputs.all_greedy:
             token_ids = greedy_ids
         else:
-            temperature = inputs.temperature
-            is_greedy = temperature == 0
-            scaled = logits / torch.where(is_greedy, 1.0, temperature)[:, None]
-            scaled = self._mask(scaled, inputs)
-            sampled_ids = gumbel_argmax(scaled, inputs.noise_key, self._token_hash)
+            is_greedy = inputs.temperature == 0
+            sampled_ids = gumbel_argmax(self._scaled(logits, inputs), inputs.noise_key, self._token_hash)
             token_ids = torch.where(is_greedy, greedy_ids, sampled_ids)
+        return self.with_logprobs(raw, token_ids, inputs)
 
+    def distribution(self, logits: Tensor, inputs: SamplingInputs,
+                     bitmask: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """(probs [B, V], raw logits): the distribution `sample` draws each row from (a point
+        mass at the argmax for greedy rows), and the logits its logprobs are reported from.
+        For rejection sampling against a draft's distribution."""
+        raw, logits = self._adjusted(logits, inputs, bitmask)
+        point = torch.nn.functional.one_hot(logits.argmax(dim=-1), self.vocab_size).to(torch.float32)
+        if inputs.all_greedy:
+            return point, raw
+        probs = self._scaled(logits, inputs).softmax(dim=-1)
+        return torch.where((inputs.temperature == 0)[:, None], point, probs), raw
+
+    def with_logprobs(self, raw: Tensor, token_ids: Tensor, inputs: SamplingInputs) -> SampleOutput:
+        """`token_ids` with their logprobs (and the top-n) under the raw logits, if any row asks."""
         out = SampleOutput(token_ids=token_ids)
         if inputs.max_logprobs is not None:
             logprobs = torch.log_softmax(raw, dim=-1)
@@ -151,6 +155,29 @@ class Sampler:
                 top = torch.topk(logprobs, min(inputs.max_logprobs, self.vocab_size), dim=-1)
                 out.top_logprobs, out.top_ids = top.values, top.indices
         return out
+
+    def _adjusted(self, logits: Tensor, inputs: SamplingInputs, bitmask: Tensor | None) -> tuple[Tensor, Tensor]:
+        """(raw, adjusted): fp32 logits after the mask, then after biases and penalties."""
+        logits = logits.to(torch.float32)
+        if bitmask is not None:
+            logits = self.apply_bitmask(logits, bitmask)
+        raw = logits
+        if inputs.need_bias:
+            logits = self.apply_bias(logits, inputs)
+        if inputs.need_penalties:
+            logits = self.apply_penalties(logits, inputs)
+        return raw, logits
+
+    def _scaled(self, logits: Tensor, inputs: SamplingInputs) -> Tensor:
+        """Temperature, then top-k/top-p/min-p: the scores sampled rows are drawn from."""
+        temperature = inputs.temperature
+        scaled = logits / torch.where(temperature == 0, 1.0, temperature)[:, None]
+        return self._mask(scaled, inputs)
+
+    @property
+    def token_hash(self) -> Tensor:
+        """[V] int64: each token id's hash, the noise's per-token half (drafts draw with it too)."""
+        return self._token_hash
 
     def _mask(self, scaled: Tensor, inputs: SamplingInputs) -> Tensor:
         """Set disallowed tokens to -inf. Each step runs only if some row needs it; a row

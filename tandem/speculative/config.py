@@ -56,9 +56,10 @@ class SpeculativeConfig:
         if method == "draft_model":
             if not isinstance(cfg.model, str) or not cfg.model:
                 raise ValueError("speculative_config: method 'draft_model' needs 'model' (a checkpoint path)")
-            raise ValueError("speculative_config: draft models are not supported yet (method 'draft_model'); "
-                             "use {'method': 'ngram', ...}")
-        if cfg.model is not None:
+            lookup = sorted({"prompt_lookup_max", "prompt_lookup_min"} & set(value))
+            if lookup:
+                raise ValueError(f"speculative_config: {', '.join(lookup)} are for method 'ngram', not 'draft_model'")
+        elif cfg.model is not None:
             raise ValueError("speculative_config: 'model' is for method 'draft_model', not 'ngram'")
         return cfg
 

@@ -15,41 +15,24 @@ import logging
 import torch
 
 from tandem.cuda_graph import capture_all, warm_and_capture
-from tandem.forward_batch import ForwardBatch
+from tandem.forward_batch import query_rows_batch
 from tandem.speculative.state import SpecState, SpecStep
+from tandem.speculative.verify import Verdict
 
 log = logging.getLogger("tandem")
 
 
 def settle(spec: SpecState, future_map, step: SpecStep, slots: torch.Tensor,
-           sampled: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """After the target's sample at every query (`sampled` [T]): the verdict, the new lengths
+           verdict: Verdict) -> tuple[torch.Tensor, torch.Tensor]:
+    """After the verdict (from the target's samples or the rejection step): the new lengths
     and history, each row's last emitted token relayed to the next step. Returns (packed,
     last): packed row b is [accepted, proposed, tokens[0..k]], it emits tokens[:accepted + 1]."""
-    accepted, tokens = spec.finish(step, slots, sampled)
+    accepted, tokens = spec.finish(step, slots, verdict)
     last = tokens.gather(1, accepted[:, None]).squeeze(1)
     future_map.stash(slots, last)
     packed = torch.cat([accepted[:, None], step.proposal.count[:, None], tokens], dim=1).flatten()
     return packed, last
 
-
-def query_rows_batch(input_ids: torch.Tensor, positions: torch.Tensor, locs: torch.Tensor,
-                     req_slots: torch.Tensor, req_to_token: torch.Tensor, max_seq_len: int) -> ForwardBatch:
-    """A verify step as the model runs it: every query token is a decode row of its request
-    (`req_slots` [T], one per query) whose length ends at the query's own position. Each layer
-    writes every query's KV before its attention reads (the backends' order), so query j sees
-    its row's cache and queries 0..j: causal masking from lengths alone. It is the decode
-    kernel plain decoding runs at that position, and graph-capturable (device lengths;
-    `max_seq_len` a host bound)."""
-    t = input_ids.shape[0]
-    seq_lens = (positions + 1).clamp(max=max_seq_len)
-    return ForwardBatch(
-        input_ids=input_ids, positions=positions, out_cache_loc=locs, req_slots=req_slots,
-        seq_lens=seq_lens, prefix_lens=seq_lens - 1,
-        qo_indptr=torch.arange(t + 1, device=input_ids.device), req_to_token=req_to_token,
-        # Decode kernels read device lengths; these host fields only size extend kernels.
-        host_req_slots=[0] * t, host_seq_lens=[1] * t, host_extend_lens=[1] * t,
-        is_decode=True, max_seq_len=max_seq_len)
 
 # The fixed fields a graph reads from the staging ring, in this order at the ring slot's start.
 VERIFY_FIELDS = ("req_slots", "k_rows")
@@ -88,8 +71,8 @@ class VerifyGraphs:
         """The captured work: logits [bucket * (k + 1), V] and the step's device facts."""
         slots, k_rows = views["req_slots"], views["k_rows"]
         r, j = self.token_row[bucket], self.token_offset[bucket]
-        step = self.spec.prepare(slots, k_rows, r, j)
         last = self.future_map.resolve(slots) if self.resolve_in_graph else self.last_tokens[bucket]
+        step = self.spec.prepare(slots, k_rows, r, j, last, self.max_seq_len)
         input_ids, positions = self.spec.inputs(step, last)
         positions = positions.clamp(min=0)  # padding rows (length 0)
         # Queries past a row's k_row have no reserved slot: their KV goes to the dummy slot.
@@ -139,7 +122,8 @@ class VerifyGraphs:
         """A greedy-only step's sampling and settling, fixed-shape: packed [bucket * (k + 3)].
         No penalty counts: a greedy-only step has no row with penalties, and a request with
         them resets its slot's counts when admitted."""
-        return settle(self.spec, self.future_map, step, slots, logits.argmax(dim=-1))[0]
+        verdict = self.spec.point_mass_verdict(step, logits.argmax(dim=-1))
+        return settle(self.spec, self.future_map, step, slots, verdict)[0]
 
     def replay_tail(self, bucket: int, ring: int, rows: int, logits: torch.Tensor, step: SpecStep) -> torch.Tensor:
         """Queue the greedy tail of the step `replay(bucket, ring)` just queued (its untrimmed

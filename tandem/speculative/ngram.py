@@ -20,6 +20,9 @@ from torch import Tensor
 class Proposal:
     tokens: Tensor  # [B, k] int64; entries at or beyond `count` are 0
     count: Tensor  # [B] int64 in [0, k]: how many of `tokens` are proposals
+    # A draft model's: [B, k, V] float32, the distribution each proposal was drawn from (a
+    # point mass for greedy rows). None: point masses (n-gram).
+    probs: Tensor | None = None
 
 
 def propose_ngram(history: Tensor, lengths: Tensor, k: int, min_n: int, max_n: int,
@@ -56,6 +59,22 @@ def propose_ngram(history: Tensor, lengths: Tensor, k: int, min_n: int, max_n: i
     valid = (best_start[:, None] >= 0) & (at < lengths[:, None])
     tokens = history.gather(1, at.clamp(0, T - 1)).masked_fill(~valid, 0)
     return Proposal(tokens, valid.sum(dim=1))
+
+
+class NgramProposer:
+    """Prompt lookup for the rows of a verify step, each over the last `window` tokens of its
+    own device history: fixed shapes, no host value (graph-capturable)."""
+
+    def __init__(self, k: int, min_n: int, max_n: int, window: int) -> None:
+        self.k, self.min_n, self.max_n, self.window = k, min_n, max_n, window
+
+    def propose(self, history: Tensor, lengths: Tensor, slots: Tensor, last: Tensor, k_rows: Tensor,
+                max_seq_len: int) -> Proposal:
+        """Up to k proposals a row (`last` and `max_seq_len` are the draft model's inputs)."""
+        start = (lengths - self.window).clamp(min=0)
+        cols = start[:, None] + torch.arange(self.window, device=slots.device)[None, :]
+        recent = history[slots[:, None], cols].to(torch.int64)
+        return propose_ngram(recent, lengths - start, self.k, self.min_n, self.max_n)
 
 
 def propose_ngram_reference(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:

@@ -66,7 +66,9 @@ class VerifyPlanner:
     def k_for(self, req: Request) -> int:
         """Proposals for the request's row: k, fewer near max_tokens (every emitted token is
         then within max_samples, so no position passes the context), 0 if it cannot speculate."""
-        if req.spec_pause or not speculates(req) or not self._match_likely(req):
+        if req.spec_pause or not speculates(req):
+            return 0
+        if self.cfg.method == "ngram" and not self._match_likely(req):
             return 0
         room = req.max_samples - req.num_scheduled_samples - req.spec_extra - 1
         return max(0, min(self.cfg.num_speculative_tokens, room))

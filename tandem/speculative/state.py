@@ -12,8 +12,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from tandem.speculative.ngram import Proposal, propose_ngram
-from tandem.speculative.verify import accept_point_mass
+from tandem.speculative.draft import DraftProposer
+from tandem.speculative.ngram import NgramProposer, Proposal
+from tandem.speculative.verify import Verdict, accept_point_mass
 
 # The n-gram search looks this far back from each row's end: matches further back are not
 # found, which only shortens proposals.
@@ -34,15 +35,25 @@ class SpecState:
     """history[slot, :length[slot]]: the request's tokens (prompt, then outputs); the last is
     the pending token, whose KV the next step writes. Row 0 is padding."""
 
-    def __init__(self, max_slots: int, max_model_len: int, k: int, min_n: int, max_n: int,
-                 device: torch.device) -> None:
-        self.k, self.min_n, self.max_n = k, min_n, max_n
+    def __init__(self, max_slots: int, max_model_len: int, k: int, device: torch.device,
+                 proposer: NgramProposer | DraftProposer) -> None:
+        self.k, self.proposer = k, proposer
         # Width: a verify writes the k + 1 tokens after the last one; all stay below it.
         self.history = torch.zeros((max_slots + 1, max_model_len + k + 2), dtype=torch.int32, device=device)
         self.length = torch.zeros(max_slots + 1, dtype=torch.int64, device=device)
-        self.window = min(NGRAM_WINDOW, max_model_len)
 
-    def admit(self, slot: int, tokens: Tensor) -> None:
+    @staticmethod
+    def ngram(max_slots: int, max_model_len: int, k: int, min_n: int, max_n: int,
+              device: torch.device) -> "SpecState":
+        return SpecState(max_slots, max_model_len, k, device,
+                         NgramProposer(k, min_n, max_n, min(NGRAM_WINDOW, max_model_len)))
+
+    @property
+    def draft(self) -> DraftProposer | None:
+        """The draft model, when it proposes: every target forward also writes its KV."""
+        return self.proposer if isinstance(self.proposer, DraftProposer) else None
+
+    def admit(self, slot: int, tokens: Tensor, prompt_len: int, temperature: float, seed: int) -> None:
         """A (re)admitted request: its known tokens ([n] int64 on the device). Its prefill's
         sample then appends the first new one (`record`)."""
         n = tokens.shape[0]
@@ -50,23 +61,23 @@ class SpecState:
         # fill_ takes the int as a kernel argument; `length[slot] = n` copies a host scalar
         # (a synchronizing copy: the H200's sync guard caught it).
         self.length[slot:slot + 1].fill_(n)
+        if self.draft is not None:
+            self.draft.admit(slot, prompt_len, temperature, seed)
 
     def record(self, slots: Tensor, positions: Tensor, token_ids: Tensor) -> None:
         """A plain step sampled `token_ids` at host-known `positions` (the pending tokens)."""
         self.history[slots, positions] = token_ids.to(torch.int32)
         self.length[slots] = positions + 1
 
-    def prepare(self, slots: Tensor, k_rows: Tensor, token_row: Tensor, token_offset: Tensor) -> SpecStep:
-        """Proposals for rows `slots` (each cut to its k_rows). Each row searches the last
-        `window` tokens of its own history: fixed shapes, no host value (graph-capturable)."""
+    def prepare(self, slots: Tensor, k_rows: Tensor, token_row: Tensor, token_offset: Tensor,
+                last: Tensor, max_seq_len: int) -> SpecStep:
+        """Proposals for rows `slots` (each cut to its k_rows) whose last tokens are `last`:
+        fixed shapes, no host value (graph-capturable); `max_seq_len` bounds every length."""
         lengths = self.length[slots]
-        start = (lengths - self.window).clamp(min=0)
-        cols = start[:, None] + torch.arange(self.window, device=slots.device)[None, :]
-        recent = self.history[slots[:, None], cols].to(torch.int64)
-        proposal = propose_ngram(recent, lengths - start, self.k, self.min_n, self.max_n)
+        proposal = self.proposer.propose(self.history, lengths, slots, last, k_rows, max_seq_len)
         count = torch.minimum(proposal.count, k_rows)
         live = torch.arange(self.k, device=slots.device)[None, :] < count[:, None]
-        proposal = Proposal(proposal.tokens.masked_fill(~live, 0), count)
+        proposal = Proposal(proposal.tokens.masked_fill(~live, 0), count, proposal.probs)
         return SpecStep(lengths, proposal, token_row, token_offset)
 
     def inputs(self, step: SpecStep, last_tokens: Tensor) -> tuple[Tensor, Tensor]:
@@ -76,14 +87,23 @@ class SpecState:
         drafts = step.proposal.tokens[r, (j - 1).clamp(min=0)]
         return torch.where(j == 0, last_tokens[r], drafts), positions
 
-    def finish(self, step: SpecStep, slots: Tensor, sampled: Tensor) -> tuple[Tensor, Tensor]:
+    def per_row(self, step: SpecStep, per_query: Tensor) -> Tensor:
+        """[T, ...] values, one per query token, as [B, k + 1, ...] (zeros where a row has
+        fewer queries)."""
+        B = step.lengths.shape[0]
+        out = per_query.new_zeros((B, self.k + 1, *per_query.shape[1:]))
+        out[step.token_row, step.token_offset] = per_query
+        return out
+
+    def point_mass_verdict(self, step: SpecStep, sampled: Tensor) -> Verdict:
         """Accept the leading proposals equal to the target's samples (`sampled` [T], one per
-        query token); append the emitted tokens. Returns (accepted [B], tokens [B, k + 1]):
-        row b emits tokens[b, :accepted[b] + 1]."""
-        B = slots.shape[0]
-        target = torch.zeros((B, self.k + 1), dtype=torch.int64, device=slots.device)
-        target[step.token_row, step.token_offset] = sampled
-        verdict = accept_point_mass(target, step.proposal.tokens, step.proposal.count)
+        query token)."""
+        return accept_point_mass(self.per_row(step, sampled), step.proposal.tokens, step.proposal.count)
+
+    def finish(self, step: SpecStep, slots: Tensor, verdict: Verdict) -> tuple[Tensor, Tensor]:
+        """Append each row's emitted tokens, verdict.tokens[b, :accepted[b] + 1], to its
+        history and length. Returns (accepted [B], tokens [B, k + 1])."""
+        target = verdict.tokens
         cols = step.lengths[:, None] + torch.arange(self.k + 1, device=slots.device)[None, :]
         # Past accepted + 1 these are stale samples; they lie past the new length, unread.
         self.history[slots[:, None], cols] = target.to(torch.int32)
