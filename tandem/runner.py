@@ -24,7 +24,6 @@ from tandem.sampling.inputs import seed_to_int64
 from tandem.sampling.noise import row_keys
 from tandem.scheduler.batch import ScheduledBatch
 from tandem.speculative.graphs import VERIFY_FIELDS, VerifyGraphs, settle
-from tandem.speculative.ngram import Proposal
 from tandem.speculative.state import SpecState, SpecStep
 from tandem.speculative.verify import Verdict, accept_rejection
 
@@ -196,7 +195,7 @@ class ModelRunner:
                     pending.verify_tail = (bucket, ring, logits, step)
                 n = len(rows)
                 logits = logits[:len(per_token)]
-                step = SpecStep(step.lengths[:n], Proposal(step.proposal.tokens[:n], step.proposal.count[:n]),
+                step = SpecStep(step.lengths[:n], step.proposal.rows(n),
                                 step.token_row[:len(per_token)], step.token_offset[:len(per_token)])
                 slots = dev["req_slots"][:n]
             else:

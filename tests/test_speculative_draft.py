@@ -175,3 +175,80 @@ def test_incompatible_drafts_are_refused(target, tmp_path):
     check_draft(Config, None, Config, Vocab({"a": 0}))  # no tokenizer to compare: the sizes agree
     with pytest.raises(ValueError, match="tokenizer differs from the target's.*'c' -> 2"):
         check_draft(Config, Vocab({"a": 0, "b": 1, "c": 2}), Config, Vocab({"a": 0, "b": 1, "d": 2}))
+
+
+@pytest.mark.slow
+def test_a_truncated_draft_is_the_targets_first_layers(tiny_text_model, tmp_path):
+    """`tandem bench truncated-draft`: all layers kept drafts for its own model (every proposal
+    accepted); one layer kept still gives plain decoding's greedy text."""
+    import json
+
+    from tandem.bench.truncated_draft import main
+    main(["--model", str(tiny_text_model), "--layers", "2", "--dtype", "float32", "--out", str(tmp_path / "all")])
+    main(["--model", str(tiny_text_model), "--layers", "1", "--dtype", "float32", "--out", str(tmp_path / "one")])
+    assert json.loads((tmp_path / "one" / "config.json").read_text())["num_hidden_layers"] == 1
+    prompts = _prompts(4, seed=3)
+    params = [SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)]
+    plain, _ = _generate(tiny_text_model, prompts, params)
+    whole, stats = _generate(tiny_text_model, prompts, params, _draft(tmp_path / "all"))
+    assert [o.token_ids for o in whole] == [o.token_ids for o in plain]
+    assert stats["spec_decode_num_accepted_tokens"] == stats["spec_decode_num_draft_tokens"] > 0
+    one, stats = _generate(tiny_text_model, prompts, params, _draft(tmp_path / "one"))
+    assert [o.token_ids for o in one] == [o.token_ids for o in plain]
+    assert stats["spec_decode_num_draft_tokens"] > 0
+    with pytest.raises(ValueError, match=r"--layers must be in \[1, 2\]"):
+        main(["--model", str(tiny_text_model), "--layers", "3", "--out", str(tmp_path / "x")])
+
+
+def test_the_fixed_shape_layout_with_a_draft(target, other_draft):
+    """What a captured verify graph runs, eagerly on the CPU (every row k + 1 draft forwards
+    and queries, padding rows), greedy and sampled rows together: greedy outputs are plain's,
+    the greedy-only steps settle in the tail, sampled rows finish."""
+    from test_speculative_engine import _eager_verify_graphs
+    prompts = _prompts(5, seed=12)
+    params = [SamplingParams(max_tokens=20 + 7 * i, temperature=0.8 * (i % 2), seed=i, ignore_eos=True)
+              for i in range(5)]
+    plain, _ = _generate(target, prompts, params)
+    engine = _engine(target, _draft(other_draft))
+    graphs = _eager_verify_graphs(engine)
+    calls = []
+    replay = graphs.replay
+    graphs.replay = lambda bucket, ring: calls.append(bucket) or replay(bucket, ring)
+    rids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+    while engine.has_unfinished():
+        engine.step()
+    outs = [engine.output(r).token_ids for r in rids]
+    assert [o for o, p in zip(outs, params) if p.temperature == 0] == \
+           [o.token_ids for o, p in zip(plain, params) if p.temperature == 0]
+    assert [len(o) for o in outs] == [p.max_tokens for p in params]
+    assert {8, 4, 2, 1} & set(calls) and engine.stats()["spec_decode_num_accepted_tokens"] > 20
+    assert int(engine.spec_state.length[0]) == 0
+    assert_kv_conserved(engine)
+    engine.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_draft_steps_have_no_hidden_sync_on_cuda(target):
+    """On the GPU, graphs captured with the draft inside (decode graphs mirror its KV, verify
+    graphs run its k + 1 forwards), under sync-debug "error": the target drafting for itself
+    has every greedy proposal accepted and gives plain decoding's greedy outputs."""
+    from test_speculative_engine import _generate_on
+    from workload import step_without_host_syncs
+    prompts = _prompts(8, seed=4)
+    params = [SamplingParams(max_tokens=40 + 9 * i, temperature=0.7 * (i % 2), seed=i, ignore_eos=True)
+              for i in range(8)]
+    outs = []
+    for spec in (None, _draft(target, disable_by_batch_size=4)):
+        engine = _engine(target, spec, device="cuda")
+        _generate_on(engine, prompts[:2], params[:2])  # compile every shape first
+        for i, (p, sp) in enumerate(zip(prompts, params)):
+            engine.add_request(p, sp, request_id=f"g{i}")
+        step_without_host_syncs(engine)
+        outs.append([engine.output(f"g{i}").token_ids for i in range(8)])
+        if spec is not None:
+            stats = engine.stats()
+            assert stats["spec_decode_num_accepted_tokens"] > 50 and stats["spec_decode_verify_steps"] > 0
+        engine.close()
+    assert outs[0][::2] == outs[1][::2]  # the greedy rows
+    assert [len(o) for o in outs[1]] == [p.max_tokens for p in params]

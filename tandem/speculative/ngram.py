@@ -24,6 +24,10 @@ class Proposal:
     # point mass for greedy rows). None: point masses (n-gram).
     probs: Tensor | None = None
 
+    def rows(self, n: int) -> "Proposal":
+        """The first n rows (a graphed step's real rows)."""
+        return Proposal(self.tokens[:n], self.count[:n], None if self.probs is None else self.probs[:n])
+
 
 def propose_ngram(history: Tensor, lengths: Tensor, k: int, min_n: int, max_n: int,
                   window: tuple[int, int] | None = None) -> Proposal:
