@@ -232,3 +232,84 @@ def test_a_json_format_with_auto_tools_allows_json_or_a_call():
     assert accepts(grammar, '<tool_call>\n{"name": "get_time", "arguments": {"zone": 2}}\n</tool_call>')
     assert not accepts(grammar, "Just text.")
     assert not accepts(grammar, '{"city": "Rome", "warm": true, "degrees": 3}')
+
+
+# ---- the OpenAI Agents SDK: a function-tool loop against the server ----
+
+def _weather_agent(model, output_type=None):
+    """An agent that must call get_weather first (tool_choice required; the SDK resets it to
+    auto after the call) and then answers: with `output_type`, in its JSON schema (which the
+    grammar makes complete, so the Responses status is "completed", as the SDK requires)."""
+    agents = pytest.importorskip("agents")
+    calls = []
+
+    @agents.function_tool
+    def get_weather(city: Literal["Paris", "Tokyo", "Lima"]) -> str:
+        """Weather in a city."""
+        calls.append(city)
+        return f"Sunny in {city}, 21 C"
+
+    settings = agents.ModelSettings(tool_choice="required", parallel_tool_calls=False, temperature=0,
+                                    max_tokens=48)
+    agent = agents.Agent(name="weather", instructions="Answer questions about the weather.", tools=[get_weather],
+                         model=model, model_settings=settings, output_type=output_type)
+    return agent, calls
+
+
+def _run_config(served, use_responses: bool):
+    agents = pytest.importorskip("agents")
+    client = openai.AsyncOpenAI(base_url=served + "/v1", api_key="none", max_retries=0)
+    return agents.RunConfig(model_provider=agents.OpenAIProvider(openai_client=client, use_responses=use_responses),
+                            tracing_disabled=True)
+
+
+def _tool_items(result):
+    return [item.type for item in result.new_items]
+
+
+@pytest.mark.slow
+def test_agents_sdk_responses_model_runs_a_tool_loop(served):
+    """The Agents SDK's default model (the Responses API): a call, its output sent back, a
+    typed final answer; run whole, streamed, and chained by previous_response_id."""
+    agents = pytest.importorskip("agents")
+    agent, calls = _weather_agent("llama", Answer)
+    config = _run_config(served, use_responses=True)
+
+    async def runs():
+        whole = await agents.Runner.run(agent, ASK, run_config=config)
+        streamed = agents.Runner.run_streamed(agent, ASK, run_config=config)
+        kinds = [e.data.type async for e in streamed.stream_events() if e.type == "raw_response_event"]
+        chained = await agents.Runner.run(agent, ASK, run_config=config, auto_previous_response_id=True)
+        return whole, streamed, kinds, chained
+
+    whole, streamed, kinds, chained = asyncio.run(runs())
+    for result in (whole, streamed, chained):
+        assert isinstance(result.final_output, Answer)
+        assert _tool_items(result) == ["tool_call_item", "tool_call_output_item", "message_output_item"]
+    assert len(calls) == 3 and set(calls) <= {"Paris", "Tokyo", "Lima"}
+    assert streamed.final_output == whole.final_output  # greedy: the same answer
+    assert kinds.count("response.created") == 2 and kinds.count("response.completed") == 2
+    assert "response.function_call_arguments.delta" in kinds and "response.output_text.delta" in kinds
+    assert chained.final_output == whole.final_output
+    assert chained.raw_responses[1].usage.input_tokens == whole.raw_responses[1].usage.input_tokens
+
+
+@pytest.mark.slow
+def test_agents_sdk_chat_completions_model_runs_a_tool_loop(served):
+    agents = pytest.importorskip("agents")
+    agent, calls = _weather_agent("llama")
+    result = asyncio.run(agents.Runner.run(agent, ASK, run_config=_run_config(served, use_responses=False)))
+    assert _tool_items(result) == ["tool_call_item", "tool_call_output_item", "message_output_item"]
+    assert len(calls) == 1 and isinstance(result.final_output, str) and result.final_output
+
+
+def test_too_many_input_items_are_refused_before_parsing():
+    from tandem.server.body_shape import MAX_MESSAGES, check_body_shape
+    from tandem.server.errors import APIError
+
+    item = {"role": "user", "content": "hi"}
+    check_body_shape(json.dumps({"input": [item] * MAX_MESSAGES, "user": "x" * 70_000}).encode(), 256, 1000)
+    check_body_shape(json.dumps({"input": "x" * 100_000}).encode(), 256, 1000)  # a string: not items
+    with pytest.raises(APIError) as err:
+        check_body_shape(json.dumps({"input": [item] * (MAX_MESSAGES + 1)}).encode(), 256, 1000)
+    assert err.value.param == "input" and f"{MAX_MESSAGES + 1} items" in err.value.message

@@ -34,6 +34,7 @@ class _Costly(msgspec.Struct):
     tokens: msgspec.Raw = _ABSENT
     logit_bias: msgspec.Raw = _ABSENT
     messages: msgspec.Raw = _ABSENT
+    input: msgspec.Raw = _ABSENT  # /v1/responses: its items are messages too
 
 
 _DECODER = msgspec.json.Decoder(_Costly)
@@ -61,8 +62,9 @@ def check_body_shape(body: bytes, max_model_len: int, vocab_size: int) -> None:
     if _separators(fields.logit_bias) + 1 > vocab_size:
         raise APIError(400, f"logit_bias has more entries than the vocabulary's {vocab_size} tokens",
                        "logit_bias")
-    if (count := _item_count(fields.messages)) > MAX_MESSAGES:
-        raise APIError(400, f"messages has {count} messages; at most {MAX_MESSAGES} are allowed", "messages")
+    for name in ("messages", "input"):
+        if (count := _item_count(getattr(fields, name))) > MAX_MESSAGES:
+            raise APIError(400, f"{name} has {count} items; at most {MAX_MESSAGES} are allowed", name)
 
 
 def _id_count(raw: msgspec.Raw) -> int:
