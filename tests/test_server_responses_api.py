@@ -106,6 +106,22 @@ def test_parse_and_stream_with_a_json_schema_text_format(client):
     assert final.text.format.type == "json_schema"
 
 
+
+def test_a_request_the_engine_fails_is_a_400_or_a_failed_stream(client):
+    """A format whose grammar is complete at once, with min_tokens banning the end: no token
+    satisfies it. Whole, that is the engine's 400; streamed (headers sent), response.failed."""
+    kw = dict(model="llama", input=ASK, max_output_tokens=16, extra_body={"min_tokens": 8},
+              text={"format": {"type": "json_schema", "name": "yes", "schema": {"enum": ["yes"]}}})
+    with pytest.raises(openai.BadRequestError, match="no token satisfies"):
+        client.responses.create(**kw)
+    events = list(client.responses.create(stream=True, **kw))
+    assert [e.type for e in events[:2]] == ["response.created", "response.in_progress"]
+    last = events[-1]
+    assert last.type == "response.failed" and last.response.status == "failed"
+    assert "no token satisfies" in last.response.error.message and last.sequence_number == len(events) - 1
+    after = client.responses.create(model="llama", input="Hi", max_output_tokens=2, extra_body={"ignore_eos": True})
+    assert after.usage.output_tokens == 2  # still serving
+
 def _check_call(item, names=("get_weather", "get_time")):
     assert item.type == "function_call" and item.call_id and item.status == "completed"
     assert item.name in names
