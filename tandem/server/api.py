@@ -26,7 +26,9 @@ from tandem.server.errors_http import (DEFAULT_MAX_REQUEST_BYTES, ApiKeyMiddlewa
 from tandem.server.generation import Generation
 from tandem.server.inputs import EngineInputs, chat_inputs, completion_inputs
 from tandem.server.openai_schemas import ChatCompletionRequest, CompletionRequest, StreamOptions
-from tandem.server.responses import Choice, Envelope, TokenNames, best_choices, chat_logprobs, usage
+from tandem.server.reasoning import ReasoningSplitter, Split, thinking_requested
+from tandem.server.responses import (Choice, Envelope, TokenNames, best_choices, chat_logprobs, usage,
+                                     with_reasoning)
 from tandem.server.responses_api import RouteKit, add_responses_routes
 from tandem.server.structured import ToolCalls, ToolMode, tool_mode
 from tandem.server.state import ServerState
@@ -88,8 +90,8 @@ async def _unless_disconnected(request: Request, gen: Generation, work) -> Respo
     return task.result()
 
 
-async def _collect(gen: Generation) -> list[Choice]:
-    choices = [Choice() for _ in gen.rids]
+async def _collect(gen: Generation, splitters: list[ReasoningSplitter] | None = None) -> list[Choice]:
+    choices = [Choice(reasoning=s) for s in splitters] if splitters else [Choice() for _ in gen.rids]
     async for index, delta in gen.deltas():
         choices[index].add(delta)
     return choices
@@ -105,13 +107,15 @@ class _StreamUsage:
     continuous: bool = False
     completion_tokens: int = 0
     cached_tokens: int = 0
+    splitters: list[ReasoningSplitter] | None = None  # where a reasoning parser runs: its counts
 
     @staticmethod
-    def of(options: StreamOptions | None, inputs: EngineInputs) -> "_StreamUsage":
+    def of(options: StreamOptions | None, inputs: EngineInputs,
+           splitters: list[ReasoningSplitter] | None = None) -> "_StreamUsage":
         if options is None:
-            return _StreamUsage(inputs.prompt_tokens, inputs.samples)
+            return _StreamUsage(inputs.prompt_tokens, inputs.samples, splitters=splitters)
         return _StreamUsage(inputs.prompt_tokens, inputs.samples, bool(options.include_usage),
-                            bool(options.continuous_usage_stats))
+                            bool(options.continuous_usage_stats), splitters=splitters)
 
     def count(self, index: int, d: P.Delta) -> None:
         self.completion_tokens += len(d.token_ids)
@@ -119,11 +123,18 @@ class _StreamUsage:
 
     def add(self, chunk: dict) -> dict:
         if self.continuous:
-            chunk["usage"] = usage(self.prompt_tokens, self.completion_tokens, self.cached_tokens)
+            chunk["usage"] = usage(self.prompt_tokens, self.completion_tokens, self.cached_tokens,
+                                   _reasoning_tokens(self.splitters))
         return chunk
 
     def chunk(self, env: Envelope, kind: str) -> dict:
-        return env.usage_chunk(kind, self.prompt_tokens, self.completion_tokens, self.cached_tokens)
+        return env.usage_chunk(kind, self.prompt_tokens, self.completion_tokens, self.cached_tokens,
+                               _reasoning_tokens(self.splitters))
+
+
+def _reasoning_tokens(splitters: list[ReasoningSplitter] | None) -> int | None:
+    """Every sequence's reasoning tokens (best_of's discarded ones too, like completion_tokens)."""
+    return None if splitters is None else sum(s.reasoning_tokens for s in splitters)
 
 
 def _echo_texts(body: CompletionRequest, inputs: EngineInputs, tokenizer: Any) -> list[str]:
@@ -152,10 +163,11 @@ def create_app(state: ServerState, api_key: str | None = None,
         await gen.start()
         return gen
 
-    async def finished(gen: Generation, inputs: EngineInputs) -> tuple[list[Choice], int, int]:
+    async def finished(gen: Generation, inputs: EngineInputs,
+                       splitters: list[ReasoningSplitter] | None = None) -> tuple[list[Choice], int, int]:
         """The answered choices (best_of keeps the n likeliest), the tokens generated for all,
         and the prompt tokens the prefix cache served (once per prompt, like the prompt)."""
-        choices = await _collect(gen)
+        choices = await _collect(gen, splitters)
         return (best_choices(choices, inputs.samples, inputs.n), sum(c.num_tokens for c in choices),
                 sum(c.cached_tokens for c in choices[::inputs.samples]))
 
@@ -186,21 +198,26 @@ def create_app(state: ServerState, api_key: str | None = None,
         state.check_model(body.model)
         state.fields.check(body)
         tools = tool_mode(body, getattr(state.tokenizer, "chat_template", None))
+        thinking = thinking_requested(body.chat_template_kwargs)
         inputs = await asyncio.to_thread(chat_inputs, body, state.tokenizer, state.max_model_len,
-                                         state.client.ready.vocab_size, tools)
+                                         state.client.ready.vocab_size, tools,
+                                         state.reasoning if thinking else None)
         gen = await start(inputs, "chatcmpl")
+        splitters = [state.reasoning.splitter(thinking) for _ in gen.rids] if state.reasoning else None
         env, stream_usage = Envelope(gen.request_id, state.model_name), _StreamUsage.of(
-            body.stream_options, inputs)
+            body.stream_options, inputs, splitters)
         if body.stream:
-            return _AbortingStream(_chat_stream(gen, env, state.names, stream_usage, tools), gen)
+            return _AbortingStream(_chat_stream(gen, env, state.names, stream_usage, tools, splitters), gen)
 
         async def work() -> Response:
-            choices, tokens, cached = await finished(gen, inputs)
-            out = env.chat(choices, state.names, inputs.with_logprobs, inputs.prompt_tokens, tokens, cached)
-            if tools is not None:  # the model's text as tool calls
+            choices, tokens, cached = await finished(gen, inputs, splitters)
+            out = env.chat(choices, state.names, inputs.with_logprobs, inputs.prompt_tokens, tokens, cached,
+                           _reasoning_tokens(splitters))
+            if tools is not None:  # the model's text (after its reasoning) as tool calls
                 for c, item in zip(choices, out["choices"]):
-                    item["message"], item["finish_reason"] = ToolCalls(tools).message("".join(c.text),
-                                                                                      c.finish_reason)
+                    text = c.reasoning.content if c.reasoning else "".join(c.text)
+                    message, item["finish_reason"] = ToolCalls(tools).message(text, c.finish_reason)
+                    item["message"] = with_reasoning(message, c.reasoning.reasoning) if c.reasoning else message
             return _json(out)
         return await _unless_disconnected(request, gen, work())
 
@@ -273,7 +290,10 @@ async def _completion_stream(gen: Generation, env: Envelope, names: TokenNames, 
 
 
 async def _chat_stream(gen: Generation, env: Envelope, names: TokenNames, usage: _StreamUsage,
-                       tools: ToolMode | None = None) -> AsyncIterator[bytes]:
+                       tools: ToolMode | None = None,
+                       splitters: list[ReasoningSplitter] | None = None) -> AsyncIterator[bytes]:
+    """Chunks of each engine delta: its reasoning (where a parser runs) as `reasoning_content`
+    and `reasoning`, then its content, or the tool-call deltas made from the content."""
     calls = [ToolCalls(tools) for _ in gen.rids] if tools is not None else None
     for index in range(len(gen.rids)):
         yield _sse(usage.add(env.chat_chunk(index, {"role": "assistant", "content": None if calls else ""})))
@@ -281,14 +301,19 @@ async def _chat_stream(gen: Generation, env: Envelope, names: TokenNames, usage:
         async for index, d in gen.deltas():
             usage.count(index, d)
             lps = chat_logprobs(d.logprobs, names) if d.logprobs is not None else None
+            part = splitters[index].feed(d.text, d.token_ids, d.finished) if splitters else Split(content=d.text)
             if calls is not None:
-                deltas, reason = calls[index].stream(d.text, d.finished, d.finish_reason)
+                if part.reasoning:
+                    yield _sse(usage.add(env.chat_chunk(index, with_reasoning({}, part.reasoning))))
+                deltas, reason = calls[index].stream(part.content, d.finished, d.finish_reason)
                 for i, delta in enumerate(deltas):
                     yield _sse(usage.add(env.chat_chunk(index, delta, reason if i == len(deltas) - 1 else None)))
                 if d.finished and not deltas:
                     yield _sse(usage.add(env.chat_chunk(index, {}, reason)))
                 continue
-            delta = {"content": d.text} if d.text or d.token_ids else {}
+            delta = with_reasoning({}, part.reasoning) if part.reasoning else {}
+            if part.content or (d.token_ids and not part.reasoning):
+                delta["content"] = part.content
             chunk = env.chat_chunk(index, delta, d.finish_reason if d.finished else None, lps)
             yield _sse(usage.add(chunk))
     except (EngineDead, APIError) as exc:  # headers are sent: the error is the stream's last event

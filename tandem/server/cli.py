@@ -12,6 +12,7 @@ from tandem import options
 from tandem.config import EngineConfig
 from tandem.distributed.torchrun import torchrun_env
 from tandem.server.drain import EXIT_RESERVE_S
+from tandem.server.reasoning import PARSERS, reasoning_parser
 
 log = logging.getLogger("tandem.server")
 API_KEY_ENV = "TANDEM_API_KEY"
@@ -37,6 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds until the process has exited: in-flight requests get this "
                         f"less {EXIT_RESERVE_S:g} s for the shutdown itself (at least half) before they are failed")
+    p.add_argument("--reasoning-parser", default=None, choices=sorted(PARSERS), metavar="NAME",
+                   help="split a reasoning model's <think>...</think> from its answer: reasoning_content "
+                        f"in chat responses, constraints applied after it ({', '.join(sorted(PARSERS))})")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--dp", type=int, default=1, metavar="N",
                    help="data parallelism: N engine replicas (each with --tp GPUs), one front end")
@@ -122,8 +126,10 @@ async def _serve(args: argparse.Namespace, cfg: EngineConfig) -> int:
         await client.close()
         return 1
     name = args.served_model_name or (path.stem if path.is_file() else path.name)
+    reasoning = reasoning_parser(args.reasoning_parser)
     state = ServerState(client, tokenizer, name, frozenset({str(cfg.model or path), str(path)}), metrics,
-                        FieldPolicy(args.strict_api), server_info=server_info(args, cfg))
+                        FieldPolicy(args.strict_api), server_info=server_info(args, cfg),
+                        reasoning=reasoning.for_tokenizer(tokenizer) if reasoning else None)
     app = create_app(state, args.api_key, args.max_request_bytes)
     # The drain fails what is left within --shutdown-timeout before uvicorn exits; its own deadline
     # is for the responses that are ending then.

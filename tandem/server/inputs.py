@@ -17,6 +17,7 @@ from tandem.sampling.params import check_unicode
 from tandem.server import protocol as P
 from tandem.server.errors import APIError
 from tandem.server.openai_schemas import ChatCompletionRequest, ChatMessage, CompletionRequest
+from tandem.server.reasoning import ReasoningParser
 from tandem.server.structured import ToolMode, constraint
 
 MAX_CHOICES = 128  # prompts x sequences per HTTP request
@@ -66,7 +67,9 @@ def completion_inputs(body: CompletionRequest, tokenizer: Any, max_model_len: in
 
 
 def chat_inputs(body: ChatCompletionRequest, tokenizer: Any, max_model_len: int, vocab_size: int,
-                tools: ToolMode | None = None) -> EngineInputs:
+                tools: ToolMode | None = None, reasoning: ReasoningParser | None = None) -> EngineInputs:
+    """`reasoning`: the server's reasoning parser where the request thinks; a constraint
+    (structured output, tools) then applies after the reasoning, from `</think>` on."""
     _refuse(bool(body.functions), "functions", "functions are not supported; use tools")
     _refuse(bool(body.echo), "echo", "echo is supported on /v1/completions only")
     _refuse(body.audio is not None or "audio" in (body.modalities or ()), "modalities",
@@ -78,6 +81,8 @@ def chat_inputs(body: ChatCompletionRequest, tokenizer: Any, max_model_len: int,
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     constrained, source = constraint(body, tools)  # a 400 about the constraint names its field
     sp = _sampling_params(body, 1, max_tokens, name, logprobs, tokenizer, vocab_size, constrained, source)
+    if reasoning is not None and sp.constraint is not None:
+        sp = _after_reasoning(sp, reasoning, source)
     ids = render_chat(tokenizer, body.messages, body.add_generation_prompt, body.continue_final_message,
                       body.chat_template_kwargs, tools)  # the costly part: after the cheap checks
     return _choices([ids], sp, max_tokens, max_tokens is not None, name, "messages", logprobs, max_model_len)
@@ -143,6 +148,16 @@ def _sampling_params(body, num_prompts: int, max_tokens: int | None, max_name: s
     except ValueError as exc:
         raise APIError(400, str(exc), "bad_words" if str(exc).startswith("bad_words") else "logit_bias") from None
     return sp
+
+
+def _after_reasoning(sp: SamplingParams, reasoning: ReasoningParser, source: str | None) -> SamplingParams:
+    """The request's constraint (already checked, so a 400 names its own field) behind a
+    reasoning part: one EBNF grammar in its place."""
+    try:
+        grammar = reasoning.constrain(*sp.constraint)
+    except (RuntimeError, ValueError) as exc:
+        raise APIError(400, f"{source} cannot follow the reasoning: {exc}", source) from None
+    return sp.clone(json_schema=None, regex=None, choice=None, grammar=grammar)
 
 
 def _choices(prompts: list[list[int]], sp: SamplingParams, max_tokens: int | None, explicit: bool,

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tandem.server import protocol as P
+from tandem.server.reasoning import ReasoningSplitter
 
 _MIN_LOGPROB = -9999.0  # JSON has no -inf
 
@@ -34,9 +35,12 @@ class Choice:
     logprobs: list[P.Logprob] = field(default_factory=list)
     finish_reason: str | None = None
     cached_tokens: int = 0
+    reasoning: ReasoningSplitter | None = None  # the reply split into reasoning and content
 
     def add(self, d: P.Delta) -> None:
         self.text.append(d.text)
+        if self.reasoning is not None:
+            self.reasoning.feed(d.text, d.token_ids, d.finished)
         self.num_tokens += len(d.token_ids)
         if d.logprobs:
             self.logprobs.extend(d.logprobs)
@@ -55,10 +59,30 @@ def best_choices(choices: list[Choice], samples: int, n: int) -> list[Choice]:
     return best
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0,
+          reasoning_tokens: int | None = None) -> dict:
+    """OpenAI's usage object; `completion_tokens_details` where a reasoning parser runs."""
+    out = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+           "total_tokens": prompt_tokens + completion_tokens,
+           "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+    if reasoning_tokens is not None:
+        out["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
+    return out
+
+
+def chat_message(c: Choice) -> dict:
+    """A choice's assistant message: its text as content, or, where a reasoning parser runs,
+    its content (None if empty, as vLLM's) and its reasoning as `reasoning_content` and
+    `reasoning` (vLLM's names, the older and the current one)."""
+    if c.reasoning is None:
+        return {"role": "assistant", "content": "".join(c.text)}
+    return with_reasoning({"role": "assistant", "content": c.reasoning.content or None}, c.reasoning.reasoning)
+
+
+def with_reasoning(message: dict, reasoning: str) -> dict:
+    """A message or stream delta with its reasoning text under both of vLLM's names."""
+    message["reasoning_content"] = message["reasoning"] = reasoning or None
+    return message
 
 
 def _lp(x: float) -> float:
@@ -101,13 +125,13 @@ class Envelope:
                 "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}
 
     def chat(self, choices: list[Choice], names: TokenNames, with_logprobs: bool,
-             prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+             prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0,
+             reasoning_tokens: int | None = None) -> dict:
         return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
-                "choices": [{"index": i, "message": {"role": "assistant", "content": "".join(c.text)},
-                             "finish_reason": c.finish_reason,
+                "choices": [{"index": i, "message": chat_message(c), "finish_reason": c.finish_reason,
                              "logprobs": chat_logprobs(c.logprobs, names) if with_logprobs else None}
                             for i, c in enumerate(choices)],
-                "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}
+                "usage": usage(prompt_tokens, completion_tokens, cached_tokens, reasoning_tokens)}
 
     def completion_chunk(self, index: int, d: P.Delta, names: TokenNames, offset: int) -> dict:
         lps = completion_logprobs(d.logprobs, names, offset) if d.logprobs is not None else None
@@ -123,6 +147,6 @@ class Envelope:
                              "finish_reason": finish_reason}]}
 
     def usage_chunk(self, kind: str, prompt_tokens: int, completion_tokens: int,
-                    cached_tokens: int = 0) -> dict:
+                    cached_tokens: int = 0, reasoning_tokens: int | None = None) -> dict:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model,
-                "choices": [], "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}
+                "choices": [], "usage": usage(prompt_tokens, completion_tokens, cached_tokens, reasoning_tokens)}

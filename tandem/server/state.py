@@ -10,6 +10,7 @@ from tandem.server.client import EngineClient
 from tandem.server.errors import APIError
 from tandem.server.fields import FieldPolicy
 from tandem.server.metrics import Metrics
+from tandem.server.reasoning import ReasoningParser
 from tandem.server.responses import TokenNames
 from tandem.server.responses_store import ResponseStore
 
@@ -25,6 +26,7 @@ class ServerState:
     # GET /server_info: engine configuration and server arguments, secrets redacted (`tandem serve`)
     server_info: dict = field(default_factory=dict)
     draining: bool = False  # shutting down: no new generations
+    reasoning: ReasoningParser | None = None  # --reasoning-parser: replies split into reasoning and content
     responses: ResponseStore = field(default_factory=ResponseStore)  # /v1/responses kept for previous_response_id
 
     def __post_init__(self) -> None:
