@@ -10,7 +10,9 @@ its chat template, and calls are parsed from its text: Qwen/Hermes `<tool_call>{
 or a Llama 3.1 JSON object {"name": ..., "parameters": {...}}.
 
 Response side: `ToolCalls` turns a choice's text into `message.tool_calls` (finish_reason
-"tool_calls"), and into stream deltas shaped as the official API sends them.
+"tool_calls"), and into stream deltas shaped as the official API sends them. A reply cut at
+its token limit keeps every call it completed (finish_reason "length"); what it left unfinished
+is dropped, never returned as content.
 """
 from __future__ import annotations
 
@@ -193,18 +195,22 @@ class ToolCalls:
         self.text: list[str] = []
         self.sent = 0  # characters of text already streamed as content
         self.named_call: ToolCall | None = None
+        self.scanned = 0  # required: where the array's next item starts (complete_array_items)
+        self.streamed = 0  # required: the calls sent
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        """(content, calls) of a finished choice's text; unparsable text stays content."""
+        """(content, calls) of a choice's text, which may be cut short (finish_reason
+        "length"): every complete call is a call. `required` text is the grammar's JSON array
+        of calls, never content; other unparsable text stays content."""
         if self.mode.kind == "named":
             return None, [ToolCall(self.mode.tools[0].function.name, text)]
         if self.mode.kind == "required":
-            try:
-                items = json.loads(text)
-            except json.JSONDecodeError:
-                return text, []
-            return None, [ToolCall(c["name"], json.dumps(c["arguments"], ensure_ascii=False)) for c in items]
+            return None, self._required_calls(complete_array_items(text)[0])
         return self._parse_auto(text)
+
+    def _required_calls(self, items: list) -> list[ToolCall]:
+        return [ToolCall(c["name"], json.dumps(c["arguments"], ensure_ascii=False)) for c in items
+                if isinstance(c, dict) and c.get("name") in self.mode.names and "arguments" in c]
 
     def _parse_auto(self, text: str) -> tuple[str | None, list[ToolCall]]:
         calls = []
@@ -229,7 +235,7 @@ class ToolCalls:
         return ToolCall(obj["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False))
 
     def message(self, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
-        content, calls = self.parse(text) if finish_reason == "stop" or self.mode.kind == "named" else (text, [])
+        content, calls = self.parse(text)
         if not calls:
             return {"role": "assistant", "content": content}, finish_reason
         return ({"role": "assistant", "content": content, "tool_calls": [c.as_dict() for c in calls]},
@@ -237,8 +243,9 @@ class ToolCalls:
 
     # ---- streaming: a list of delta dicts per engine delta ----
     def stream(self, text: str, finished: bool, finish_reason: str | None) -> tuple[list[dict], str | None]:
-        """Named calls stream their arguments as they come; auto streams text up to where a
-        call may start; calls are sent once the choice finished, whole."""
+        """Named calls stream their arguments as they come; required calls are sent each
+        whole as soon as it is complete; auto streams text up to where a call may start, and
+        its calls once the choice finished, whole."""
         if self.mode.kind == "named":
             out = []
             if self.named_call is None:
@@ -247,6 +254,8 @@ class ToolCalls:
             if text:
                 out.append({"tool_calls": [{"index": 0, "function": {"arguments": text}}]})
             return out, ("tool_calls" if finish_reason == "stop" else finish_reason) if finished else None
+        if self.mode.kind == "required":
+            return self._stream_required(text, finished, finish_reason)
         self.text.append(text)
         full = "".join(self.text)
         if not finished:
@@ -262,6 +271,18 @@ class ToolCalls:
             deltas.insert(0, {"content": message["content"]})
         return deltas, reason
 
+    def _stream_required(self, text: str, finished: bool,
+                         finish_reason: str | None) -> tuple[list[dict], str | None]:
+        self.text.append(text)
+        full = "".join(self.text)
+        items, self.scanned = complete_array_items(full, self.scanned)
+        calls = self._required_calls(items)
+        deltas = [{"tool_calls": [c.as_dict(self.streamed + i)]} for i, c in enumerate(calls)]
+        self.streamed += len(calls)
+        if not finished:
+            return deltas, None
+        return deltas, "tool_calls" if finish_reason == "stop" and self.streamed else finish_reason
+
     @staticmethod
     def _safe_end(full: str) -> int:
         """How much of the text so far is content for sure: not a (possible) call's start."""
@@ -274,3 +295,21 @@ class ToolCalls:
             if full.endswith(_TRIGGER[:k]):
                 return len(full) - k
         return len(full)
+
+
+_ITEM_GAP = re.compile(r"[\s,\[]*")  # between a JSON array's start or items
+
+
+def complete_array_items(text: str, start: int = 0) -> tuple[list, int]:
+    """The complete items of JSON array text that may be cut short (a reply at its token
+    limit), from offset `start` (0, or where an earlier call left off), and the offset after
+    the last complete item: items are objects, so an item that decodes is complete."""
+    items, at, decoder = [], start, json.JSONDecoder()
+    while True:
+        at_item = _ITEM_GAP.match(text, at).end()
+        try:
+            item, end = decoder.raw_decode(text, at_item)
+        except json.JSONDecodeError:
+            return items, at
+        items.append(item)
+        at = end
