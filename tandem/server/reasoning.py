@@ -30,6 +30,8 @@ _OPENING, _REASONING, _CONTENT = "opening", "reasoning", "content"  # a splitter
 
 @dataclass(frozen=True)
 class ReasoningParser:
+    """How a reply's reasoning is marked (one per server: `--reasoning-parser`)."""
+
     name: str
     starts_in_reasoning: bool  # deepseek_r1: the template may have opened <think> already
     start: str = "<think>"
@@ -67,7 +69,7 @@ class ReasoningParser:
 
     def _reasoning_ebnf(self) -> str:
         # TagDispatch with `excludes`: any text without the end tag (xgrammar's any_text).
-        free = (f'thought ::= TagDispatch(loop_after_dispatch=false, excludes=({_literal(self.end)}))')
+        free = f"thought ::= TagDispatch(loop_after_dispatch=false, excludes=({_literal(self.end)}))"
         if self.starts_in_reasoning:
             return f"root ::= {_literal(self.start)}? thought {_literal(self.end)}\n{free}"
         return f"root ::= ({_literal(self.start)} thought {_literal(self.end)})?\n{free}"
@@ -112,15 +114,15 @@ class ReasoningSplitter:
     delta that finishes the sequence releases it."""
 
     parser: ReasoningParser
-    thinking: bool = True
-    _state: str = _OPENING
-    _held: str = ""
-    _tokens: int = 0  # the reply's tokens so far
-    _reasoned: bool = False  # the reply has a reasoning part
-    _first_end_id: int | None = None  # tokens up to and including the first end_token_id
-    _closed_at: int | None = None  # tokens up to and including the one that ended the reasoning
-    _reasoning: list[str] = field(default_factory=list)
-    _content: list[str] = field(default_factory=list)
+    thinking: bool = True  # False: the request turned thinking off, the reply is all content
+    _state: str = field(default=_OPENING, init=False)
+    _held: str = field(default="", init=False)  # text whose side is not known yet
+    _tokens: int = field(default=0, init=False)  # the reply's tokens so far
+    _reasoned: bool = field(default=False, init=False)  # the reply has a reasoning part
+    _first_end_id: int | None = field(default=None, init=False)  # tokens through the first end_token_id
+    _closed_at: int | None = field(default=None, init=False)  # tokens through the one that ended it
+    _reasoning: list[str] = field(default_factory=list, init=False, repr=False)
+    _content: list[str] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if not self.thinking:
