@@ -4,6 +4,10 @@ and its chat-completions model) running a function-tool loop. The model is rando
 test needs a shape (a call, JSON) a grammar makes it, and greedy sampling makes two runs equal."""
 import asyncio
 import json
+import re
+import subprocess
+import sys
+from pathlib import Path
 from typing import Literal
 
 import httpx
@@ -62,8 +66,8 @@ def test_text_input_forms_match_the_chat_endpoint(client):
                                           max_tokens=6, extra_body={"ignore_eos": True}, **GREEDY)
     forms = [dict(input=ASK, instructions="Be brief."),
              dict(input=[{"role": "developer", "content": "Be brief."}, {"role": "user", "content": ASK}]),
-             dict(input=[{"type": "message", "role": "user",
-                          "content": [{"type": "input_text", "text": ASK[:8]}, {"type": "input_text", "text": ASK[8:]}]}],
+             dict(input=[{"type": "message", "role": "user", "content": [{"type": "input_text", "text": ASK[:8]},
+                                                                          {"type": "input_text", "text": ASK[8:]}]}],
                   instructions="Be brief.")]
     for form in forms:
         r = client.responses.create(model="llama", max_output_tokens=6, extra_body={"ignore_eos": True}, **GREEDY,
@@ -215,6 +219,18 @@ def test_unsupported_or_bad_requests_are_400_naming_the_field(served, body, para
     err = r.json()["error"]
     assert err["param"] == param and words in err["message"] and err["type"] == "invalid_request_error"
 
+
+
+@pytest.mark.slow
+def test_schemathesis_fuzzing_finds_no_server_error(served, tmp_path):
+    """Random bodies for POST /v1/responses and random ids for GET/DELETE: never a 5xx."""
+    st = Path(sys.executable).with_name("st")
+    cmd = [str(st), "run", f"{served}/openapi.json", "--include-path-regex", "^/v1/responses", "--phases", "fuzzing",
+           "--checks", "not_a_server_error", "--max-examples", "15", "--seed", "1", "--no-color",
+           "--generation-database", "none", "--request-timeout", "60", "--workers", "1"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert r.returncode == 0, r.stdout[-5000:] + r.stderr[-2000:]
+    assert re.search(r"[1-9]\d* generated, \d+ passed", r.stdout), r.stdout[-2000:]
 
 def test_store_is_bounded_by_count_and_bytes():
     from tandem.server.responses_store import ResponseStore

@@ -57,7 +57,7 @@ def chat_view(body: ResponsesRequest, previous: list[dict], chat_template: str |
                                                                                                 ToolMode | None]:
     """The chat request of a Responses request whose earlier conversation is `previous`, and
     its tool mode (as the chat endpoint computes it)."""
-    history = previous + input_messages(body.input)
+    history = previous + input_messages(body.input, _call_names(previous))
     tools = function_tools(body.tools or [])
     choice, chosen = _tool_choice(body.tool_choice, tools)
     fmt = _text_format(body)
@@ -125,14 +125,15 @@ def _validated(fields: dict) -> ChatCompletionRequest:
 
 # ---- input items -> chat messages ----
 
-def input_messages(items: str | list[dict]) -> list[dict]:
+def input_messages(items: str | list[dict], names: dict[str, str] | None = None) -> list[dict]:
     """`input` as chat messages: a string is one user message; a list holds messages,
-    function calls (joined to the assistant message before them) and their outputs."""
+    function calls (joined to the assistant message before them) and their outputs (`names`:
+    call_id -> function name of the calls made earlier, for the tool message answering one)."""
     if isinstance(items, str):
         return [{"role": "user", "content": items}]
     _refuse(not items, "input", "input is empty")
     out: list[dict] = []
-    names: dict[str, str] = {}  # call_id -> function name, for the tool message that answers it
+    names = dict(names or {})
     for i, item in enumerate(items):
         where = f"input[{i}]"
         kind = item.get("type", "message" if "role" in item else None)
@@ -148,6 +149,10 @@ def input_messages(items: str | list[dict]) -> list[dict]:
             raise APIError(400, f"{where}: input items of type {kind!r} are not supported (supported: "
                                 f"{_ITEM_KINDS})", f"{where}.type")
     return out
+
+
+def _call_names(messages: list[dict]) -> dict[str, str]:
+    return {c["id"]: c["function"]["name"] for m in messages for c in m.get("tool_calls") or ()}
 
 
 def _message(item: dict, where: str) -> dict:
