@@ -260,3 +260,22 @@ def test_tool_calls_after_the_reasoning(client):
             assert chunks[-1].finish_reason == "tool_calls"
         assert reasoning == THINKING
         assert [c.name for c in calls] == ["answer"] and isinstance(json.loads(calls[0].arguments)["ok"], bool)
+
+
+def test_the_responses_api_answers_with_a_reasoning_item(client):
+    """/v1/responses on the same server: the thinking is a `reasoning` item before the message
+    (whole and streamed), counted in reasoning_tokens; a JSON text format holds after it."""
+    kw = dict(model="scripted", input=ASK, max_output_tokens=16, temperature=0)
+    done = client.responses.create(**kw)
+    reasoning, message = done.output
+    assert reasoning.type == "reasoning" and [c.text for c in reasoning.content] == [THINKING]
+    assert message.type == "message" and done.output_text == ANSWER and done.status == "completed"
+    assert done.usage.output_tokens_details.reasoning_tokens == 5
+    events = list(client.responses.create(stream=True, **kw))
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == THINKING
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == ANSWER
+    assert events[-1].response.usage.output_tokens_details.reasoning_tokens == 5
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    typed = client.responses.create(**{**kw, "max_output_tokens": 32},
+                                    text={"format": {"type": "json_schema", "name": "ok", "schema": schema}})
+    assert typed.output[0].content[0].text == THINKING and isinstance(json.loads(typed.output_text)["ok"], bool)

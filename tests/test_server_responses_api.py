@@ -345,3 +345,56 @@ def test_too_many_input_items_are_refused_before_parsing():
     with pytest.raises(APIError) as err:
         check_body_shape(json.dumps({"input": [item] * (MAX_MESSAGES + 1)}).encode(), 256, 1000)
     assert err.value.param == "input" and f"{MAX_MESSAGES + 1} items" in err.value.message
+
+
+def _fed(pieces, calls=None):
+    """ResponseOutput fed a reply piece by piece (one token each), with DeepSeek-R1's reasoning parser."""
+    from tandem.server import protocol as P
+    from tandem.server.reasoning import PARSERS
+    from tandem.server.responses_output import ResponseOutput
+
+    out = ResponseOutput(10, calls, PARSERS["deepseek_r1"].splitter())
+    events = []
+    for k, text in enumerate(pieces):
+        last = k == len(pieces) - 1
+        events += out.feed(P.Delta("r", [7], text, last, "stop" if last else None, None))
+    closing, status, _ = out.close()
+    return out, [e["type"] for e in events + closing], status
+
+
+def test_reasoning_comes_first_as_a_reasoning_item():
+    """With --reasoning-parser, the reply's thinking is a `reasoning` item before the message
+    (streamed as reasoning_text events), counted in reasoning_tokens, and a later turn's
+    template sees it as the assistant message's reasoning_content."""
+    from tandem.server.responses_input import input_messages
+    from tandem.server.responses_output import as_chat_messages
+
+    out, kinds, status = _fed(["Hm", "m</", "think>", "ye", "s"])
+    reasoning, message = out.items.items
+    assert reasoning["type"] == "reasoning" and reasoning["content"] == [{"type": "reasoning_text", "text": "Hmm"}]
+    assert message["content"][0]["text"] == "yes" and status == "completed"
+    assert kinds == ["response.output_item.added", "response.reasoning_text.delta", "response.reasoning_text.delta",
+                     "response.reasoning_text.done", "response.output_item.done", "response.output_item.added",
+                     "response.content_part.added", "response.output_text.delta", "response.output_text.delta",
+                     "response.output_text.done", "response.content_part.done", "response.output_item.done"]
+    assert out.usage()["output_tokens_details"]["reasoning_tokens"] == 3 and out.usage()["output_tokens"] == 5
+    assert as_chat_messages(out.items.items) == [{"role": "assistant", "content": "yes", "reasoning_content": "Hmm"}]
+    sent_back = [{"role": "user", "content": "Is it?"}, {"type": "reasoning", "summary": [],
+                                                          "content": [{"type": "reasoning_text", "text": "Hmm"}]},
+                 {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "yes"}]}]
+    assert input_messages(sent_back)[1] == {"role": "assistant", "content": "yes", "reasoning_content": "Hmm"}
+
+
+def test_a_reply_that_only_thinks_still_has_a_message_and_a_call_follows_reasoning():
+    from tandem.server.openai_schemas import Tool
+    from tandem.server.structured import ToolCalls, ToolMode
+
+    out, _, _ = _fed(["Hmm, still"])
+    assert [i["type"] for i in out.items.items] == ["reasoning", "message"]
+    assert out.items.items[1]["content"][0]["text"] == ""
+    tool = Tool.model_validate({"type": "function", "function": {"name": "get_time", "parameters": TIME["parameters"]}})
+    out, kinds, _ = _fed(["Hmm</think>", '{"zone"', ": 1}"], ToolCalls(ToolMode("named", [tool], False)))
+    reasoning, call = out.items.items
+    assert reasoning["content"][0]["text"] == "Hmm" and call["type"] == "function_call"
+    assert (call["name"], call["arguments"], call["status"]) == ("get_time", '{"zone": 1}', "completed")
+    assert kinds.count("response.function_call_arguments.delta") == 2

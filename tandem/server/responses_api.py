@@ -20,9 +20,9 @@ from tandem.server.errors import APIError, EngineDead
 from tandem.server.generation import Generation
 from tandem.server.inputs import EngineInputs, chat_inputs
 from tandem.server.responses_input import ChatView, chat_view, refuse_unsupported, renamed
-from tandem.server.responses_output import (OutputItems, ResponseHead, as_chat_messages, chat_deltas,
-                                            finish_status, usage)
+from tandem.server.responses_output import ResponseHead, ResponseOutput, as_chat_messages
 from tandem.server.responses_schemas import RESPONSES_IGNORED, ResponsesRequest
+from tandem.server.reasoning import ReasoningParser
 from tandem.server.state import ServerState
 from tandem.server.structured import ToolCalls, ToolMode
 
@@ -45,6 +45,12 @@ class _Run:
     inputs: EngineInputs
     tools: ToolMode | None
     store: bool
+    reasoning: ReasoningParser | None  # the server's, where the reply is split into reasoning and text
+
+    def output(self) -> ResponseOutput:
+        calls = ToolCalls(self.tools) if self.tools is not None else None
+        splitter = self.reasoning.splitter() if self.reasoning is not None else None
+        return ResponseOutput(self.inputs.prompt_tokens, calls, splitter)
 
 
 def _json(body: dict, status: int = 200) -> Response:
@@ -91,10 +97,11 @@ async def _prepare(state: ServerState, body: ResponsesRequest) -> _Run:
         view, tools = chat_view(body, previous, getattr(state.tokenizer, "chat_template", None))
         # Tokenizing runs in a worker thread: a long conversation must not stall every other stream.
         inputs = await asyncio.to_thread(chat_inputs, view.chat, state.tokenizer, state.max_model_len,
-                                         state.client.ready.vocab_size, tools)
+                                         state.client.ready.vocab_size, tools, state.reasoning)
     except APIError as exc:
         raise renamed(exc) from None
-    return _Run(ResponseHead("", state.model_name, _echo(body, view)), view, inputs, tools, body.store is not False)
+    return _Run(ResponseHead("", state.model_name, _echo(body, view)), view, inputs, tools, body.store is not False,
+                state.reasoning)
 
 
 def _previous(state: ServerState, response_id: str | None) -> list[dict]:
@@ -120,34 +127,12 @@ def _echo(body: ResponsesRequest, view: ChatView) -> dict:
             "user": body.user}
 
 
-class _Counts:
-    """Tokens generated and the prompt tokens the prefix cache served, as deltas arrive."""
-
-    def __init__(self, run: _Run):
-        self.prompt = run.inputs.prompt_tokens
-        self.output = self.cached = 0
-
-    def usage(self) -> dict:
-        return usage(self.prompt, self.output, self.cached)
-
-
 async def _whole(state: ServerState, gen: Generation, run: _Run) -> dict:
-    calls, items, counts = _calls(run), OutputItems(), _Counts(run)
-    text, reason = [], None
+    out = run.output()
     async for _, d in gen.deltas():
-        text.append(d.text)
-        counts.output += len(d.token_ids)
-        if d.finished:
-            reason, counts.cached = d.finish_reason, d.cached_tokens
-    for delta in chat_deltas(calls, "".join(text), True, reason):
-        items.add(delta)
-    status, why = finish_status(reason)
-    items.close(status == "completed")
-    return _finished(state, run, run.head.body(status, items.items, counts.usage(), why))
-
-
-def _calls(run: _Run) -> ToolCalls | None:
-    return ToolCalls(run.tools) if run.tools is not None else None
+        out.feed(d)
+    _, status, why = out.close()
+    return _finished(state, run, run.head.body(status, out.items.items, out.usage(), why))
 
 
 def _finished(state: ServerState, run: _Run, response: dict) -> dict:
@@ -162,24 +147,20 @@ async def _events(state: ServerState, gen: Generation, run: _Run) -> AsyncIterat
     seq = _Sequence()
     yield seq.event({"type": "response.created", "response": run.head.body("in_progress", [])})
     yield seq.event({"type": "response.in_progress", "response": run.head.body("in_progress", [])})
-    calls, items, counts, reason = _calls(run), OutputItems(), _Counts(run), None
+    out = run.output()
     try:
         async for _, d in gen.deltas():
-            counts.output += len(d.token_ids)
-            if d.finished:
-                reason, counts.cached = d.finish_reason, d.cached_tokens
-            for delta in chat_deltas(calls, d.text, d.finished, d.finish_reason):
-                for event in items.add(delta):
-                    yield seq.event(event)
+            for event in out.feed(d):
+                yield seq.event(event)
     except (EngineDead, APIError) as exc:  # headers are sent: the failure is the stream's last event
         error = {"code": getattr(exc, "code", None) or "server_error", "message": str(exc)}
         yield seq.event({"type": "response.failed",
-                         "response": run.head.body("failed", items.items, counts.usage(), error=error)})
+                         "response": run.head.body("failed", out.items.items, out.usage(), error=error)})
         return
-    status, why = finish_status(reason)
-    for event in items.close(status == "completed"):
+    events, status, why = out.close()
+    for event in events:
         yield seq.event(event)
-    response = _finished(state, run, run.head.body(status, items.items, counts.usage(), why))
+    response = _finished(state, run, run.head.body(status, out.items.items, out.usage(), why))
     yield seq.event({"type": "response.completed" if status == "completed" else "response.incomplete",
                      "response": response})
 

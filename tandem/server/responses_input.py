@@ -134,6 +134,7 @@ def input_messages(items: str | list[dict], names: dict[str, str] | None = None)
     _refuse(not items, "input", "input is empty")
     out: list[dict] = []
     names = dict(names or {})
+    thought = ""  # a reasoning item's text, for the assistant message that follows it
     for i, item in enumerate(items):
         where = f"input[{i}]"
         kind = item.get("type", "message" if "role" in item else None)
@@ -144,11 +145,21 @@ def input_messages(items: str | list[dict], names: dict[str, str] | None = None)
         elif kind == "function_call_output":
             out.append(_call_output(item, where, names))
         elif kind == "reasoning":
-            continue  # another model's reasoning: this one cannot read it back
+            thought += _reasoning_text(item)
+            continue
         else:
             raise APIError(400, f"{where}: input items of type {kind!r} are not supported (supported: "
-                                f"{_ITEM_KINDS})", f"{where}.type")
+                                f"{_ITEM_KINDS}, reasoning)", f"{where}.type")
+        if thought and out[-1]["role"] == "assistant":  # vLLM's field, which thinking templates read
+            out[-1]["reasoning_content"], thought = thought, ""
     return out
+
+
+def _reasoning_text(item: dict) -> str:
+    """A reasoning item's text (its content, else its summary); its encrypted form is not read."""
+    parts = item.get("content") or item.get("summary") or []
+    return "".join(p["text"] for p in parts if isinstance(p, dict) and isinstance(p.get("text"), str)) \
+        if isinstance(parts, list) else ""
 
 
 def _call_names(messages: list[dict]) -> dict[str, str]:
