@@ -135,12 +135,9 @@ class Engine:
         return seconds
 
     def _speculative_config(self) -> SpeculativeConfig | None:
-        spec = SpeculativeConfig.from_user(self.cfg.speculative_config)
-        if spec is None:
-            return None
-        if self.parallel.tp.size > 1:
-            raise ValueError("speculative_config is not supported with tensor_parallel_size > 1 yet")
-        return spec
+        # Under tensor parallelism every rank keeps the same device state and verdicts (the
+        # logits are gathered, draws counter-keyed); a draft model runs whole on every rank.
+        return SpeculativeConfig.from_user(self.cfg.speculative_config)
 
     def _load_draft(self) -> DecoderModel | None:
         """The draft model of speculative_config's method 'draft_model', in the target's dtype

@@ -313,7 +313,7 @@ class ModelRunner:
                       outputs: list[int], seed: int = 0) -> None:
         """Reset per-slot sampling state; on the forward stream so it orders before sampling."""
         if self.mirror is not None:
-            self.mirror.admit(slot, prompt_ids, params, outputs)
+            self.mirror.admit(slot, prompt_ids, params, outputs, seed)
         if self.spec is not None:
             with self.streams.use(self.streams.forward):  # ordered before the prefill's sample
                 self.spec.admit(slot, _to_device(prompt_ids + outputs, self.streams), len(prompt_ids),
@@ -391,9 +391,8 @@ def _verify_metadata(batch: ScheduledBatch, bucket: int | None) -> dict[str, lis
     assert bucket is None or tuple(fields) == VERIFY_FIELDS
     reserved_req, reserved_pos, reserved_locs = [], [], []
     for row in rows:
-        first = len(row.req.kv_slots) - len(row.kv_slots)  # committed: the reservations are appended
         reserved_req += [row.req.slot] * len(row.kv_slots)
-        reserved_pos += range(first, first + len(row.kv_slots))
+        reserved_pos += range(row.reserved_from, row.reserved_from + len(row.kv_slots))
         reserved_locs += row.kv_slots
     fields.update({"prompt_lens": [len(r.req.prompt_token_ids) for r in rows],
                    "seeds": [seed_to_int64(r.req.seed) for r in rows], "reserved_req_slots": reserved_req,

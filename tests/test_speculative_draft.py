@@ -8,7 +8,7 @@ import torch
 from tandem import SamplingParams
 from tandem.speculative.draft import check_draft
 from test_speculative_engine import _engine, _generate, _prompts
-from tiny_models import make_cycling_model, make_tiny_model
+from tiny_models import TEST_DEVICE, make_cycling_model, make_tiny_model
 from workload import assert_kv_conserved, random_specs, run_workload
 
 
@@ -192,7 +192,11 @@ def test_a_truncated_draft_is_the_targets_first_layers(tiny_text_model, tmp_path
     plain, _ = _generate(tiny_text_model, prompts, params)
     whole, stats = _generate(tiny_text_model, prompts, params, _draft(tmp_path / "all"))
     assert [o.token_ids for o in whole] == [o.token_ids for o in plain]
-    assert stats["spec_decode_num_accepted_tokens"] == stats["spec_decode_num_draft_tokens"] > 0
+    drafted, accepted = stats["spec_decode_num_draft_tokens"], stats["spec_decode_num_accepted_tokens"]
+    if TEST_DEVICE == "cpu":
+        assert accepted == drafted > 0
+    else:  # cuBLAS rounds a one-row draft step and a five-row verify apart: random logits' near-ties
+        assert accepted >= 0.95 * drafted > 0
     one, stats = _generate(tiny_text_model, prompts, params, _draft(tmp_path / "one"))
     assert [o.token_ids for o in one] == [o.token_ids for o in plain]
     assert stats["spec_decode_num_draft_tokens"] > 0

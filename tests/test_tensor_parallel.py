@@ -17,7 +17,7 @@ from tandem.distributed.runtime import WorkerDiedError
 from tandem.entrypoints.ranks import build_engine
 from tandem.config import EngineConfig
 from tandem.distributed.launch import Launch
-from tiny_models import make_tiny_model
+from tiny_models import make_cycling_model, make_tiny_model
 from workload import random_specs, run_workload
 
 # One rank's share of the CPU each: the tests run on small shared machines.
@@ -86,6 +86,31 @@ def test_tp2_overlap_on_equals_off(tmp_path):
         finally:
             engine.close()
     assert runs[True] == runs[False]
+    assert not _children()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_tp2_speculative_decoding_matches_tp1(tmp_path, method):
+    """Speculation under tensor parallelism: every rank keeps the token history, lengths and
+    (for a draft model, run whole on every rank) the draft's KV and draws, and reaches the same
+    verdicts. Greedy and seeded sampled outputs equal one rank's; greedy equals plain decoding."""
+    path = make_cycling_model(tmp_path / "target")
+    spec = ({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3} if method == "ngram" else
+            {"model": str(make_cycling_model(tmp_path / "draft", seed=5, num_hidden_layers=1)),
+             "num_speculative_tokens": 3})
+    prompts = [[5, 6, 7, 8, 9], list(range(3, 60)), [200, 3, 17], [40, 41]]
+    params = [SamplingParams(max_tokens=30, temperature=0, ignore_eos=True),
+              SamplingParams(max_tokens=25, temperature=0.9, seed=3, ignore_eos=True)]
+    runs = {}
+    for tp, speculative in ((1, None), (1, spec), (2, spec)):
+        with LLM(str(path), tensor_parallel_size=tp, speculative_config=speculative, **OPTS) as llm:
+            outs = llm.generate(prompts * 2, params * 4, use_tqdm=False)
+            runs[tp, speculative is not None] = [o.token_ids for o in outs]
+            if speculative is not None:
+                assert llm.engine.stats()["spec_decode_num_accepted_tokens"] > 20
+    assert runs[2, True] == runs[1, True]
+    assert runs[1, True][::2] == runs[1, False][::2]  # the greedy rows
     assert not _children()
 
 

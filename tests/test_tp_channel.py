@@ -169,7 +169,7 @@ def test_the_decoder_builds_only_step_messages(tmp_path):
         decoder.decode(msgspec.msgpack.encode({"type": "Step", "step": 1, "admits": [],
                                                "rows": [["1", 0, 0, [1], None, 0, None]]}))
     bad_params = msgspec.msgpack.encode({"type": "Step", "step": 1, "rows": [],
-                                         "admits": [[1, [], {"max_tokens": 0}, []]]})
+                                         "admits": [[1, [], {"max_tokens": 0}, [], 0]]})
     with pytest.raises(msgspec.ValidationError, match="max_tokens"):  # SamplingParams validates
         decoder.decode(bad_params)
     assert isinstance(decoder.decode(msgspec.msgpack.encode(Stop())), Stop)
@@ -197,8 +197,8 @@ def test_engine_refuses_strangers_at_start_up_and_keeps_working(tmp_path, monkey
     marker = str(tmp_path / "pwned")
     real, strangers = leader.StepSender, []
 
-    def sender_met_by_strangers(host: str, key: bytes) -> StepSender:
-        sender = real(host, key)
+    def sender_met_by_strangers(host: str, key: bytes, **kw) -> StepSender:
+        sender = real(host, key, **kw)
         strangers.append(_in_thread(_pickle_peer, socket.create_connection((host, sender.port)), marker))
         strangers.append(_join(sender, 1, b"a guessed secret, 32 bytes......"))
         return sender

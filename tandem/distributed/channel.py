@@ -44,7 +44,8 @@ _row_tuple = attrgetter("req.slot", "req.seed", *ROW_FIELDS)  # WireRow's field 
 class StepSender:
     """Rank 0's side: a listener the workers connect to; `accept` takes them all, then closes."""
 
-    def __init__(self, host: str, key: bytes):
+    def __init__(self, host: str, key: bytes, speculative: bool = False):
+        self.speculative = speculative  # workers keep speculative decoding's device state too
         self.listener = socket.create_server((host, 0), backlog=1024)
         self.port = self.listener.getsockname()[1]
         self.key = key
@@ -76,10 +77,14 @@ class StepSender:
             self.conns[rank] = Connection(sock.detach())
         self.listener.close()  # everyone is in: from now on the port refuses connections
 
-    def admit(self, slot: int, prompt_ids: list[int], params: SamplingParams, outputs: list[int]) -> None:
-        # Workers need a slot's params for sampling, its prompt only when penalties read it, and
-        # its outputs (none but after a preemption): their step loop checks each row's sample index.
-        self.admits.append(Admit(slot, prompt_ids if params.uses_penalties else [], params, list(outputs)))
+    def admit(self, slot: int, prompt_ids: list[int], params: SamplingParams, outputs: list[int],
+              seed: int = 0) -> None:
+        # Workers need a slot's params for sampling, its prompt only when penalties or
+        # speculation (the device token history, the prompt length of the noise keys) read it,
+        # and its outputs (none but after a preemption): their step loop checks each row's
+        # sample index.
+        send_prompt = params.uses_penalties or self.speculative
+        self.admits.append(Admit(slot, prompt_ids if send_prompt else [], params, list(outputs), seed))
 
     def launch(self, batch: ScheduledBatch) -> None:
         admits, self.admits = self.admits, []
@@ -135,7 +140,7 @@ class StepReceiver:
         """The slot's request as this rank knows it: what sampling reads, and the tokens so far.
         It never ends by itself (no stop ids, no length): rank 0 decides that, and stops
         sending its rows."""
-        req = Request("", a.prompt_ids, a.params, 0, max_samples=sys.maxsize, slot=a.slot,
+        req = Request("", a.prompt_ids, a.params, a.seed, max_samples=sys.maxsize, slot=a.slot,
                       output_token_ids=list(a.outputs))
         self.reqs[a.slot] = req
         return req

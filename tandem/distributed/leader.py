@@ -50,7 +50,8 @@ class Leader:
         info = RankInfo(0, n, layout.local_rank, layout.store_host, layout.store_port, layout.store_prefix)
         tcp, self.store = open_store(info, layout.host_store, self.timeout_s)
         self.info = dataclasses.replace(info, store_port=tcp.port)  # the free port it got, if 0
-        self.sender = StepSender(layout.channel_bind, layout.secret.encode())
+        self.sender = StepSender(layout.channel_bind, layout.secret.encode(),
+                                 speculative=cfg.speculative_config is not None)
         self.store.set("steps", f"{layout.channel_host}:{self.sender.port}")
         self.rdv = Rendezvous(self.store, self.info, self.timeout_s, watch=self._watch_startup)
         for rank in range(1, per_node) if layout.spawn else ():

@@ -24,6 +24,7 @@ class Admit(msgspec.Struct, array_like=True):
     prompt_ids: list[int]
     params: SamplingParams
     outputs: list[int]
+    seed: int  # the request's effective seed (a draft model's draws are keyed by it)
 
 
 # Every Row field but the request travels as is, after the request's slot and seed: a field

@@ -21,6 +21,9 @@ class Row:
     # spec_k proposals and emits 1 to spec_k + 1 tokens. None: a row planned from host facts.
     spec_k: int | None = None
     length_bound: int = 0  # verify rows: the most tokens the request can have before the step
+    # Verify rows: the table position of kv_slots[0] (the request's slots before this step's
+    # reservations). A row field, not the request's, so tensor-parallel workers get it.
+    reserved_from: int = 0
 
     @property
     def num_new(self) -> int:

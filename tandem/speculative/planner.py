@@ -98,7 +98,7 @@ class VerifyPlanner:
         slots, rows, at = alloc(sum(need)), [], 0
         for req, k, n in zip(reqs, ks, need):
             rows.append(Row(req, req.num_computed, slots[at:at + n], None, req.num_scheduled_samples,
-                            spec_k=k, length_bound=length_bound(req)))
+                            spec_k=k, length_bound=length_bound(req), reserved_from=len(req.kv_slots)))
             at += n
         return rows
 
