@@ -29,6 +29,7 @@ TIME = {"type": "function", "name": "get_time",
                        "properties": {"zone": {"type": "integer", "minimum": -12, "maximum": 12}}}}
 TOOLS = [WEATHER, TIME]
 ASK = "What is the weather in Paris?"
+STORED = 4  # --max-stored-responses: each test uses a stored response right after it is made
 
 
 class Answer(BaseModel):
@@ -40,7 +41,8 @@ class Answer(BaseModel):
 @pytest.fixture(scope="module")
 def served(tiny_text_model, tmp_path_factory):
     log = tmp_path_factory.mktemp("server_responses") / "server.log"
-    with running_server(tiny_text_model, log, "--max-running-requests", "8", "--max-model-len", "256") as (url, proc):
+    with running_server(tiny_text_model, log, "--max-running-requests", "8", "--max-model-len", "256",
+                        "--max-stored-responses", str(STORED)) as (url, proc):
         yield url
     assert proc.returncode == 0, log.read_text()
 
@@ -189,6 +191,10 @@ def test_store_retrieve_delete_and_store_false(client):
     client.responses.delete(kept.id)
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(kept.id)
+    made = [client.responses.create(model="llama", input="Hi", max_output_tokens=1).id for _ in range(STORED + 1)]
+    with pytest.raises(openai.NotFoundError):  # past --max-stored-responses the oldest goes
+        client.responses.retrieve(made[0])
+    assert [client.responses.retrieve(i).id for i in made[1:]] == made[1:]
 
 
 @pytest.mark.parametrize("body,param,words", [

@@ -13,6 +13,7 @@ from tandem.config import EngineConfig
 from tandem.distributed.torchrun import torchrun_env
 from tandem.server.drain import EXIT_RESERVE_S
 from tandem.server.reasoning import PARSERS, reasoning_parser
+from tandem.server.responses_store import DEFAULT_MAX_BYTES, DEFAULT_MAX_RESPONSES, ResponseStore
 
 log = logging.getLogger("tandem.server")
 API_KEY_ENV = "TANDEM_API_KEY"
@@ -41,6 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reasoning-parser", default=None, choices=sorted(PARSERS), metavar="NAME",
                    help="split a reasoning model's <think>...</think> from its answer: reasoning_content "
                         f"in chat responses, constraints applied after it ({', '.join(sorted(PARSERS))})")
+    p.add_argument("--max-stored-responses", type=int, default=DEFAULT_MAX_RESPONSES, metavar="N",
+                   help="/v1/responses answers kept in memory for previous_response_id and GET (the oldest "
+                        f"go first; also at most {DEFAULT_MAX_BYTES // 2**20} MiB); 0 keeps none")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--dp", type=int, default=1, metavar="N",
                    help="data parallelism: N engine replicas (each with --tp GPUs), one front end")
@@ -59,6 +63,9 @@ def main(argv: list[str]) -> int:
         return 2
     if args.shutdown_timeout < 0:
         log.error("--shutdown-timeout must be >= 0")
+        return 2
+    if args.max_stored_responses < 0:
+        log.error("--max-stored-responses must be >= 0")
         return 2
     if args.max_request_bytes < 1024:
         log.error("--max-request-bytes must be >= 1024")
@@ -129,7 +136,8 @@ async def _serve(args: argparse.Namespace, cfg: EngineConfig) -> int:
     reasoning = reasoning_parser(args.reasoning_parser)
     state = ServerState(client, tokenizer, name, frozenset({str(cfg.model or path), str(path)}), metrics,
                         FieldPolicy(args.strict_api), server_info=server_info(args, cfg),
-                        reasoning=reasoning.for_tokenizer(tokenizer) if reasoning else None)
+                        reasoning=reasoning.for_tokenizer(tokenizer) if reasoning else None,
+                        responses=ResponseStore(args.max_stored_responses))
     app = create_app(state, args.api_key, args.max_request_bytes)
     # The drain fails what is left within --shutdown-timeout before uvicorn exits; its own deadline
     # is for the responses that are ending then.
