@@ -353,17 +353,18 @@ def test_too_many_input_items_are_refused_before_parsing():
     assert err.value.param == "input" and f"{MAX_MESSAGES + 1} items" in err.value.message
 
 
-def _fed(pieces, calls=None):
-    """ResponseOutput fed a reply piece by piece (one token each), with DeepSeek-R1's reasoning parser."""
+def _fed(pieces, calls=None, parser="deepseek_r1", reason="stop"):
+    """ResponseOutput fed a reply piece by piece (one token each), by default with DeepSeek-R1's
+    reasoning parser."""
     from tandem.server import protocol as P
     from tandem.server.reasoning import PARSERS
     from tandem.server.responses_output import ResponseOutput
 
-    out = ResponseOutput(10, calls, PARSERS["deepseek_r1"].splitter())
+    out = ResponseOutput(10, calls, PARSERS[parser].splitter() if parser else None)
     events = []
     for k, text in enumerate(pieces):
         last = k == len(pieces) - 1
-        events += out.feed(P.Delta("r", [7], text, last, "stop" if last else None, None))
+        events += out.feed(P.Delta("r", [7], text, last, reason if last else None, None))
     closing, status, _ = out.close()
     return out, [e["type"] for e in events + closing], status
 
@@ -404,3 +405,21 @@ def test_a_reply_that_only_thinks_still_has_a_message_and_a_call_follows_reasoni
     assert reasoning["content"][0]["text"] == "Hmm" and call["type"] == "function_call"
     assert (call["name"], call["arguments"], call["status"]) == ("get_time", '{"zone": 1}', "completed")
     assert kinds.count("response.function_call_arguments.delta") == 2
+
+
+
+def test_calls_cut_by_the_limit_keep_their_complete_status():
+    """required, cut by max_output_tokens after one whole call: the response is incomplete, the
+    whole call is not; a named call cut mid-arguments is incomplete itself."""
+    from tandem.server.openai_schemas import Tool
+    from tandem.server.structured import ToolCalls, ToolMode
+
+    tool = Tool.model_validate({"type": "function", "function": {"name": "get_time", "parameters": TIME["parameters"]}})
+    out, _, status = _fed(['[{"name": "get_time", "arguments": {"zone": 1}}', ', {"na'],
+                          ToolCalls(ToolMode("required", [tool], True)), parser=None, reason="length")
+    (call,) = [i for i in out.items.items if i["type"] == "function_call"]
+    assert status == "incomplete" and call["status"] == "completed" and json.loads(call["arguments"]) == {"zone": 1}
+    out, _, status = _fed(['{"zone"', ": "], ToolCalls(ToolMode("named", [tool], False)), parser=None,
+                          reason="length")
+    (call,) = out.items.items
+    assert (status, call["status"], call["arguments"]) == ("incomplete", "incomplete", '{"zone": ')

@@ -42,7 +42,8 @@ class OutputItems:
     def __init__(self) -> None:
         self.items: list[dict] = []
         self._open: dict | None = None  # the item still growing (one at a time, as a model writes them)
-        self._text: list[str] = []  # the open message's text so far
+        self._text: list[str] = []  # the open message's (or reasoning's) text so far
+        self._piecewise = False  # the open call's arguments come piece by piece (so may be cut short)
 
     def add(self, delta: dict) -> list[dict]:
         events = self._add_text("message", delta["content"]) if delta.get("content") else []
@@ -50,6 +51,7 @@ class OutputItems:
             if "id" in call:  # a call's header: a new item
                 events += self._start_call(call)
             else:  # a named function's arguments, piece by piece
+                self._piecewise = True
                 events += self._add_arguments(call["function"].get("arguments", ""))
         return events
 
@@ -94,6 +96,7 @@ class OutputItems:
         item = {"id": _item_id("fc"), "type": "function_call", "status": "in_progress", "call_id": call["id"],
                 "name": fn["name"], "arguments": ""}
         events = self._close_open(True) + self._open_item(item)
+        self._piecewise = False
         return events + self._add_arguments(fn.get("arguments") or "")
 
     def _add_arguments(self, piece: str) -> list[dict]:
@@ -117,7 +120,8 @@ class OutputItems:
         item, self._open = self._open, None
         if item is None:
             return []
-        item["status"] = "completed" if complete else "incomplete"
+        whole_call = item["type"] == "function_call" and not self._piecewise  # ToolCalls sent it complete
+        item["status"] = "completed" if complete or whole_call else "incomplete"
         at = {"item_id": item["id"], "output_index": self._index}
         if item["type"] == "function_call":
             events = [{"type": "response.function_call_arguments.done", **at, "name": item["name"],
