@@ -662,14 +662,13 @@ class Engine:
             self.spec_counters.count(proposed, accepted)
             note_verified(req, row.spec_k, accepted)
             proposed_total, accepted_total = proposed_total + proposed, accepted_total + accepted
-            lp = None  # logprobs rows never carry proposals: their one sample is the row's first token
-            if logprobs is not None and req.params.logprobs is not None:
-                n = req.params.logprobs
-                lp = TokenLogprob(flat[at + 2], logprobs[token_index],
-                                  list(zip(top_ids[token_index][:n], top_lps[token_index][:n]))
-                                  if n and top_ids is not None else [])
             outs = []
-            for token in flat[at + 2:at + 3 + accepted]:
+            for m, token in enumerate(flat[at + 2:at + 3 + accepted]):  # emitted at query m
+                lp = None
+                if logprobs is not None and req.params.logprobs is not None:
+                    n, q = req.params.logprobs, token_index + m
+                    lp = TokenLogprob(token, logprobs[q], list(zip(top_ids[q][:n], top_lps[q][:n]))
+                                      if n and top_ids is not None else [])
                 outs.append(self._append_token_or_fail(req, token, lp))
                 if req.finished:
                     break

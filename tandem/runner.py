@@ -246,23 +246,26 @@ class ModelRunner:
             bucket, ring, full_logits, full_step = tail
             packed = self.verify_graphs.replay_tail(bucket, ring, len(pending.batch.rows), full_logits, full_step)
             return packed, None, None, None
+        # Penalties position by position: query j counts the row's proposals before it.
+        extra = self.spec.proposal_counts(step, self.sampler.vocab_size) if sampling.need_penalties else None
         if self.spec.draft is not None and not sampling.all_greedy:
-            verdict, out = self._rejection_verdict(step, logits, sampling, bitmask)
+            verdict, out = self._rejection_verdict(step, logits, sampling, bitmask, extra)
         else:
-            out = self.sampler.sample(logits, sampling, bitmask)  # a bitmask only when every k is 0
+            out = self.sampler.sample(logits, sampling, bitmask, extra)  # a bitmask only when every k is 0
             verdict = self.spec.point_mass_verdict(step, out.token_ids)
-        packed, last = settle(self.spec, self.future_map, step, slots, verdict)
-        self.sampler.record(slots, last)  # penalties: only rows without proposals have them
+        packed, _ = settle(self.spec, self.future_map, step, slots, verdict)
+        self.sampler.record_emitted(slots, verdict.tokens, verdict.accepted)
         return packed, out.logprobs, out.top_ids, out.top_logprobs
 
     def _rejection_verdict(self, step: SpecStep, logits: torch.Tensor, sampling: SamplingInputs,
-                           bitmask: torch.Tensor | None) -> tuple[Verdict, SampleOutput]:
+                           bitmask: torch.Tensor | None, extra_counts: torch.Tensor | None
+                           ) -> tuple[Verdict, SampleOutput]:
         """Draft-model proposals with sampled rows: rejection sampling against the draft's
         distributions (greedy rows' are point masses, which it treats exactly), keyed by
         each query's output index as plain decoding's draws are. The output's logprobs are
         those of each query's emitted token."""
         spec = self.spec
-        probs, raw = self.sampler.distribution(logits, sampling, bitmask)
+        probs, raw = self.sampler.distribution(logits, sampling, bitmask, extra_counts)
         verdict = accept_rejection(spec.per_row(step, probs), step.proposal.probs, step.proposal.tokens,
                                    step.proposal.count, spec.per_row(step, sampling.noise_key),
                                    self.sampler.token_hash)

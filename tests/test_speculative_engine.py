@@ -183,30 +183,59 @@ def test_accepted_tokens_kv_is_plain_decodings_and_enters_the_cache(cycling_mode
         torch.testing.assert_close(v1, v0, atol=1e-4, rtol=1e-4)
 
 
-def test_requests_that_cannot_speculate_share_the_steps(cycling_text_model):
-    """Penalties, logprobs and a grammar run without proposals beside speculating requests
-    (a grammar's step verifies nothing: its masks are per row); every output, logprobs
-    included, is plain decoding's."""
+def test_penalties_logprobs_and_grammars_with_speculation(cycling_text_model):
+    """Penalties (applied position by position: a query counts the row's proposals before
+    it), logprobs (for every emitted token), a logit bias and min_tokens speculate beside
+    plain rows; every output, logprobs included, is plain decoding's. A grammar's step
+    verifies nothing (its masks are per row), and its output is still plain's."""
     pytest.importorskip("xgrammar")
     greedy = SamplingParams(max_tokens=24, temperature=0)
     params = [greedy, greedy.clone(repetition_penalty=1.3, frequency_penalty=0.5), greedy.clone(logprobs=3),
-              greedy.clone(max_tokens=24, min_tokens=20, ignore_eos=False), greedy.clone(seed=4, temperature=0.7)]
+              greedy.clone(max_tokens=24, min_tokens=20, ignore_eos=False), greedy.clone(seed=4, temperature=0.7),
+              greedy.clone(presence_penalty=1.5, seed=5, temperature=0.8, logprobs=0)]
     prompts = [[100 + i, 200, 300] for i in range(len(params))]
     plain, _ = _generate(cycling_text_model, prompts, params)
     spec, stats = _generate(cycling_text_model, prompts, params, NGRAM)
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
-    lp_spec, lp_plain = spec[2].outputs[0].logprobs, plain[2].outputs[0].logprobs
-    # The same tokens; values up to float32 rounding (a verify step's attention is batched).
-    assert [(lp.token_id, [t for t, _ in lp.top]) for lp in lp_spec] == \
-           [(lp.token_id, [t for t, _ in lp.top]) for lp in lp_plain]
-    flat = lambda lps: [v for lp in lps for v in [lp.logprob] + [x for _, x in lp.top]]  # noqa: E731
-    assert flat(lp_spec) == pytest.approx(flat(lp_plain), abs=1e-4)
+    for i in (2, 5):
+        lp_spec, lp_plain = spec[i].outputs[0].logprobs, plain[i].outputs[0].logprobs
+        # The same tokens; values up to float32 rounding (a verify step's attention is batched).
+        assert [(lp.token_id, [t for t, _ in lp.top]) for lp in lp_spec] == \
+               [(lp.token_id, [t for t, _ in lp.top]) for lp in lp_plain]
+        flat = lambda lps: [v for lp in lps for v in [lp.logprob] + [x for _, x in lp.top]]  # noqa: E731
+        assert flat(lp_spec) == pytest.approx(flat(lp_plain), abs=1e-4)
     assert stats["spec_decode_num_accepted_tokens"] > 0
+    for i in (1, 2, 5):  # alone: these requests' own proposals are accepted
+        _, alone = _generate(cycling_text_model, prompts[i:i + 1], params[i:i + 1], NGRAM)
+        assert alone["spec_decode_num_accepted_tokens"] > 5, i
     # With a grammar in the batch the steps verify nothing, and the output is still plain's.
     constrained = [greedy.clone(regex="(ab|cd){3,8}")] + params[:2]
     plain, _ = _generate(cycling_text_model, prompts[:3], constrained)
     spec, _ = _generate(cycling_text_model, prompts[:3], constrained, NGRAM)
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+
+
+def test_penalties_count_each_querys_earlier_proposals(tmp_path):
+    """Outputs cycling through two tokens, so a row's k = 4 proposals repeat each token, and
+    penalties that break the cycle after some count: a query that did not count the proposals
+    before it would break it at another position than plain decoding. Greedy and sampled,
+    n-gram and a self-drafting model."""
+    model = make_cycling_model(tmp_path, cycle=2)
+    prompts = _prompts(6, seed=21)
+    params = [SamplingParams(max_tokens=40, temperature=0, frequency_penalty=0.9, ignore_eos=True),
+              SamplingParams(max_tokens=40, temperature=0, frequency_penalty=0.4, presence_penalty=1.0,
+                             ignore_eos=True),
+              SamplingParams(max_tokens=40, temperature=0.8, seed=9, frequency_penalty=0.6, ignore_eos=True)]
+    plain, _ = _generate(model, prompts, params)
+    for spec in (NGRAM, {"model": str(model), "num_speculative_tokens": 4}):
+        outs, stats = _generate(model, prompts, params, spec)
+        got = [o.token_ids for o in outs]
+        if "model" in spec:  # sampled rows are the target's distribution, not plain's tokens
+            got, want = got[0::3] + got[1::3], [o.token_ids for o in plain[0::3] + plain[1::3]]
+        else:
+            want = [o.token_ids for o in plain]
+        assert got == want
+        assert stats["spec_decode_num_accepted_tokens"] > 20
 
 
 def test_large_batches_decode_without_proposals(cycling_model):

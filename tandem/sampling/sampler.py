@@ -88,13 +88,24 @@ class Sampler:
         ones = torch.ones_like(flat, dtype=torch.int32)
         self._output_counts.view(-1).index_add_(0, flat, ones)
 
-    def apply_penalties(self, logits: Tensor, inputs: SamplingInputs) -> Tensor:
+    def record_emitted(self, slots: Tensor, tokens: Tensor, accepted: Tensor) -> None:
+        """A verify step's emitted tokens, tokens[b, :accepted[b] + 1], counted per slot."""
+        if self._output_counts is None:
+            return
+        emitted = torch.arange(tokens.shape[1], device=tokens.device)[None, :] <= accepted[:, None]
+        flat = slots.to(torch.int64)[:, None] * self.vocab_size + tokens.to(torch.int64)
+        self._output_counts.view(-1).index_add_(0, flat.flatten(), emitted.flatten().to(torch.int32))
+
+    def apply_penalties(self, logits: Tensor, inputs: SamplingInputs, extra_counts: Tensor | None = None) -> Tensor:
         """vLLM semantics, out of place: repetition over prompt+output, presence and
-        frequency over output only. Rows with neutral values are unchanged."""
+        frequency over output only. Rows with neutral values are unchanged. `extra_counts`
+        [B, V]: outputs a row has beyond its slot's counts (a verify query's earlier proposals)."""
         if self._output_counts is None or self._prompt_mask is None:
             raise RuntimeError("penalties requested but no request with penalties went through start_request")
         slots = inputs.slots
         counts = self._output_counts.index_select(0, slots)
+        if extra_counts is not None:
+            counts = counts + extra_counts
         seen_out = counts > 0
         seen = seen_out | self._prompt_mask.index_select(0, slots)
         rep = inputs.repetition_penalty[:, None]
@@ -119,11 +130,12 @@ class Sampler:
         allowed = (bitmask.index_select(1, self._mask_word) >> self._mask_bit) & 1
         return logits.masked_fill(allowed == 0, float("-inf"))
 
-    def sample(self, logits: Tensor, inputs: SamplingInputs, bitmask: Tensor | None = None) -> SampleOutput:
+    def sample(self, logits: Tensor, inputs: SamplingInputs, bitmask: Tensor | None = None,
+               extra_counts: Tensor | None = None) -> SampleOutput:
         """Sample one token per row of `logits` [B, V]. Queues device work only. A `bitmask`
         (structured output) applies first, so penalties, every draw and the logprobs see the
-        constrained distribution."""
-        raw, logits = self._adjusted(logits, inputs, bitmask)
+        constrained distribution. `extra_counts`: see `apply_penalties`."""
+        raw, logits = self._adjusted(logits, inputs, bitmask, extra_counts)
         greedy_ids = logits.argmax(dim=-1)
         if inputs.all_greedy:
             token_ids = greedy_ids
@@ -133,12 +145,12 @@ class Sampler:
             token_ids = torch.where(is_greedy, greedy_ids, sampled_ids)
         return self.with_logprobs(raw, token_ids, inputs)
 
-    def distribution(self, logits: Tensor, inputs: SamplingInputs,
-                     bitmask: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    def distribution(self, logits: Tensor, inputs: SamplingInputs, bitmask: Tensor | None = None,
+                     extra_counts: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """(probs [B, V], raw logits): the distribution `sample` draws each row from (a point
         mass at the argmax for greedy rows), and the logits its logprobs are reported from.
         For rejection sampling against a draft's distribution."""
-        raw, logits = self._adjusted(logits, inputs, bitmask)
+        raw, logits = self._adjusted(logits, inputs, bitmask, extra_counts)
         point = torch.nn.functional.one_hot(logits.argmax(dim=-1), self.vocab_size).to(torch.float32)
         if inputs.all_greedy:
             return point, raw
@@ -156,7 +168,8 @@ class Sampler:
                 out.top_logprobs, out.top_ids = top.values, top.indices
         return out
 
-    def _adjusted(self, logits: Tensor, inputs: SamplingInputs, bitmask: Tensor | None) -> tuple[Tensor, Tensor]:
+    def _adjusted(self, logits: Tensor, inputs: SamplingInputs, bitmask: Tensor | None,
+                  extra_counts: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """(raw, adjusted): fp32 logits after the mask, then after biases and penalties."""
         logits = logits.to(torch.float32)
         if bitmask is not None:
@@ -165,7 +178,7 @@ class Sampler:
         if inputs.need_bias:
             logits = self.apply_bias(logits, inputs)
         if inputs.need_penalties:
-            logits = self.apply_penalties(logits, inputs)
+            logits = self.apply_penalties(logits, inputs, extra_counts)
         return raw, logits
 
     def _scaled(self, logits: Tensor, inputs: SamplingInputs) -> Tensor:

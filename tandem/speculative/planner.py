@@ -50,13 +50,12 @@ def length_bound(req: Request) -> int:
 
 
 def speculates(req: Request) -> bool:
-    """Requests whose every token the point-mass verify can check: no per-token state that
-    the host updates between tokens (grammar, bad-words masks), no penalties (their counts
-    would need the accepted tokens position by position), no logprobs, no biases (min_tokens
-    included, until it is reached)."""
-    p = req.params
-    return (req.mask is None and not p.uses_penalties and p.logprobs is None and not req.bias
-            and (not req.min_tokens_bias or req.num_scheduled_samples >= p.min_tokens))
+    """Requests whose every token a verify step can check on the device: no per-token state
+    that the host updates between tokens (grammar, bad-words masks), no min_tokens bans until
+    min_tokens is reached (they end at a position the proposals may pass). Penalties count a
+    query's earlier proposals; logprobs come for every emitted token; a static logit bias is
+    the same at every position."""
+    return req.mask is None and (not req.min_tokens_bias or req.num_scheduled_samples >= req.params.min_tokens)
 
 
 class VerifyPlanner:

@@ -95,6 +95,14 @@ class SpecState:
         out[step.token_row, step.token_offset] = per_query
         return out
 
+    def proposal_counts(self, step: SpecStep, vocab_size: int) -> Tensor:
+        """[T, V] int32: per query, the row's proposals before it (query j follows proposals
+        1..j), which penalties count as outputs while every one of them is accepted."""
+        live = torch.arange(self.k, device=step.lengths.device)[None, :] < step.proposal.count[:, None]
+        one_hot = torch.nn.functional.one_hot(step.proposal.tokens, vocab_size).to(torch.int32) * live[..., None]
+        before = torch.cat([torch.zeros_like(one_hot[:, :1]), one_hot.cumsum(dim=1, dtype=torch.int32)], dim=1)
+        return before[step.token_row, step.token_offset]
+
     def point_mass_verdict(self, step: SpecStep, sampled: Tensor) -> Verdict:
         """Accept the leading proposals equal to the target's samples (`sampled` [T], one per
         query token)."""
