@@ -161,7 +161,8 @@ def bench_main(argv: list[str]) -> int:
              "grammar": "tandem.bench.grammar:main", "soak": "tandem.bench.soak:main",
              "suite": "tandem.bench.suite:main", "wheels": "tandem.bench.wheels:main",
              "spec-verify": "tandem.bench.spec_verify:main", "spec": "tandem.bench.spec_tasks:main",
-             "spec-steps": "tandem.bench.spec_steps:main", "truncated-draft": "tandem.bench.truncated_draft:main"}
+             "spec-steps": "tandem.bench.spec_steps:main", "truncated-draft": "tandem.bench.truncated_draft:main",
+             "spec-overlap": "tandem.bench.spec_overlap:main"}
     if not argv or argv[0] not in kinds:
         print(f"usage: tandem bench {{{','.join(kinds)}}} [options]", file=sys.stderr)
         return 2
@@ -195,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
               "  generate    generate text from a prompt, streamed to the terminal\n"
               "  chat        interactive chat on the same engine\n"
               "  serve       OpenAI-compatible HTTP server\n"
-              "  bench       benchmarks: latency | offline | serve | prefix | grammar | soak | suite | spec-verify | spec | spec-steps | truncated-draft\n"
+              "  bench       benchmarks: latency | offline | serve | prefix | grammar | soak | suite | spec-verify | spec | spec-steps | spec-overlap | truncated-draft\n"
               "  profile     traces and a timeline plot, overlap on vs off\n"
               "  sync-audit  find host syncs in the engine loop (CUDA)\n\n"
               "examples:\n"
