@@ -1,12 +1,45 @@
 """What the engine returns to callers."""
 from dataclasses import dataclass, field
+from typing import Callable
 
 
 @dataclass
 class TokenLogprob:
+    """The engine's record of one generated token's logprobs (the server streams these);
+    `LLM` hands users vLLM's `dict[int, Logprob]` per position instead."""
+
     token_id: int
     logprob: float
     top: list[tuple[int, float]] = field(default_factory=list)  # best first
+
+
+@dataclass
+class Logprob:
+    """vLLM's per-token record: `CompletionOutput.logprobs[position][token_id]`."""
+
+    logprob: float
+    # 1 is the likeliest. None: a sampled token outside the top `logprobs` ones (the engine
+    # ranks only those; vLLM counts the whole vocabulary).
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+SampleLogprobs = list[dict[int, Logprob]]  # vLLM's name: one dict per generated token
+
+
+def sample_logprobs(lps: list[TokenLogprob], decode: Callable[[int], str]) -> SampleLogprobs:
+    """The engine's logprobs in vLLM's shape: per position the sampled token first, then the
+    top ones by rank (a sampled token among them appears once, with its rank)."""
+    return [_position(lp, decode) for lp in lps]
+
+
+def _position(lp: TokenLogprob, decode: Callable[[int], str]) -> dict[int, Logprob]:
+    ranks = {token: i + 1 for i, (token, _) in enumerate(lp.top)}
+    out = {lp.token_id: Logprob(lp.logprob, ranks.get(lp.token_id), decode(lp.token_id))}
+    for token, value in lp.top:
+        if token not in out:
+            out[token] = Logprob(value, ranks[token], decode(token))
+    return out
 
 
 @dataclass
@@ -36,7 +69,7 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     cumulative_logprob: float | None  # sum of the chosen tokens' logprobs; None unless computed
-    logprobs: list[TokenLogprob] | None
+    logprobs: SampleLogprobs | None  # from the engine: list[TokenLogprob] (Engine.output)
     finish_reason: str | None
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
 

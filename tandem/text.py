@@ -288,3 +288,18 @@ class RequestText:
         if stop is None:
             out += self._stops.flush()
         return self._emit(out)
+
+
+class TokenNames:
+    """Token id -> the text it shows, for logprobs (cached: the same ids recur)."""
+
+    def __init__(self, tokenizer: Any):
+        self._tokenizer = tokenizer
+        self._cache: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        name = self._cache.get(token_id)
+        if name is None:
+            name = self._tokenizer.decode([token_id]) if self._tokenizer is not None else f"<{token_id}>"
+            self._cache[token_id] = name
+        return name

@@ -177,10 +177,10 @@ def test_logprobs_are_returned(tiny_text_model):
     out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0, logprobs=3,
                                                     ignore_eos=True), use_tqdm=False)[0]
     assert len(out.logprobs) == 4
-    for tok, lp in zip(out.token_ids, out.logprobs):
-        assert lp.token_id == tok and lp.logprob <= 0
-        assert len(lp.top) == 3 and lp.top[0][0] == tok  # greedy: chosen token is the best
-        assert lp.top[0][1] == pytest.approx(lp.logprob)
+    for tok, position in zip(out.token_ids, out.logprobs):  # vLLM's dict[int, Logprob] per token
+        assert len(position) == 3 and next(iter(position)) == tok  # greedy: chosen token is the best
+        assert position[tok].rank == 1 and position[tok].logprob <= 0
+        assert [lp.rank for lp in position.values()] == [1, 2, 3]
 
 
 def test_bad_inputs_give_clear_errors(tiny_text_model, tmp_path):

@@ -24,7 +24,7 @@ def test_outputs_shape_and_shortcuts(llm):
     assert isinstance(seq, CompletionOutput) and seq.index == 0 and len(out.outputs) == 1
     assert (out.text, out.token_ids, out.finish_reason, out.logprobs) == (
         seq.text, seq.token_ids, seq.finish_reason, seq.logprobs)
-    assert seq.cumulative_logprob == pytest.approx(sum(lp.logprob for lp in seq.logprobs))
+    assert seq.cumulative_logprob == pytest.approx(sum(lps[t].logprob for t, lps in zip(seq.token_ids, seq.logprobs)))
     assert out.prompt_logprobs is None and out.finished
 
 

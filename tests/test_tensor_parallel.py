@@ -65,10 +65,10 @@ def test_tp2_matches_tp1(tmp_path, variant, overrides):
     one, two = _run(path, 1, prompts, params), _run(path, 2, prompts, params)
     for a, b in zip(one, two):
         assert a.token_ids == b.token_ids
-        for la, lb in zip(a.logprobs, b.logprobs):
-            assert [t for t, _ in la.top] == [t for t, _ in lb.top]
-            for (_, x), (_, y) in zip(la.top, lb.top):
-                assert abs(x - y) <= 1e-4 * max(1.0, abs(x))
+        for la, lb in zip(a.logprobs, b.logprobs):  # {token id: Logprob}, the chosen token first
+            assert list(la) == list(lb)
+            for x, y in zip(la.values(), lb.values()):
+                assert abs(x.logprob - y.logprob) <= 1e-4 * max(1.0, abs(x.logprob))
     assert not _children()
 
 

@@ -1,36 +1,43 @@
-"""The offline API: `LLM(...).generate(prompts, params)` and `.chat(messages, params)`."""
+"""The offline API: `LLM(...).generate(prompts, params)` and `.chat(messages, params)`, at
+vLLM's shapes: str, token-id and dict prompts, `list[dict[int, Logprob]]` logprobs, vLLM's
+constructor names where tandem has their meaning (`tandem.options.llm_config`)."""
 import dataclasses
-import difflib
 import logging
 import time
 import weakref
-from typing import Sequence
+from dataclasses import dataclass
+from typing import Any, Sequence
 
 import torch
 from tqdm import tqdm
 
-from tandem.config import EngineConfig
+from tandem.chat_template import render_chat, text_content
 from tandem.engine import Engine
 from tandem.entrypoints.ranks import build_engine
 from tandem.entrypoints.interrupts import interrupts_between_steps
-from tandem.outputs import RequestOutput
+from tandem.options import llm_config
+from tandem.outputs import RequestOutput, SampleLogprobs, TokenLogprob, sample_logprobs
 from tandem.sampling import SamplingParams
+from tandem.text import TokenNames
 
-Prompt = str | list[int]
+# vLLM's PromptType, text only: a str, token ids, {"prompt": str} or {"prompt_token_ids": [...]}.
+Prompt = str | list[int] | dict[str, Any]
+Conversation = list[dict[str, Any]]
 
 
 class LLM:
     def __init__(self, model: str | None = None, **options):
         """`options`: the fields of `tandem.config.EngineConfig` (the command lines' engine
-        flags, same names and defaults), plus `launch` and `experiments`."""
-        known = {f.name for f in dataclasses.fields(EngineConfig)}
-        for key in options.keys() - known:
-            close = difflib.get_close_matches(key, known, 1)
-            hint = f"; did you mean {close[0]!r}?" if close else ""
-            raise TypeError(f"LLM() got an unknown option {key!r}{hint}")
-        self.engine = engine = build_engine(EngineConfig(model=model, **options))
+        flags, same names and defaults), `launch` and `experiments`; and vLLM's names for
+        them (`max_num_seqs`, `enforce_eager`, ...: `tandem.options.VLLM_NAMES`)."""
+        self.engine = engine = build_engine(llm_config(model, options))
         self.tokenizer = engine.tokenizer
+        self._names = TokenNames(engine.tokenizer)  # logprobs' decoded_token
         _finalize_with_engine(engine)
+
+    def get_tokenizer(self) -> Any:
+        """The tokenizer the engine uses (a transformers tokenizer; None for a model without one)."""
+        return self.tokenizer
 
     def close(self) -> None:
         """Release the engine: its device memory, graphs and buffers, also for whoever else
@@ -61,9 +68,10 @@ class LLM:
                 for prompt, sp in zip(prompts, params):
                     groups.append([])  # before adding: a failure part-way still cancels what was added
                     for seq in sp.samples():
-                        groups[-1].append(engine.add_request(prompt, seq))
+                        groups[-1].append(engine.add_request(prompt.engine_input, seq))
                 self._run(sum(len(g) for g in groups), use_tqdm, check_interrupt)
-                outputs = [_merge([engine.output(rid) for rid in g], sp) for g, sp in zip(groups, params)]
+                outputs = [self._merge([engine.output(rid) for rid in g], sp, p)
+                           for g, sp, p in zip(groups, params, prompts)]
             finally:
                 if not engine.dead:  # a dead CUDA context (or worker) must not be touched again
                     engine.cancel([rid for g in groups for rid in g])  # on error too: nothing leaked
@@ -87,20 +95,49 @@ class LLM:
         """Drop every cached prompt prefix no running request uses; returns the KV slots freed."""
         return self.engine.reset_prefix_cache()
 
-    def chat(self, messages: list[dict] | list[list[dict]],
+    def chat(self, messages: Conversation | list[Conversation],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation or a list of them."""
-        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError("this model has no chat template")
+             use_tqdm: bool = True, *, chat_template: str | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False, tools: list[dict] | None = None,
+             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+        """Apply the chat template to one conversation or a list of them, then generate.
+        vLLM's keywords: `chat_template` replaces the model's template, `tools` (OpenAI
+        function specs) and `chat_template_kwargs` reach the template, `continue_final_message`
+        (with add_generation_prompt=False) extends the last assistant message. Tool calls in
+        the reply are text, as in vLLM's offline chat."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.apply_chat_template(c, add_generation_prompt) for c in conversations]
+        prompts = [render_chat(self.tokenizer, _plain_messages(c), add_generation_prompt=add_generation_prompt,
+                               continue_final_message=continue_final_message, tools=tools,
+                               chat_template=chat_template, template_kwargs=chat_template_kwargs)
+                   for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def apply_chat_template(self, conversation: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        ids = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
-                                                 tokenize=True, return_dict=False)
-        return list(ids)
+    def apply_chat_template(self, conversation: Conversation, add_generation_prompt: bool = True) -> list[int]:
+        return render_chat(self.tokenizer, _plain_messages(conversation), add_generation_prompt=add_generation_prompt)
+
+    def _merge(self, outs: list[RequestOutput], sp: SamplingParams, prompt: "_Prompt") -> RequestOutput:
+        """A prompt's sequences as one output: all n, or the n best of best_of by cumulative
+        logprob; logprobs in vLLM's shape."""
+        seqs = [o.outputs[0] for o in outs]
+        if len(seqs) > sp.n:
+            seqs = sorted(seqs, key=lambda s: s.cumulative_logprob, reverse=True)[:sp.n]
+        seqs = [dataclasses.replace(s, index=i, logprobs=self._logprobs(s.logprobs, sp))
+                for i, s in enumerate(seqs)]
+        first = outs[0]
+        # Summed over the sequences: with the prefix cache, n samples prefill their prompt once.
+        return RequestOutput(first.request_id, prompt.text if prompt.text is not None else first.prompt,
+                             first.prompt_token_ids, seqs, num_preemptions=sum(o.num_preemptions for o in outs),
+                             num_cached_tokens=sum(o.num_cached_tokens for o in outs))
+
+    def _logprobs(self, lps: list[TokenLogprob] | None, sp: SamplingParams) -> SampleLogprobs | None:
+        # best_of computes them for the ranking alone: not asked for, not returned.
+        return sample_logprobs(lps, self._names) if lps is not None and sp.logprobs is not None else None
+
+
+def _plain_messages(conversation: Conversation) -> Conversation:
+    """Messages with OpenAI-style content parts joined into the string the templates read."""
+    return [{**m, "content": text_content(m["content"])} if isinstance(m, dict) and "content" in m else m
+            for m in conversation]
 
 
 def _finalize_with_engine(engine: Engine) -> None:
@@ -121,31 +158,56 @@ def _after_engine(parallel, fatal, device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def _merge(outs: list[RequestOutput], sp: SamplingParams) -> RequestOutput:
-    """A prompt's sequences as one output: all n, or the n best of best_of by cumulative logprob."""
-    seqs = [o.outputs[0] for o in outs]
-    if len(seqs) > sp.n:
-        seqs = sorted(seqs, key=lambda s: s.cumulative_logprob, reverse=True)[:sp.n]
-        if sp.logprobs is None:  # computed only for the ranking
-            seqs = [dataclasses.replace(s, logprobs=None) for s in seqs]
-    first = outs[0]
-    # Summed over the sequences: with the prefix cache, n samples prefill their prompt once.
-    return RequestOutput(first.request_id, first.prompt, first.prompt_token_ids,
-                         [dataclasses.replace(s, index=i) for i, s in enumerate(seqs)],
-                         num_preemptions=sum(o.num_preemptions for o in outs),
-                         num_cached_tokens=sum(o.num_cached_tokens for o in outs))
+@dataclass
+class _Prompt:
+    engine_input: str | list[int]  # what the engine tokenizes, or the ids themselves
+    text: str | None = None  # RequestOutput.prompt where the caller gave both text and ids
 
 
-def _as_prompt_list(prompts) -> list[Prompt]:
-    if isinstance(prompts, str):
-        return [prompts]
+# vLLM's prompt keys that tandem cannot serve, and why.
+_REFUSED_PROMPT_KEYS = {
+    "multi_modal_data": "this model accepts text only",
+    "mm_processor_kwargs": "this model accepts text only",
+    "multi_modal_uuids": "this model accepts text only",
+    "prompt_embeds": "tandem takes text or token ids, not embeddings",
+    "cache_salt": "tandem's prefix cache is shared by every request; it takes no salt",
+    "encoder_prompt": "tandem runs decoder-only models",
+    "decoder_prompt": "tandem runs decoder-only models",
+}
+
+
+def _as_prompt_list(prompts) -> list[_Prompt]:
+    if isinstance(prompts, (str, dict)):
+        return [_as_prompt(prompts)]
     prompts = list(prompts)
     if prompts and all(isinstance(t, int) for t in prompts):
-        raise TypeError("pass token ids as a list of lists: [[1, 2, 3]]")
-    for p in prompts:
-        if not isinstance(p, (str, list)):
-            raise TypeError(f"a prompt must be a str or a list of token ids, got {type(p).__name__}")
-    return prompts
+        raise TypeError("pass token ids as a list of lists: [[1, 2, 3]] (or [{'prompt_token_ids': [1, 2, 3]}])")
+    return [_as_prompt(p) for p in prompts]
+
+
+def _as_prompt(p: Prompt) -> _Prompt:
+    if isinstance(p, (str, list)):
+        return _Prompt(p)
+    if not isinstance(p, dict):
+        raise TypeError(f"a prompt must be a str, a list of token ids or a dict with 'prompt' or "
+                        f"'prompt_token_ids', got {type(p).__name__}")
+    for key in p.keys() & _REFUSED_PROMPT_KEYS.keys():
+        if p[key] is not None:
+            raise ValueError(f"prompt key {key!r}: {_REFUSED_PROMPT_KEYS[key]}")
+    unknown = p.keys() - _REFUSED_PROMPT_KEYS.keys() - {"prompt", "prompt_token_ids"}
+    if unknown:
+        raise ValueError(f"unknown prompt keys {sorted(unknown)}; a prompt dict has 'prompt' (text) or "
+                         "'prompt_token_ids' (a list of ints)")
+    text, ids = p.get("prompt"), p.get("prompt_token_ids")
+    if text is not None and not isinstance(text, str):
+        raise TypeError(f"'prompt' must be a str, got {type(text).__name__}")
+    if ids is not None:  # vLLM's order: token ids win over the text
+        if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
+            raise TypeError("'prompt_token_ids' must be a list of ints")
+        return _Prompt(ids, text)
+    if text is None:
+        raise ValueError("a prompt dict needs 'prompt' (text) or 'prompt_token_ids' (a list of ints)")
+    return _Prompt(text)
 
 
 def _as_params_list(params, n: int) -> list[SamplingParams]:

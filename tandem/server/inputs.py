@@ -9,6 +9,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from tandem import chat_template
 from tandem.grammar.compiler import check_spec
 from tandem.limits import context_error
 from tandem.sampling import SamplingParams
@@ -28,11 +29,6 @@ _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "s
                     "ignore_eos", "presence_penalty", "frequency_penalty", "repetition_penalty",
                     "n", "best_of", "min_tokens", "prompt_logprobs", "include_stop_str_in_output",
                     "skip_special_tokens", "logit_bias", "bad_words")
-# Keys the template call itself owns: chat_template_kwargs may not override them.
-_TEMPLATE_RESERVED = frozenset({"conversation", "messages", "tokenize", "return_dict", "return_tensors",
-                                "add_generation_prompt", "continue_final_message", "tools", "documents",
-                                "chat_template", "padding", "truncation", "max_length", "tokenizer_kwargs",
-                                "return_assistant_tokens_mask"})
 _WIRE_FIELDS = P.Params.__struct_fields__
 
 
@@ -94,23 +90,17 @@ def render_chat(tokenizer: Any, messages: list[ChatMessage], add_generation_prom
     """The chat template applied to the messages (content parts joined), as token ids."""
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise APIError(400, "this model has no chat template; use /v1/completions", "messages")
-    reserved = sorted(_TEMPLATE_RESERVED & set(template_kwargs or ()))
-    _refuse(bool(reserved), "chat_template_kwargs", f"chat_template_kwargs may not set {reserved}")
-    _refuse(bool(add_generation_prompt) and bool(continue_final_message), "continue_final_message",
-            "continue_final_message needs add_generation_prompt set to false")
     conversation = [_message(m) for m in messages]
-    extra = {"tools": [t.model_dump(exclude_none=True) for t in tools.tools]} if tools is not None else {}
+    tool_list = [t.model_dump(exclude_none=True) for t in tools.tools] if tools is not None else None
     # Names, ids and arguments reach the tokenizer and (a tool's name) the response too.
     _check_texts(conversation, "messages")
-    _check_texts(extra.get("tools", []), "tools")
+    _check_texts(tool_list or [], "tools")
     try:
-        ids = tokenizer.apply_chat_template(
-            conversation, add_generation_prompt=bool(add_generation_prompt),
-            continue_final_message=bool(continue_final_message), tokenize=True, return_dict=False,
-            **extra, **(template_kwargs or {}))
-    except Exception as exc:  # jinja raises whatever the template author chose
-        raise APIError(400, f"the chat template refused these messages: {exc}", "messages") from None
-    return list(ids)
+        return chat_template.render_chat(tokenizer, conversation, add_generation_prompt=bool(add_generation_prompt),
+                                         continue_final_message=bool(continue_final_message), tools=tool_list,
+                                         template_kwargs=template_kwargs)
+    except chat_template.ChatTemplateError as exc:
+        raise APIError(400, str(exc), exc.field) from None
 
 
 def _message(m: ChatMessage) -> dict:

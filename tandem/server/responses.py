@@ -3,27 +3,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 from tandem.server import protocol as P
 from tandem.server.reasoning import ReasoningSplitter
+from tandem.text import TokenNames
 
 _MIN_LOGPROB = -9999.0  # JSON has no -inf
-
-
-class TokenNames:
-    """Token id -> the text it shows, for logprobs (cached: the same ids recur)."""
-
-    def __init__(self, tokenizer: Any):
-        self._tokenizer = tokenizer
-        self._cache: dict[int, str] = {}
-
-    def __call__(self, token_id: int) -> str:
-        name = self._cache.get(token_id)
-        if name is None:
-            name = self._tokenizer.decode([token_id]) if self._tokenizer is not None else f"<{token_id}>"
-            self._cache[token_id] = name
-        return name
 
 
 @dataclass
