@@ -16,7 +16,7 @@ import types
 from pathlib import Path
 from typing import Any, Callable, Literal, Union, get_args, get_origin, get_type_hints
 
-from tandem.config import EngineConfig
+from tandem.config import EngineConfig, resolve_device
 from tandem.distributed.launch import Launch
 
 _LAUNCH = "launch."  # the dest prefix of the launch flags
@@ -49,6 +49,20 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     if hasattr(args, _LAUNCH + "nnodes"):
         cfg.launch = Launch(**{f.name: getattr(args, _LAUNCH + f.name) for f in options(Launch)})
     return cfg
+
+
+def checked_engine_config(args: argparse.Namespace) -> EngineConfig:
+    """`engine_config`, checked before anything heavy loads: a bad flag, a model path that is
+    not there or `--device cuda` without a GPU fails in milliseconds, not after a model load."""
+    for name in ("max_total_tokens", "max_model_len"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    if args.model is not None and not Path(args.model).expanduser().exists():
+        raise FileNotFoundError(f"--model {args.model}: no such file or directory")
+    if args.device != "auto":  # "auto" cannot fail; asking torch about CUDA costs the server's front end
+        resolve_device(args.device)
+    return engine_config(args)
 
 
 def _add_fields(group, cls: type, prefix: str) -> None:

@@ -437,12 +437,17 @@ def test_bench_serve_against_the_server(server, tmp_path):
 
 
 def test_unloadable_model_fails_fast_with_the_reason(tmp_path):
-    cmd = [sys.executable, "-m", "tandem.server", "--model", str(tmp_path / "missing"), "--port",
+    """A model path that is there but cannot be loaded fails in the engine process: one error
+    line with the reason, no traceback (a missing path fails before: tests/test_cli_terminal.py)."""
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    cmd = [sys.executable, "-m", "tandem.server", "--model", str(tmp_path), "--port",
            str(free_port()), "--device", "cpu"]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=REPO,
                        env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
     assert r.returncode == 1
-    assert "could not start" in r.stderr and "does not exist" in r.stderr, r.stderr[-3000:]
+    errors = [line for line in r.stderr.splitlines() if " ERROR " in line]
+    assert len(errors) == 1 and "could not start" in errors[0] and "no weight files" in errors[0], r.stderr[-3000:]
+    assert "Traceback" not in r.stderr, r.stderr[-3000:]
 
 
 def _gone(pid: int) -> bool:

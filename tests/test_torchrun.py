@@ -199,9 +199,9 @@ def test_a_worker_ranks_start_up_failure_is_one_clear_error_on_rank_0(tmp_path, 
 
 
 @pytest.mark.parametrize("flag", [["--dp", "2"], ["--restart-engine"]])
-def test_serve_refuses_more_engines_under_torchrun(monkeypatch, caplog, flag):
+def test_serve_refuses_more_engines_under_torchrun(monkeypatch, capsys, flag):
     from tandem.server.cli import main
     for k, v in _torchrun_env(0, 2, 1).items():
         monkeypatch.setenv(k, v)
     assert main(["--tp", "2", "--device", "cpu", *flag]) == 2
-    assert "do not work with --tp > 1 under torchrun" in caplog.text
+    assert "do not work with --tp > 1 under torchrun" in capsys.readouterr().err

@@ -5,11 +5,11 @@ import importlib
 import logging
 import os
 import sys
-from pathlib import Path
 
 from tandem import options
-from tandem.config import EngineConfig, resolve_device
-from tandem.entrypoints.interrupts import interrupts_between_steps
+from tandem.chat_template import render_chat
+from tandem.config import EngineConfig
+from tandem.entrypoints.interrupts import HeldInterrupt, interrupts_between_steps
 
 _EXAMPLES = {
     "generate": """examples:
@@ -33,29 +33,29 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
-    """The engine's config, checked before anything heavy loads: a bad flag fails in
-    milliseconds, not after the model has loaded."""
-    for name in ("max_total_tokens", "max_model_len"):
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
-    if args.model is not None and not Path(args.model).expanduser().exists():
-        raise FileNotFoundError(f"--model {args.model}: no such file or directory")
-    resolve_device(args.device)  # --device cuda without a GPU
+    """The engine's config, checked before anything heavy loads (`options.checked_engine_config`)."""
+    cfg = options.checked_engine_config(args)
     if args.launch_blocking:  # before CUDA starts: it is read at context creation
         from tandem.diagnostics.errors import enable_launch_blocking
         enable_launch_blocking()
-    return options.engine_config(args)
+    return cfg
 
 
 def add_sampling_args(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--temperature", type=float, default=0.7)
-    ap.add_argument("--top-p", type=float, default=1.0)
-    ap.add_argument("--top-k", type=int, default=-1)
-    ap.add_argument("--min-p", type=float, default=0.0)
-    ap.add_argument("--sample-seed", type=int, help="per-request sampling seed")
-    ap.add_argument("--stop", action="append", help="stop string (repeatable)")
+    group = ap.add_argument_group("sampling", "the fields of tandem.sampling.SamplingParams")
+    group.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most (default: %(default)s)")
+    group.add_argument("--temperature", type=float, default=0.7,
+                       help="0 is greedy; higher is more random (default: %(default)s)")
+    group.add_argument("--top-p", type=float, default=1.0,
+                       help="sample from the smallest set of tokens with this much probability (default: %(default)s)")
+    group.add_argument("--top-k", type=int, default=-1,
+                       help="sample from the k likeliest tokens; -1: all (default: %(default)s)")
+    group.add_argument("--min-p", type=float, default=0.0,
+                       help="drop tokens less likely than this times the likeliest (default: %(default)s)")
+    group.add_argument("--sample-seed", type=int, metavar="SEED",
+                       help="this request's sampling seed (default: derived from --seed)")
+    group.add_argument("--stop", action="append", metavar="TEXT",
+                       help="stop when this text is generated; repeatable (default: none)")
 
 
 def sampling_params(args: argparse.Namespace):
@@ -64,14 +64,29 @@ def sampling_params(args: argparse.Namespace):
                           top_k=args.top_k, min_p=args.min_p, seed=args.sample_seed, stop=args.stop)
 
 
-def stream(engine, prompt, params, out=sys.stdout) -> str:
-    """Run one request to the end, writing its text as it is generated (Ctrl-C: at a step's end)."""
+class ReplyInterrupted(KeyboardInterrupt):
+    """Ctrl-C stopped a reply at a step's end: its request is cancelled and the engine is ready
+    for the next one. `text`: what had been written."""
+
+    def __init__(self, text: str):
+        super().__init__()
+        self.text = text
+
+
+def stream(engine, prompt: str | list[int], params, out=sys.stdout) -> str:
+    """Run one request to the end, writing its text as it is generated. Ctrl-C cancels it at
+    the next step's end (ReplyInterrupted); a second Ctrl-C interrupts the step itself (a plain
+    KeyboardInterrupt: the engine's state is then unknown)."""
     rid = engine.add_request(prompt, params)
     text = []
-    with interrupts_between_steps() as check_interrupt:
-        while engine.has_unfinished():
-            check_interrupt()
-            text += _step_text(engine, rid, out)
+    try:
+        with interrupts_between_steps() as check_interrupt:
+            while engine.has_unfinished():
+                check_interrupt()
+                text += _step_text(engine, rid, out)
+    except HeldInterrupt:
+        engine.cancel([rid])
+        raise ReplyInterrupted("".join(text)) from None
     engine.release(rid)
     return "".join(text)
 
@@ -94,7 +109,7 @@ def _parser(command: str, description: str) -> argparse.ArgumentParser:
 
 def generate_parser() -> argparse.ArgumentParser:
     ap = _parser("generate", "Generate text from a prompt, streamed.")
-    ap.add_argument("prompt")
+    ap.add_argument("prompt", help="the text to continue")
     add_engine_args(ap)
     add_sampling_args(ap)
     return ap
@@ -121,10 +136,10 @@ def generate_main(argv: list[str]) -> int:
 
 
 def chat_parser() -> argparse.ArgumentParser:
-    ap = _parser("chat", "Interactive chat (empty line or Ctrl-D quits).")
+    ap = _parser("chat", "Interactive chat (empty line or Ctrl-D quits; Ctrl-C stops a reply).")
+    ap.add_argument("--system", help="system prompt (default: none)")
     add_engine_args(ap)
     add_sampling_args(ap)
-    ap.add_argument("--system", help="system prompt")
     return ap
 
 
@@ -137,6 +152,7 @@ def chat_main(argv: list[str]) -> int:
     if engine.tokenizer is None or not getattr(engine.tokenizer, "chat_template", None):
         print("this model has no chat template", file=sys.stderr)
         return 2
+    _line_editing()
     messages = [{"role": "system", "content": args.system}] if args.system else []
     while True:
         try:
@@ -146,13 +162,35 @@ def chat_main(argv: list[str]) -> int:
         if not user.strip():
             break
         messages.append({"role": "user", "content": user})
-        ids = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                   return_dict=False)
         sys.stdout.write("assistant> ")
-        reply = stream(engine, list(ids), params)
+        chat_turn(engine, messages, params)
         sys.stdout.write("\n")
-        messages.append({"role": "assistant", "content": reply})
     return 0
+
+
+def chat_turn(engine, messages: list[dict], params, out=sys.stdout) -> None:
+    """Answer `messages` (the user's turn last), streaming the reply to `out` and appending it.
+    Ctrl-C stops the reply: as in llama.cpp's chat, the part already shown stays in the
+    conversation as the assistant's turn; stopped before any text, the user's turn goes too
+    (many templates refuse two user turns in a row)."""
+    ids = render_chat(engine.tokenizer, messages)
+    try:
+        reply = stream(engine, ids, params, out)
+    except ReplyInterrupted as stopped:
+        out.write(" [stopped]")
+        if not stopped.text:
+            messages.pop()
+            return
+        reply = stopped.text
+    messages.append({"role": "assistant", "content": reply})
+
+
+def _line_editing() -> None:
+    """input() edits with readline where Python has it: arrows, history, Ctrl-R."""
+    try:
+        import readline  # noqa: F401 (importing it is what turns it on)
+    except ImportError:  # Windows without pyreadline
+        pass
 
 
 def bench_main(argv: list[str]) -> int:

@@ -11,9 +11,14 @@ import threading
 from typing import Callable, Iterator
 
 
+class HeldInterrupt(KeyboardInterrupt):
+    """The held Ctrl-C, raised between steps: every request is in a consistent state, so the
+    caller may cancel its requests and go on with the engine."""
+
+
 @contextlib.contextmanager
 def interrupts_between_steps() -> Iterator[Callable[[], None]]:
-    """Yields `check()`, which raises the held KeyboardInterrupt; call it between steps.
+    """Yields `check()`, which raises the held Ctrl-C (HeldInterrupt); call it between steps.
     Python's own SIGINT handler only, and only in the main thread (where signals are handled):
     a program's own handler is left alone."""
     if (threading.current_thread() is not threading.main_thread()
@@ -30,7 +35,7 @@ def interrupts_between_steps() -> Iterator[Callable[[], None]]:
     def check() -> None:
         if held:
             held.clear()
-            raise KeyboardInterrupt
+            raise HeldInterrupt
 
     signal.signal(signal.SIGINT, hold)
     try:

@@ -6,6 +6,8 @@ import asyncio
 import logging
 import os
 import re
+import socket
+import sys
 from pathlib import Path
 
 from tandem import options
@@ -21,14 +23,15 @@ API_KEY_ENV = "TANDEM_API_KEY"
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tandem serve", description="OpenAI-compatible HTTP server")
-    p.add_argument("--served-model-name", default=None, help="the name clients pass as 'model'")
-    p.add_argument("--host", default="127.0.0.1", help="bind address (loopback unless told otherwise)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", default=None,
+                   help="the name clients pass as 'model' (default: the model's directory or file name)")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default: %(default)s, loopback)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port to listen on (default: %(default)s)")
     # From the environment, the key does not show in `ps` (vLLM: VLLM_API_KEY).
     p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
                    help=f"require 'Authorization: Bearer KEY' on /v1/* (default: ${API_KEY_ENV}, if set)")
     p.add_argument("--max-waiting-requests", type=int, default=1024,
-                   help="requests queued beyond this get 503 with Retry-After")
+                   help="requests queued beyond this get 503 with Retry-After (default: %(default)s)")
     p.add_argument("--restart-engine", action="store_true",
                    help="start a new engine process when one dies (its in-flight requests fail with 503)")
     p.add_argument("--strict-api", action="store_true",
@@ -38,16 +41,21 @@ def build_parser() -> argparse.ArgumentParser:
                    help="larger request bodies get 413 (default 16 MiB)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds until the process has exited: in-flight requests get this "
-                        f"less {EXIT_RESERVE_S:g} s for the shutdown itself (at least half) before they are failed")
+                        f"less {EXIT_RESERVE_S:g} s for the shutdown itself (at least half) before they are failed "
+                        "(default: %(default)s)")
     p.add_argument("--reasoning-parser", default=None, choices=sorted(PARSERS), metavar="NAME",
                    help="split a reasoning model's <think>...</think> from its answer: reasoning_content "
-                        f"in chat responses, constraints applied after it ({', '.join(sorted(PARSERS))})")
+                        f"in chat responses, constraints applied after it ({', '.join(sorted(PARSERS))}; "
+                        "default: none)")
     p.add_argument("--max-stored-responses", type=int, default=DEFAULT_MAX_RESPONSES, metavar="N",
                    help="/v1/responses answers kept in memory for previous_response_id and GET (the oldest "
-                        f"go first; also at most {DEFAULT_MAX_BYTES // 2**20} MiB); 0 keeps none")
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+                        f"go first; also at most {DEFAULT_MAX_BYTES // 2**20} MiB); 0 keeps none "
+                        "(default: %(default)s)")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                   help="the server's and uvicorn's log level (default: %(default)s)")
     p.add_argument("--dp", type=int, default=1, metavar="N",
-                   help="data parallelism: N engine replicas (each with --tp GPUs), one front end")
+                   help="data parallelism: N engine replicas (each with --tp GPUs), one front end "
+                        "(default: %(default)s)")
     options.add_engine_options(p, launch=True)
     return p
 
@@ -55,26 +63,16 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    if args.max_waiting_requests < 1:
-        log.error("--max-waiting-requests must be >= 1")
-        return 2
-    if args.dp < 1:
-        log.error("--dp must be >= 1")
-        return 2
-    if args.shutdown_timeout < 0:
-        log.error("--shutdown-timeout must be >= 0")
-        return 2
-    if args.max_stored_responses < 0:
-        log.error("--max-stored-responses must be >= 0")
-        return 2
-    if args.max_request_bytes < 1024:
-        log.error("--max-request-bytes must be >= 1024")
-        return 2
-    cfg = options.engine_config(args)
-    torchrun = torchrun_env() if cfg.tensor_parallel_size > 1 else None
-    if torchrun is not None and (args.dp > 1 or args.restart_engine):  # torchrun's ranks serve one engine
-        log.error("--dp > 1 and --restart-engine do not work with --tp > 1 under torchrun: its ranks "
-                  "serve one engine (WORLD_SIZE = --tp) and end with it")
+    try:  # everything that can be checked before a model loads (tens of seconds) is checked here
+        cfg = _checked_config(args)
+        torchrun = torchrun_env() if cfg.tensor_parallel_size > 1 else None
+        if torchrun is not None and (args.dp > 1 or args.restart_engine):  # torchrun's ranks serve one engine
+            raise ValueError("--dp > 1 and --restart-engine do not work with --tp > 1 under torchrun: its ranks "
+                             "serve one engine (WORLD_SIZE = --tp) and end with it")
+        if (torchrun is None or torchrun.rank == 0) and cfg.launch.node_rank == 0:  # the one that serves HTTP
+            check_port_free(args.host, args.port)
+    except (ValueError, OSError) as exc:  # one line, as the other commands print bad input
+        print(f"tandem serve: error: {exc}", file=sys.stderr)
         return 2
     if torchrun is not None and torchrun.rank > 0:  # a torchrun worker rank: its engine only, no HTTP
         from tandem.entrypoints.ranks import serve_rank, start_runtime
@@ -90,6 +88,35 @@ def main(argv: list[str]) -> int:
         return asyncio.run(_serve(args, cfg))
     except KeyboardInterrupt:
         return 0
+
+
+def _checked_config(args: argparse.Namespace) -> EngineConfig:
+    for flag, value, low in (("--max-waiting-requests", args.max_waiting_requests, 1), ("--dp", args.dp, 1),
+                             ("--shutdown-timeout", args.shutdown_timeout, 0),
+                             ("--max-stored-responses", args.max_stored_responses, 0),
+                             ("--max-request-bytes", args.max_request_bytes, 1024)):
+        if value < low:
+            raise ValueError(f"{flag} must be >= {low}, got {value}")
+    return options.checked_engine_config(args)
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Raise unless this process can listen on host:port now, bound the way uvicorn binds
+    (SO_REUSEADDR), so a taken port fails before the model loads, not after. Racy by nature:
+    uvicorn still reports a port taken in between."""
+    if not 0 <= port <= 65535:
+        raise ValueError(f"--port must be in [0, 65535], got {port}")
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as exc:
+        raise ValueError(f"--host {host}: {exc.strerror}") from None
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            raise OSError(f"cannot listen on {host}:{port}: {exc.strerror} (--port, --host)") from None
 
 
 def _import_grammar_library() -> None:

@@ -147,7 +147,10 @@ class EngineClient:
         if not self._transport_open:
             return
         if getattr(self, "proc", None) is not None and self.proc.is_alive():
-            self._send(P.Shutdown())
+            try:
+                self._send(P.Shutdown())
+            except EngineDead:  # it is exiting by itself (a failed start): nobody reads the socket
+                pass
             await asyncio.to_thread(self.proc.join, 10)
             if self.proc.is_alive():
                 self.proc.kill()

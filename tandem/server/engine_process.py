@@ -55,7 +55,9 @@ def run_engine(config: bytes, inbound: str, outbound: str, max_waiting: int, gpu
         from tandem.entrypoints.ranks import build_engine  # heavy import: after the sockets, inside the try
         engine = build_engine(msgspec.msgpack.decode(config, type=EngineConfig))
     except Exception as exc:  # any start-up failure is reported, not just logged
-        log.exception("engine failed to start")
+        # Bad input (a model it cannot open): the front end's one line says it. A bug: its traceback.
+        if not isinstance(exc, (ValueError, OSError)):
+            log.exception("engine failed to start")
         push.send(enc.encode(P.Failed(f"{type(exc).__name__}: {exc}")))
         pull.close(0)
         push.close()
