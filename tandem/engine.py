@@ -501,7 +501,7 @@ class Engine:
         try:
             launched = self.runner.launch(batch, defer_sampling=masked)
         except BaseException as exc:
-            self._launch_failed(batch, exc)
+            self._launch_failed(batch, exc, outputs)
             return
         if self.timeline is not None:
             launched.record = _step_record(batch, t0, t1, perf_counter())
@@ -514,7 +514,7 @@ class Engine:
         except BaseException as exc:
             if launched.host is None:  # N+1's sampling never ran: undo the step as a failed launch
                 self.pending = None
-                self._launch_failed(batch, exc)  # its step number is planned again, like a launch's
+                self._launch_failed(batch, exc, outputs)  # its step number is planned again, like a launch's
                 return
             self._count_launched(launched)  # N+1 is fully queued: it stays in flight
             raise
@@ -544,11 +544,13 @@ class Engine:
         finally:
             self.grammar.mark_consumed(batch)  # write-after-read on the mask ring, on every path
 
-    def _launch_failed(self, batch: ScheduledBatch, exc: BaseException) -> None:
+    def _launch_failed(self, batch: ScheduledBatch, exc: BaseException, outputs: list[StepOutput]) -> None:
         """A step that did not launch commits nothing: its plan is rolled back, so no KV slot,
-        table row or counter refers to it. Out of memory fails just the step's requests, with
-        the error as their status, and the engine keeps serving the rest; anything else (an
-        interrupt, a bug, a sticky CUDA error) propagates to the caller, who may step on."""
+        table row or counter refers to it, and the device state its rows' next steps read is
+        rewritten (`_resync_rows`). Out of memory fails just the step's requests, with the
+        error as their status, and the engine keeps serving the rest; anything else (an
+        interrupt, a bug, a sticky CUDA error) propagates to the caller, who may step on (the
+        earlier step's outputs, processed here, come with the next step)."""
         self._fence_failed_launch()
         with self.streams.use(self.streams.forward):
             self.future_map.forget_reads()  # the retry reads the decode inputs this attempt read
@@ -556,6 +558,8 @@ class Engine:
         self.scheduler.on_step_completed(self.completed_step)  # releases a rollback made due
         if self.runner.mirror is not None:  # the workers already run this step: ranks cannot agree now
             raise EngineDeadError(f"tensor-parallel step launch failed on rank 0: {first_line(exc)}") from exc
+        self._drain(outputs)  # every earlier step processed: the host knows each row's tokens
+        self._resync_rows(batch)
         if not is_out_of_memory(exc):
             raise  # called from the launch's except clause: re-raises exc with its traceback
         message = f"the engine could not run this request's step: {first_line(exc)}"
@@ -563,6 +567,18 @@ class Engine:
                   first_line(exc), exc_info=exc)
         for row in batch.rows:
             self._end(row.req.rid, "error", message)
+
+    def _resync_rows(self, batch: ScheduledBatch) -> None:
+        """The failed attempt may have queued its sampling before it failed: the next inputs
+        stashed in the FutureMap, penalty counts, speculation's lengths and history advanced.
+        The retry must read what the attempt read, so each running row's state is written
+        again from the host's tokens (the rare path; the step loop itself keeps no undo log)."""
+        rows = [row.req for row in batch.rows if row.req.slot and not row.req.finished]
+        for req in rows:
+            self.runner.start_request(req.slot, req.prompt_token_ids, req.params, req.output_token_ids, req.seed)
+        decoding = [req for req in rows if req.output_token_ids]
+        if decoding:
+            self.runner.stash_last_tokens([r.slot for r in decoding], [r.output_token_ids[-1] for r in decoding])
 
     def _fence_failed_launch(self) -> None:
         """The failed attempt may have queued kernels that still read its staging ring slot,

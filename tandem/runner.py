@@ -312,6 +312,11 @@ class ModelRunner:
         engine: no reference cycle, so a dropped engine is freed at once, even when frozen."""
         self.start_request(req.slot, req.prompt_token_ids, req.params, req.output_token_ids, req.seed)
 
+    def stash_last_tokens(self, slots: list[int], token_ids: list[int]) -> None:
+        """Host-known next decode inputs into the FutureMap (a failed step's rows, resynced)."""
+        with self.streams.use(self.streams.forward):  # ordered before the retry's reads
+            self.future_map.stash(_to_device(slots, self.streams), _to_device(token_ids, self.streams))
+
     def start_request(self, slot: int, prompt_ids: list[int], params: SamplingParams,
                       outputs: list[int], seed: int = 0) -> None:
         """Reset per-slot sampling state; on the forward stream so it orders before sampling."""

@@ -13,7 +13,7 @@ import torch
 from tandem import LLM, SamplingParams
 from tandem.config import EngineConfig
 from tandem.engine import Engine
-from tiny_models import TEST_DEVICE
+from tiny_models import TEST_DEVICE, make_tiny_model
 from workload import Spec, assert_kv_conserved, random_specs, run_workload
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
@@ -282,3 +282,50 @@ def test_a_failed_launch_fences_its_staging_slot_before_the_retry_overwrites_it(
     assert captured.tolist() == first
     assert engine.output(again).finish_reason == "length"
     engine.close()
+
+
+@pytest.fixture(scope="module")
+def decode_model(tmp_path_factory):
+    """Short prompts for its vocabulary: most steps of the workload decode."""
+    return make_tiny_model(tmp_path_factory.mktemp("decode"), "llama", vocab_size=1000)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("spec", [None, "ngram", "draft"])
+def test_a_step_failing_after_its_device_writes_is_undone(decode_model, spec):
+    """The fault comes once the step's sampling is queued: its tokens are stashed for the next
+    step, penalty counts and (speculating) the device lengths and history advanced, its result
+    copy queued. The retry must find the state the failed attempt read: every request ends as
+    in a run without faults. With a draft, greedy rows are compared (its sampled rows follow
+    the target's distribution, not plain decoding's tokens)."""
+    specs = random_specs(40, 1000, seed=12)
+    for s in specs[::3]:
+        s.params = s.params.clone(frequency_penalty=0.7)  # counts the failed attempt advanced
+    reference = run_workload(_engine(decode_model), specs)
+    config = {None: None, "ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2},
+              "draft": {"model": str(decode_model), "num_speculative_tokens": 3}}[spec]
+    engine = _engine(decode_model, speculative_config=config)
+    state = {"decode": False, "copies": 0, "failed": 0}
+    launch, copy = engine.runner.launch, engine.runner.copier.copy
+
+    def tracked_launch(batch, **kw):
+        state["decode"] = batch.is_decode  # decode and verify steps: their inputs come from the device
+        return launch(batch, **kw)
+
+    def failing_copy(*args, **kw):  # the last call of a step's queueing, after its device writes
+        result = copy(*args, **kw)
+        if state["decode"]:
+            state["copies"] += 1
+            if state["copies"] in (3, 9, 10, 17, 24):
+                state["failed"] += 1
+                raise KeyboardInterrupt
+        return result
+
+    engine.runner.launch, engine.runner.copier.copy = tracked_launch, failing_copy
+    results = run_workload(engine, specs, step_errors=(KeyboardInterrupt,))
+    assert state["failed"] == 5
+    compared = [s.rid for s in specs if spec != "draft" or s.params.temperature == 0]
+    assert {r: results[r] for r in compared} == {r: reference[r] for r in compared}
+    if spec is not None:
+        assert engine.stats()["spec_decode_num_drafts"] > 0
+    assert_kv_conserved(engine)
