@@ -136,6 +136,8 @@ class EngineConfig:
 
     model: str | None = knob(None, "HF directory or .gguf file (default: the built-in SmolLM2-135M-Instruct)",
                              metavar="PATH")
+    tokenizer: str | None = knob(None, "a tokenizer directory (transformers' files) instead of the "
+                                       "checkpoint's own", metavar="DIR")
     dtype: Dtype = knob("auto", "auto: float32 on the CPU, the checkpoint's 16-bit type on CUDA")
     device: Literal["auto", "cpu", "cuda"] = knob("auto", "auto: CUDA when torch sees a GPU")
     dummy_weights: bool = knob(False, "random weights (a config.json is enough)")

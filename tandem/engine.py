@@ -31,7 +31,7 @@ from tandem.memory.prefix_cache import PrefixCache
 from tandem.memory_budget import (MemoryBudget, graph_reserve, measure_activations, plan_kv_pool,
                                   profile_forward, request_buffers)
 from tandem.memory.req_to_token import ReqToTokenTable
-from tandem.models.checkpoint import builtin_model_path, open_checkpoint
+from tandem.models.checkpoint import builtin_model_path, open_checkpoint, open_tokenizer
 from tandem.models.linear import check_fp8_support, quantize_model_fp8
 from tandem.models.decoder import DecoderModel
 from tandem.models.loader import load_model
@@ -82,7 +82,10 @@ class Engine:
 
     def _build(self, cfg: EngineConfig, ckpt, path) -> None:
         self.dtype = resolve_dtype(cfg.dtype, self.device, self.model_config.dtype)
-        self.tokenizer = ckpt.load_tokenizer()
+        self.tokenizer = open_tokenizer(cfg.tokenizer, ckpt)
+        if cfg.tokenizer is not None and len(self.tokenizer) > self.model_config.vocab_size:
+            raise ValueError(f"tokenizer={cfg.tokenizer!r} has {len(self.tokenizer)} tokens, more than the "
+                             f"model's vocabulary ({self.model_config.vocab_size})")
         self.max_model_len = min(cfg.max_model_len or self.model_config.max_position_embeddings,
                                  self.model_config.max_position_embeddings)
         started = time.monotonic()

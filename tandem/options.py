@@ -142,15 +142,6 @@ def _vllm_setting(name: str, value: Any, model: str | None) -> dict[str, Any]:
     raise TypeError(f"LLM() got an unknown option {name!r}" + (f"; did you mean {close[0]!r}?" if close else ""))
 
 
-def _tokenizer(value: Any, model: str | None) -> dict[str, Any]:
-    # The engine loads the checkpoint's own tokenizer: another directory would need the
-    # engine to take it (it opens the checkpoint itself), so only the model's own is accepted.
-    if value is None or model is not None and Path(value).expanduser().resolve() == Path(model).expanduser().resolve():
-        return {}
-    raise ValueError(f"LLM(tokenizer={value!r}): tandem uses the model checkpoint's own tokenizer; "
-                     "a separate tokenizer directory is not supported yet (copy its files into the model directory)")
-
-
 def _trust_remote_code(value: Any, model: str | None) -> dict[str, Any]:
     if value:
         raise ValueError("LLM(trust_remote_code=True): tandem runs no code from model repositories; its "
@@ -178,7 +169,6 @@ VLLM_NAMES: dict[str, Callable[[Any, str | None], dict[str, Any]]] = {
     # vLLM chunks long prompts by default; off means every prompt is prefilled whole.
     "enable_chunked_prefill": lambda v, _: {} if v is None or v else {"chunked_prefill_size": None},
     "load_format": _load_format,
-    "tokenizer": _tokenizer,
     "trust_remote_code": _trust_remote_code,
     "runner": _runner,
     "task": _runner,

@@ -26,10 +26,10 @@ def _greedy(n: int, **kw) -> SamplingParams:
 
 def test_vllm_names_become_engine_config_fields():
     cfg = llm_config("m", dict(max_num_seqs=7, enforce_eager=True, enable_chunked_prefill=False,
-                               load_format="dummy", trust_remote_code=False, tokenizer="m", dtype="float32"))
+                               load_format="dummy", trust_remote_code=False, tokenizer="t", dtype="float32"))
     assert (cfg.max_running_requests, cfg.cuda_graph, cfg.chunked_prefill_size, cfg.dummy_weights) == \
         (7, "off", None, True)
-    assert cfg.dtype == "float32" and cfg.model == "m"
+    assert cfg.dtype == "float32" and cfg.model == "m" and cfg.tokenizer == "t"  # tandem's own field
     # Their defaults (and vLLM's for options tandem lacks) change nothing.
     defaults = {name: default for name, (default, _) in VLLM_WITHOUT_COUNTERPART.items()}
     assert llm_config(None, dict(enforce_eager=False, enable_chunked_prefill=True, load_format="auto",
@@ -47,7 +47,6 @@ def test_the_name_tables_point_at_real_fields():
 
 @pytest.mark.parametrize("given,error,message", [
     (dict(trust_remote_code=True), ValueError, "runs no code from model repositories"),
-    (dict(tokenizer="/elsewhere"), ValueError, "the model checkpoint's own tokenizer"),
     (dict(max_num_batched_tokens=2048), ValueError, "nearest option is max_prefill_tokens"),
     (dict(swap_space=8), ValueError, r"swap_space=8\): tandem keeps no KV swap space"),
     (dict(load_format="pt"), ValueError, "load_format may be 'auto' or 'dummy'"),
@@ -174,3 +173,19 @@ def test_chat_refuses_non_text_content(llm):
     image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
     with pytest.raises(ValueError, match="accepts text only"):
         llm.chat(image, _greedy(1), use_tqdm=False)
+
+
+def test_a_tokenizer_directory_replaces_the_checkpoints(tiny_text_model, tmp_path, builtin_tokenizer):
+    """`tokenizer=DIR` (the engine option, vLLM's name too): a model directory without a
+    tokenizer reads text through it; a directory without tokenizer files is refused."""
+    import shutil
+    bare = tmp_path / "bare"
+    shutil.copytree(tiny_text_model, bare, ignore=shutil.ignore_patterns("tokenizer*", "special_tokens*", "vocab*",
+                                                                          "merges*", "chat_template*"))
+    words = tmp_path / "tok"
+    builtin_tokenizer.save_pretrained(words)
+    with LLM(str(bare), tokenizer=str(words), dtype="float32", device="cpu") as llm:
+        out = llm.generate("Hello there", _greedy(4), use_tqdm=False)[0]
+        assert out.prompt_token_ids == builtin_tokenizer.encode("Hello there") and len(out.token_ids) == 4
+    with pytest.raises(FileNotFoundError, match="not a directory with tokenizer files"):
+        LLM(str(bare), tokenizer=str(tmp_path / "nothing"), dtype="float32", device="cpu")

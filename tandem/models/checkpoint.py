@@ -216,6 +216,18 @@ def _iter_pickle(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
         del state
 
 
+def open_tokenizer(directory: str | None, ckpt: Checkpoint) -> Any:
+    """The checkpoint's own tokenizer, or the one in `directory` (the `tokenizer` option)."""
+    if directory is None:
+        return ckpt.load_tokenizer()
+    path = Path(directory).expanduser()
+    tokenizer = _hf_tokenizer(path) if path.is_dir() else None
+    if tokenizer is None:
+        raise FileNotFoundError(f"tokenizer={directory!r}: not a directory with tokenizer files "
+                                f"({', '.join(_TOKENIZER_FILES)})")
+    return tokenizer
+
+
 def _hf_tokenizer(path: Path) -> Any:
     if not any((path / name).is_file() for name in _TOKENIZER_FILES):
         return None

@@ -129,7 +129,7 @@ def _import_grammar_library() -> None:
 async def _serve(args: argparse.Namespace, cfg: EngineConfig) -> int:
     import uvicorn
 
-    from tandem.models.checkpoint import builtin_model_path, open_checkpoint
+    from tandem.models.checkpoint import builtin_model_path, open_checkpoint, open_tokenizer
     from tandem.server import drain
     from tandem.server.api import ServerState, create_app
     from tandem.server.client import EngineClient
@@ -148,7 +148,8 @@ async def _serve(args: argparse.Namespace, cfg: EngineConfig) -> int:
         # checks grammars: import xgrammar now (0.3-3 s), not on the event loop at the first
         # structured request.
         tokenizer_task = asyncio.create_task(asyncio.to_thread(
-            lambda: open_checkpoint(path, allow_pickle=cfg.allow_pickle, config_only=True).load_tokenizer()))
+            lambda: open_tokenizer(cfg.tokenizer, open_checkpoint(path, allow_pickle=cfg.allow_pickle,
+                                                                  config_only=True))))
         grammar_task = asyncio.create_task(asyncio.to_thread(_import_grammar_library))
         await client.start()
         tokenizer = await tokenizer_task
