@@ -97,7 +97,9 @@ def test_the_command_prints_one_line_and_no_traceback(tmp_path):
     """The real command line, `python -m tandem serve`: the interpreter and imports are most of it."""
     r = subprocess.run([sys.executable, "-m", "tandem", "serve", "--model", str(tmp_path / "gone")],
                        capture_output=True, text=True, timeout=60, cwd=REPO,
-                       env={**os.environ, "PYTHONPATH": str(REPO)})
+                       # The repo first, and whatever else the caller's path has (the H200's wheels).
+                       env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                           p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)})
     assert r.returncode == 2 and r.stdout == ""
     assert r.stderr == f"tandem serve: error: --model {tmp_path / 'gone'}: no such file or directory\n"
 
