@@ -260,12 +260,11 @@ def test_a_json_format_with_auto_tools_allows_json_or_a_call():
     from xgrammar.testing import _is_grammar_accept_string as accepts
 
     from tandem.server.openai_schemas import Tool
-    from tandem.server.responses_input import _FormatOrCalls
+    from tandem.server.structured import FormatOrCalls
 
     tools = [Tool.model_validate({"type": "function", "function": {k: v for k, v in t.items() if k != "type"}})
              for t in TOOLS]
-    fmt = {"type": "json_schema", "json_schema": {"name": "a", "schema": Answer.model_json_schema()}}
-    grammar = _FormatOrCalls("auto", tools, True, "hermes", fmt).grammar()
+    grammar = FormatOrCalls("auto", tools, True, "hermes", Answer.model_json_schema()).grammar()
     assert accepts(grammar, '{"city": "Lima", "warm": true, "degrees": 3}')
     assert accepts(grammar, '<tool_call>\n{"name": "get_time", "arguments": {"zone": 2}}\n</tool_call>')
     assert not accepts(grammar, "Just text.")

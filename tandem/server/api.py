@@ -30,7 +30,7 @@ from tandem.server.reasoning import ReasoningSplitter, Split, thinking_requested
 from tandem.server.responses import (Choice, Envelope, TokenNames, best_choices, chat_logprobs, usage,
                                      with_reasoning)
 from tandem.server.responses_api import RouteKit, add_responses_routes
-from tandem.server.structured import ToolCalls, ToolMode, tool_mode
+from tandem.server.structured import ToolCalls, ToolMode, tool_mode, with_response_format
 from tandem.server.state import ServerState
 from tandem.server.tokenize import add_tokenizer_routes
 
@@ -197,7 +197,8 @@ def create_app(state: ServerState, api_key: str | None = None,
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         state.check_model(body.model)
         state.fields.check(body)
-        tools = tool_mode(body, getattr(state.tokenizer, "chat_template", None))
+        tools, body.response_format = with_response_format(
+            tool_mode(body, getattr(state.tokenizer, "chat_template", None)), body.response_format)
         thinking = thinking_requested(body.chat_template_kwargs)
         inputs = await asyncio.to_thread(chat_inputs, body, state.tokenizer, state.max_model_len,
                                          state.client.ready.vocab_size, tools,

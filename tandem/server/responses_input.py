@@ -7,7 +7,6 @@ are then the chat endpoint's own. Every refusal is a 400 naming the Responses fi
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,7 +15,7 @@ from pydantic import ValidationError
 from tandem.server.errors import APIError
 from tandem.server.openai_schemas import ChatCompletionRequest, ResponseFormat
 from tandem.server.responses_schemas import ResponsesRequest
-from tandem.server.structured import ToolMode, structural_grammar, tool_mode
+from tandem.server.structured import ToolMode, tool_mode, with_response_format
 
 _TEXT_PARTS = ("input_text", "output_text")
 _ROLES = ("user", "assistant", "system", "developer")
@@ -70,13 +69,9 @@ def chat_view(body: ResponsesRequest, previous: list[dict], chat_template: str |
     chat = _validated(fields)
     mode = tool_mode(chat, chat_template)
     response_format = _response_format(fmt)
-    if response_format is not None and mode is not None and mode.kind != "auto":
-        response_format = None  # a forced call: the output is the call, whatever the text format
-    elif response_format is not None and mode is not None and mode.call_tags() is not None:
-        mode = _FormatOrCalls(mode.kind, mode.tools, mode.parallel, mode.family, response_format)
-        response_format = None
     if response_format is not None:
-        chat.response_format = ResponseFormat.model_validate(response_format)
+        response_format = ResponseFormat.model_validate(response_format)
+    mode, chat.response_format = with_response_format(mode, response_format, unknown_format_ok=True)
     return ChatView(chat, history, tools, body.tool_choice if body.tool_choice is not None else "auto", fmt), mode
 
 
@@ -86,31 +81,6 @@ def renamed(exc: APIError) -> APIError:
     for old, new in _RENAMED.items():
         message = message.replace(old, new)
     return APIError(exc.status, message, _RENAMED.get(exc.param, exc.param), exc.code, exc.headers)
-
-
-@dataclass
-class _FormatOrCalls(ToolMode):
-    """auto tool choice with a known call format and a JSON text format: the output is either
-    JSON in the format or the template's tool calls (xgrammar's `or` of both), so an agent
-    with an output type still calls its tools."""
-
-    response_format: dict | None = None
-
-    def grammar(self) -> str | None:
-        fmt = self.response_format
-        schema = fmt["json_schema"]["schema"] if fmt["type"] == "json_schema" else {"type": "object"}
-        _check_schema(schema)
-        return structural_grammar({"type": "or", "elements": [{"type": "json_schema", "json_schema": schema},
-                                                              self.call_tags(at_least_one=True)]})
-
-
-def _check_schema(schema: Any) -> None:
-    import xgrammar as xgr
-
-    try:
-        xgr.Grammar.from_json_schema(schema if isinstance(schema, str) else json.dumps(schema))
-    except (RuntimeError, ValueError, TypeError) as e:
-        raise APIError(400, f"text.format: the schema is not a valid JSON schema: {e}", "text.format") from None
 
 
 def _validated(fields: dict) -> ChatCompletionRequest:

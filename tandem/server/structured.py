@@ -22,7 +22,7 @@ import uuid
 from dataclasses import dataclass
 
 from tandem.server.errors import APIError
-from tandem.server.openai_schemas import ChatCompletionRequest, NamedToolChoice, Tool
+from tandem.server.openai_schemas import ChatCompletionRequest, NamedToolChoice, ResponseFormat, Tool
 
 _TRIGGER = "<tool_call>"
 # family -> (trigger and start of a call up to the function name, arguments key, end of a call)
@@ -77,6 +77,63 @@ class ToolMode:
         single = not self.parallel or self.family == "llama3"  # Llama 3.1 makes one call per turn
         return {"type": "triggered_tags", "triggers": [trigger], "tags": tags, "at_least_one": at_least_one,
                 "stop_after_first": single}
+
+
+@dataclass
+class FormatOrCalls(ToolMode):
+    """auto tool choice with a known call format and a JSON response format: the output is
+    either JSON in the format or the template's tool calls (xgrammar's `or` of both), so an
+    agent with an output type still calls its tools."""
+
+    format_schema: dict | str | None = None  # the response format's JSON schema
+
+    def grammar(self) -> str | None:
+        import xgrammar as xgr
+
+        calls = xgr.Grammar.from_ebnf(structural_grammar(self.call_tags(at_least_one=True)))
+        return str(xgr.Grammar.union(_format_grammar(self.format_schema), calls))
+
+
+def with_response_format(mode: ToolMode | None, fmt: ResponseFormat | None,
+                         unknown_format_ok: bool = False) -> tuple[ToolMode | None, ResponseFormat | None]:
+    """The tool mode and the response format left to constrain the output, for a request
+    with both: a forced call (required, named) is the output whatever the format; auto on a
+    template whose call format is known is JSON in the format or a call. With an unknown call
+    format no grammar can allow a call next to the JSON: a 400, or with `unknown_format_ok`
+    (the Responses route's way) the JSON alone."""
+    if mode is None or fmt is None or fmt.type == "text":
+        return mode, fmt
+    if mode.kind != "auto":
+        return mode, None
+    if mode.call_tags() is not None:
+        return FormatOrCalls(mode.kind, mode.tools, mode.parallel, mode.family, _format_schema(fmt)), None
+    if unknown_format_ok:
+        return mode, fmt
+    raise APIError(400, "response_format with tools and tool_choice 'auto' needs a chat template whose tool-call "
+                        "format is known (Hermes/Qwen <tool_call> or Llama 3.1 JSON), so that the output can be "
+                        "JSON in the format or a call; this model's template has neither. Send tool_choice "
+                        "'required', a named function or 'none', or leave out response_format", "response_format")
+
+
+def _format_schema(fmt: ResponseFormat) -> dict | str:
+    if fmt.type == "json_object":
+        return {"type": "object"}
+    if fmt.json_schema is None:
+        raise APIError(400, "response_format of type json_schema needs a json_schema", "response_format")
+    return fmt.json_schema.schema_ or {"type": "object"}
+
+
+def _format_grammar(schema: dict | str | None):
+    """The format's JSON as the engine compiles a lone response_format (no free whitespace:
+    a random or weak model would otherwise pad to its token limit); 400 naming the format."""
+    import xgrammar as xgr
+
+    try:
+        return xgr.Grammar.from_json_schema(schema if isinstance(schema, str) else json.dumps(schema),
+                                            any_whitespace=False)
+    except (RuntimeError, ValueError, TypeError) as e:
+        raise APIError(400, f"response_format: the schema is not a valid JSON schema: {e}",
+                       "response_format") from None
 
 
 def structural_grammar(fmt: dict) -> str:
