@@ -197,8 +197,11 @@ def create_app(state: ServerState, api_key: str | None = None,
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         state.check_model(body.model)
         state.fields.check(body)
+        # An unknown call format leaves the JSON only, as without a format such tools are never
+        # called (and as the Responses route does): a request that worked keeps working.
         tools, body.response_format = with_response_format(
-            tool_mode(body, getattr(state.tokenizer, "chat_template", None)), body.response_format)
+            tool_mode(body, getattr(state.tokenizer, "chat_template", None)), body.response_format,
+            unknown_format_ok=True)
         thinking = thinking_requested(body.chat_template_kwargs)
         inputs = await asyncio.to_thread(chat_inputs, body, state.tokenizer, state.max_model_len,
                                          state.client.ready.vocab_size, tools,
