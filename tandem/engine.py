@@ -294,7 +294,7 @@ class Engine:
         spec, rows = self.speculative, self.cfg.max_running_requests
         if spec.method == "ngram":
             return SpecState.ngram(rows, self.max_model_len, k, spec.prompt_lookup_min, spec.prompt_lookup_max,
-                                   self.device)
+                                   self.device, fused=self.device.type == "cuda" and self.backend.name == "triton")
         draft = DraftProposer(self.draft_model, self.draft_kv, self.backend, self.table, k, self.sampler.token_hash,
                               rows, self.device)
         return SpecState(rows, self.max_model_len, k, self.device, draft)
