@@ -62,10 +62,24 @@ TASKS = {
     "copy": f"Repeat the following passage exactly, word for word:\n\n{PASSAGE}",
     "summarize": f"Summarize the following passage in a few sentences, reusing its wording:\n\n{PASSAGE}",
     "edit_code": f"Rename the function moving_average to rolling_mean everywhere in this code and "
-                 f"return the whole code:\n\n{CODE}",
+                 f"return the whole code:\n\n```python\n{CODE}```",
     "chat": "Write a short story about a robot who learns to paint. Be creative.",
 }
 GROUNDED = ("copy", "summarize", "edit_code")
+# The answer's first words, given as the start of the assistant's turn (continue_final_message).
+# Asked to edit plainly, the built-in 135M model echoed the instruction and went on to free
+# chat (no code at all, 35 of 234 steps verified on the H200): opened as a code block, its
+# answer is the edited code.
+ANSWER_STARTS = {"edit_code": "```python\n"}
+
+
+def task_chat(task: str) -> tuple[list[dict], dict]:
+    """The task's messages and LLM.chat keywords."""
+    messages = [{"role": "user", "content": TASKS[task]}]
+    if task not in ANSWER_STARTS:
+        return messages, {}
+    messages.append({"role": "assistant", "content": ANSWER_STARTS[task]})
+    return messages, {"add_generation_prompt": False, "continue_final_message": True}
 
 
 @dataclass
@@ -90,28 +104,29 @@ def add_model_args(ap: argparse.ArgumentParser) -> None:
                                                     '"prompt_lookup_max": 3}')
 
 
-def timed_chat(llm: LLM, prompt: str, batch: int, max_tokens: int, warm: bool = True) -> tuple[float, list, int]:
-    """`batch` copies of the task's prompt, greedy, after an untimed warm-up of the same shape
+def timed_chat(llm: LLM, task: str, batch: int, max_tokens: int, warm: bool = True) -> tuple[float, list, int]:
+    """`batch` copies of the task's chat, greedy, after an untimed warm-up of the same shape
     (`warm`): (wall seconds, the outputs, the index of the timed run's first timeline record)."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-    messages = [[{"role": "user", "content": prompt}]] * batch
+    one, chat_kw = task_chat(task)
+    messages = [one] * batch
     if warm:
-        llm.chat(messages, params, use_tqdm=False)
+        llm.chat(messages, params, use_tqdm=False, **chat_kw)
     timeline = llm.engine.timeline
     first = len(timeline.records) if timeline is not None else 0
     start = time.perf_counter()
-    outs = llm.chat(messages, params, use_tqdm=False)
+    outs = llm.chat(messages, params, use_tqdm=False, **chat_kw)
     return time.perf_counter() - start, outs, first
 
 
-def _timed(llm: LLM, prompt: str, batch: int, max_tokens: int, repeat: int) -> tuple[float, list[list[int]], dict]:
+def _timed(llm: LLM, task: str, batch: int, max_tokens: int, repeat: int) -> tuple[float, list[list[int]], dict]:
     """The median wall time of `repeat` timed runs (these runs last ~0.3 s at batch 8: one run's
     figure moved 15 % between device calls), the outputs, and per-run step counters."""
     engine = llm.engine
     before = engine.stats()
     walls, first = [], None
     for i in range(repeat):
-        wall, outs, start = timed_chat(llm, prompt, batch, max_tokens, warm=i == 0)
+        wall, outs, start = timed_chat(llm, task, batch, max_tokens, warm=i == 0)
         walls.append(wall)
         first = start if first is None else first
     after = engine.stats()
@@ -135,7 +150,7 @@ def run(model: str | None, spec: dict, tasks: list[str], batches: list[int], max
         llm = LLM(**kw, speculative_config=config)
         for task in tasks:
             for b in batches:
-                results.setdefault((task, b), []).append(_timed(llm, TASKS[task], b, max_tokens, repeat))
+                results.setdefault((task, b), []).append(_timed(llm, task, b, max_tokens, repeat))
         llm.close()
     rows = []
     for (task, b), ((plain_s, plain_ids, _), (spec_s, spec_ids, d)) in results.items():
