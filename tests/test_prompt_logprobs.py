@@ -171,6 +171,43 @@ def test_prompt_logprobs_arrive_with_the_first_output(tiny):
     llm.close()
 
 
+def test_speculative_decoding_keeps_prompt_logprobs(tiny):
+    """The prefill of a speculating engine is a plain prefill: same values."""
+    path, hf = tiny
+    prompts = _prompts(41, 4, 10, 50)
+    outs, _ = _generate(path, prompts, 2, max_tokens=8, chunked_prefill_size=16,
+                        speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    for prompt, out in zip(prompts, outs):
+        check_against_reference(hf, prompt, out.prompt_logprobs, 2)
+
+
+def test_structured_output_prefill_scores_the_raw_prompt(tiny_text_model):
+    """A constrained request's sampling is queued after the forward (masks wait for the host):
+    its prompt logprobs travel with that later copy, unmasked."""
+    hf = load_hf(tiny_text_model)
+    llm = LLM(str(tiny_text_model), device=TEST_DEVICE, dtype="float32", chunked_prefill_size=8)
+    prompt = list(range(100, 130))
+    sp = SamplingParams(max_tokens=4, temperature=0, choice=["yes", "no"], prompt_logprobs=2)
+    out = llm.generate([prompt], sp, use_tqdm=False)[0]
+    assert out.text in ("yes", "no")
+    check_against_reference(hf, prompt, out.prompt_logprobs, 2)
+    llm.close()
+
+
+@pytest.mark.skipif(TEST_DEVICE != "cpu", reason="tensor parallelism on gloo (the CPU)")
+def test_tensor_parallel_prompt_logprobs_match_the_full_forward(tmp_path):
+    """Both ranks run the same scored rows (the LM head's gather is a collective): rank 0
+    reports the same values as one rank, with a vocabulary padded for sharding."""
+    path = make_tiny_model(tmp_path, "qwen3", vocab_size=255)
+    hf = load_hf(path)
+    prompts = _prompts(8, 3, 10, 40)
+    with LLM(str(path), tensor_parallel_size=2, device="cpu", dtype="float32", max_total_tokens=4096,
+             max_running_requests=16, chunked_prefill_size=16) as llm:
+        outs = llm.generate(prompts, SamplingParams(max_tokens=3, temperature=0, prompt_logprobs=4), use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        check_against_reference(hf, prompt, out.prompt_logprobs, 4)
+
+
 def test_chunks_of_the_lm_head_give_the_same_values():
     """The bounded chunks (here 3 rows) equal one pass over every row."""
     torch.manual_seed(0)
