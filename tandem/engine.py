@@ -641,7 +641,9 @@ class Engine:
         top_ids = host.top_ids.tolist() if host.top_ids is not None else None
         top_lps = host.top_logprobs.tolist() if host.top_logprobs is not None else None
         self.completed_step = pending.batch.step
-        if host.prompt is not None:  # before the tokens: a first token carries them all
+        # Before the tokens: a first token carries them all. Rank 0's are the ones reported (a
+        # worker re-admits a preempted request afresh: it keeps no books of them).
+        if host.prompt is not None and self.parallel.tp.rank == 0:
             self._read_prompt_logprobs(pending.batch, host.prompt)
         if pending.batch.is_verify:
             outputs = self._read_verify(pending.batch, pending.verify_queries, tokens, logprobs, top_ids, top_lps,

@@ -7,6 +7,7 @@ import torch
 
 from tandem import LLM, SamplingParams
 from tandem.sampling.prompt_logprobs import compute_prompt_logprobs
+from tandem.scheduler.scheduler import Scheduler
 from tiny_models import TEST_DEVICE, load_hf, make_tiny_model
 from workload import step_without_host_syncs
 
@@ -132,15 +133,26 @@ def test_n_samples_compute_prompt_logprobs_once(tiny):
     llm.close()
 
 
-def test_preempted_requests_report_each_prompt_logprob_once(tiny):
+def test_preempted_requests_report_each_prompt_logprob_once(tiny, monkeypatch):
     """A pool too small for every request at once: requests are preempted (some in the middle
-    of a chunked prefill) and re-prefilled; each still reports its prompt once, exactly."""
+    of a chunked prefill, some after it) and re-prefilled; each still reports its prompt once,
+    exactly, and one whose prompt was scored takes its prefix from the cache again."""
     path, hf = tiny
+    readmitted = []  # (prompt logprobs held, owed in all, cached tokens matched)
+    admit = Scheduler._admit
+
+    def recording(self, req, matched):
+        if req.num_preemptions:
+            readmitted.append((len(req.prompt_logprobs), len(req.prompt_token_ids) - 1, matched))
+        return admit(self, req, matched)
+    monkeypatch.setattr(Scheduler, "_admit", recording)
     prompts = _prompts(23, 6, 40, 60)
     llm = LLM(str(path), device=TEST_DEVICE, dtype="float32", max_total_tokens=200, chunked_prefill_size=16)
     sp = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, prompt_logprobs=2)
     outs = llm.generate(prompts, sp, use_tqdm=False)
-    assert sum(o.num_preemptions for o in outs) > 0
+    assert any(0 < held < owed for held, owed, _ in readmitted)  # preempted mid-prefill
+    assert any(held == owed and matched > 0 for held, owed, matched in readmitted)
+    assert all(matched <= held for held, owed, matched in readmitted if held < owed)
     for prompt, out in zip(prompts, outs):
         check_against_reference(hf, prompt, out.prompt_logprobs, 2)
     llm.close()
@@ -197,13 +209,16 @@ def test_structured_output_prefill_scores_the_raw_prompt(tiny_text_model):
 @pytest.mark.skipif(TEST_DEVICE != "cpu", reason="tensor parallelism on gloo (the CPU)")
 def test_tensor_parallel_prompt_logprobs_match_the_full_forward(tmp_path):
     """Both ranks run the same scored rows (the LM head's gather is a collective): rank 0
-    reports the same values as one rank, with a vocabulary padded for sharding."""
+    reports the same values as one rank, with a vocabulary padded for sharding, and with
+    preemptions in the middle of prefills (a worker re-admits a request afresh)."""
     path = make_tiny_model(tmp_path, "qwen3", vocab_size=255)
     hf = load_hf(path)
-    prompts = _prompts(8, 3, 10, 40)
-    with LLM(str(path), tensor_parallel_size=2, device="cpu", dtype="float32", max_total_tokens=4096,
+    prompts = [[t % 255 for t in p] for p in _prompts(23, 6, 40, 60)]
+    with LLM(str(path), tensor_parallel_size=2, device="cpu", dtype="float32", max_total_tokens=200,
              max_running_requests=16, chunked_prefill_size=16) as llm:
-        outs = llm.generate(prompts, SamplingParams(max_tokens=3, temperature=0, prompt_logprobs=4), use_tqdm=False)
+        sp = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, prompt_logprobs=4)
+        outs = llm.generate(prompts, sp, use_tqdm=False)
+    assert sum(o.num_preemptions for o in outs) > 0
     for prompt, out in zip(prompts, outs):
         check_against_reference(hf, prompt, out.prompt_logprobs, 4)
 
