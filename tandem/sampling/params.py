@@ -43,7 +43,10 @@ def _is_real(x: object) -> bool:
 class SamplingParams:
     """vLLM's field names and meanings. `max_tokens=None` generates up to the context's end;
     `n` / `best_of` are expanded into separate engine requests by the caller (`LLM.generate`,
-    the server): the engine itself runs one sequence per request."""
+    the server): the engine itself runs one sequence per request. `prompt_logprobs=k` scores the
+    prompt (each token after the first: its logprob, rank and the top k); a request asking for
+    them takes no prefix-cache hit on the positions it still owes (the cached part is
+    recomputed, see `Request.max_cached_prefix`)."""
 
     max_tokens: int | None = 16
     temperature: float = 1.0
