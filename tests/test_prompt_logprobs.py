@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from tandem import LLM, SamplingParams
+import tandem.sampling.prompt_logprobs as prompt_logprobs_module
 from tandem.sampling.prompt_logprobs import compute_prompt_logprobs
 from tandem.scheduler.scheduler import Scheduler
 from tiny_models import TEST_DEVICE, load_hf, make_tiny_model
@@ -221,6 +222,28 @@ def test_tensor_parallel_prompt_logprobs_match_the_full_forward(tmp_path):
     assert sum(o.num_preemptions for o in outs) > 0
     for prompt, out in zip(prompts, outs):
         check_against_reference(hf, prompt, out.prompt_logprobs, 4)
+
+
+def test_long_prompts_in_small_lm_head_chunks_and_grown_buffers(tiny, monkeypatch):
+    """The engine's scored rows in chunks of 3 rows, and prompts long enough (x the top 20) to
+    grow the pinned result buffers past their first size, still give the full forward's values."""
+    monkeypatch.setattr(prompt_logprobs_module, "CHUNK_ELEMENTS", 3 * VOCAB)
+    path, hf = tiny
+    prompts = _prompts(51, 1, 10, 10) + _prompts(52, 2, 200, 300)
+    llm = LLM(str(path), device=TEST_DEVICE, dtype="float32", chunked_prefill_size=128)
+    head, rows = llm.engine.model.compute_logits, []
+
+    def counted(hidden, out=None):
+        rows.append(hidden.shape[0])
+        return head(hidden, out)
+    llm.engine.model.compute_logits = counted  # the runner reads it at each step
+    sp = SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=20)
+    outs = [llm.generate([p], sp, use_tqdm=False)[0] for p in prompts]  # short first: the buffers grow
+    assert max(rows) == 3 and len(rows) > 150
+    assert max(ring["top_ids"].numel() for ring in llm.engine.copier.prompt) >= 127 * 20
+    for prompt, out in zip(prompts, outs):
+        check_against_reference(hf, prompt, out.prompt_logprobs, 20)
+    llm.close()
 
 
 def test_chunks_of_the_lm_head_give_the_same_values():

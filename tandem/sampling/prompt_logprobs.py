@@ -29,8 +29,9 @@ class PromptLogprobs:
     top_logprobs: Tensor | None  # [L, k] float32
 
 
-def chunk_rows(vocab_size: int, elements: int = CHUNK_ELEMENTS) -> int:
-    return max(1, elements // vocab_size)
+def chunk_rows(vocab_size: int) -> int:
+    """Scored rows per chunk (CHUNK_ELEMENTS read at each call: tests shrink it)."""
+    return max(1, CHUNK_ELEMENTS // vocab_size)
 
 
 def compute_prompt_logprobs(hidden: Tensor, token_idx: Tensor, targets: Tensor, k: int,
