@@ -98,7 +98,7 @@ class Request:
         """Leading input tokens whose KV admission may take from the prefix cache: all but the
         last (its logits are sampled), and none whose logits still owe a prompt logprob: those
         rows are recomputed (row p scores token p + 1, and prompt_logprobs[p - 1] is owed)."""
-        most = len(self.fill_ids) - 1
+        most = len(self.prompt_token_ids) + len(self.output_token_ids) - 1  # len(fill_ids) - 1, no copy
         return min(most, len(self.prompt_logprobs)) if self.prompt_logprobs_owed else most
 
     def prompt_logprob_span(self, start: int, n: int) -> tuple[int, int] | None:
