@@ -43,6 +43,7 @@ from tandem.overlap.streams import StreamSet
 from tandem.request import Request, Status
 from tandem.runner import ModelRunner, PendingResult
 from tandem.sampling import Sampler, SamplingParams
+from tandem.sampling.prompt_logprobs import PromptLogprobs
 from tandem.sampling.bias import BAN, BadWordsMask, min_tokens_bias, static_bias
 from tandem.sampling.params import check_unicode
 from tandem.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
@@ -266,7 +267,8 @@ class Engine:
         k = spec.num_speculative_tokens if spec is not None else 0
         # A verify step: 2 ints per query token, 4 per row, 3 per reserved slot (2 (k + 1) a row).
         verify = rows * (2 * (k + 1) + 5 + 6 * (k + 1)) if spec is not None else 0
-        self.stager = InputStager(self.streams, capacity=4 * max_tokens + reused + 10 * rows + 16 + verify,
+        # Per token: id, position, KV slot, request slot, and for prompt logprobs row and target.
+        self.stager = InputStager(self.streams, capacity=6 * max_tokens + reused + 10 * rows + 16 + verify,
                                   coarse=cfg.experiments.coarse_war_barrier)
         # A verify row's result: accepted, proposed, then its k + 1 samples.
         self.copier = ResultCopier(self.streams, max_rows=rows * (k + 3) if spec is not None else rows)
@@ -439,7 +441,8 @@ class Engine:
         seq = CompletionOutput(0, req.text.text if req.text else "", list(req.output_token_ids),
                                sum(lp.logprob for lp in lps) if lps is not None else None, lps,
                                req.finish_reason, req.stop_reason)
-        return RequestOutput(request_id, req.prompt, req.prompt_token_ids, [seq],
+        prompt_lps = self._prompt_logprobs(req) if req.params.prompt_logprobs is not None else None
+        return RequestOutput(request_id, req.prompt, req.prompt_token_ids, [seq], prompt_lps,
                              num_preemptions=req.num_preemptions, num_cached_tokens=req.num_cached_tokens)
 
     def cancel(self, request_ids: list[str]) -> None:
@@ -638,6 +641,10 @@ class Engine:
         top_ids = host.top_ids.tolist() if host.top_ids is not None else None
         top_lps = host.top_logprobs.tolist() if host.top_logprobs is not None else None
         self.completed_step = pending.batch.step
+        # Before the tokens: a first token carries them all. Rank 0's are the ones reported (a
+        # worker re-admits a preempted request afresh: it keeps no books of them).
+        if host.prompt is not None and self.parallel.tp.rank == 0:
+            self._read_prompt_logprobs(pending.batch, host.prompt)
         if pending.batch.is_verify:
             outputs = self._read_verify(pending.batch, pending.verify_queries, tokens, logprobs, top_ids, top_lps,
                                         pending.record)
@@ -656,9 +663,40 @@ class Engine:
                                   if n and top_ids is not None else [])
             if req.spec_pause:
                 note_plain(req)
-            outputs.append(self._append_token_or_fail(req, tokens[i], lp))
+            out = self._append_token_or_fail(req, tokens[i], lp)
+            if row.sample_index == 0 and req.params.prompt_logprobs is not None:
+                out.prompt_logprobs = self._prompt_logprobs(req)  # with the first output
+            outputs.append(out)
         self.scheduler.on_step_completed(self.completed_step)
         return outputs
+
+    def _read_prompt_logprobs(self, batch: ScheduledBatch, host: PromptLogprobs) -> None:
+        """Each scored row's logprob, rank and top k, appended in prompt order (pinned memory,
+        complete: no device sync)."""
+        logprobs, ranks = host.logprobs.tolist(), host.ranks.tolist()
+        top_ids = host.top_ids.tolist() if host.top_ids is not None else None
+        top_lps = host.top_logprobs.tolist() if host.top_logprobs is not None else None
+        at = 0
+        for row in batch.rows:
+            if row.prompt_logprobs is None:
+                continue
+            req, (a, b) = row.req, row.prompt_logprobs
+            first, at = at, at + b - a
+            if req.finished:
+                continue  # aborted while the step ran: nothing more is reported
+            assert len(req.prompt_logprobs) == a, "prompt logprobs out of order"
+            k = req.params.prompt_logprobs
+            for j, q in enumerate(range(first, at)):
+                top = list(zip(top_ids[q][:k], top_lps[q][:k])) if k else []
+                req.prompt_logprobs.append(TokenLogprob(req.prompt_token_ids[a + j + 1], logprobs[q], top, ranks[q]))
+
+    @staticmethod
+    def _prompt_logprobs(req: Request) -> list[TokenLogprob | None] | None:
+        """vLLM's order, None for the first token (nothing scores it); None while incomplete
+        (a request aborted during its prefill)."""
+        if req.prompt_logprobs_owed:
+            return None
+        return [None, *req.prompt_logprobs]
 
     def _read_verify(self, batch: ScheduledBatch, queries: list[int], flat: list[int], logprobs, top_ids,
                      top_lps, record: StepRecord | None) -> list[StepOutput]:

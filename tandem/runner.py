@@ -22,6 +22,7 @@ from tandem.sampling import Sampler, SamplingInputs, SamplingParams
 from tandem.sampling.inputs import SampleOutput
 from tandem.sampling.inputs import seed_to_int64
 from tandem.sampling.noise import row_keys
+from tandem.sampling.prompt_logprobs import PromptLogprobs, compute_prompt_logprobs
 from tandem.scheduler.batch import ScheduledBatch
 from tandem.speculative.graphs import VERIFY_FIELDS, VerifyGraphs, settle
 from tandem.speculative.state import SpecState, SpecStep
@@ -50,6 +51,9 @@ class PendingResult:
     verify_queries: list[int] | None = None  # a verify step: query tokens per row (their logprobs' layout)
     # Speculative decoding, plain steps: the positions of the tokens sampled (history appends).
     sampled_positions: torch.Tensor | None = None
+    # Prompt logprobs of the step's scored prefill rows (forward stream), until `sample` hands
+    # them to the result copy with the step's tokens.
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class ModelRunner:
@@ -112,7 +116,7 @@ class ModelRunner:
                 pending.forward_start = self.streams.event(timing=True)
                 pending.forward_start.record(forward)
             if bucket is None:
-                logits = self._eager_logits(batch, fields, dev)
+                logits, pending.prompt_logprobs = self._eager_logits(batch, fields, dev)
                 sample_slots = dev["sample_slots"]
                 if self.spec is not None:  # a sampled token follows its row's last input
                     pending.sampled_positions = dev["positions"][dev["sample_token_idx"]] + 1
@@ -159,7 +163,8 @@ class ModelRunner:
                 pending.forward_end.record(forward)
             sampled = self.streams.event()
             sampled.record(forward)
-        pending.host = self.copier.copy(batch.step, *result, sampled)
+        prompt, pending.prompt_logprobs = pending.prompt_logprobs, None
+        pending.host = self.copier.copy(batch.step, *result, sampled, prompt)
 
     def _queue_verify(self, batch: ScheduledBatch, fields: dict[str, list[int]], dev: dict[str, torch.Tensor],
                       bucket: int | None, defer_sampling: bool) -> PendingResult:
@@ -277,8 +282,9 @@ class ModelRunner:
             return None
         return self.graphs.bucket(len(batch.rows))
 
-    def _eager_logits(self, batch: ScheduledBatch, fields: dict[str, list[int]],
-                      dev: dict[str, torch.Tensor]) -> torch.Tensor | None:
+    def _eager_logits(self, batch: ScheduledBatch, fields: dict[str, list[int]], dev: dict[str, torch.Tensor]
+                      ) -> tuple[torch.Tensor | None, PromptLogprobs | None]:
+        """The sampled rows' logits, and the prompt logprobs of the scored prefill rows."""
         input_ids = self._input_ids(batch, dev)
         if fields["cached_locs"]:  # rows reusing cached prefixes: their table rows first
             self.table.write_prefixes_on_device(dev["cached_req_slots"], dev["cached_lens"],
@@ -294,9 +300,14 @@ class ModelRunner:
         hidden = self.model(fb, self.kv, self.backend)
         if self.spec is not None and self.spec.draft is not None:
             self.spec.draft.mirror(fb)  # the draft's KV is valid wherever the target's is
+        prompt = None
+        if fields["prompt_lp_token_idx"]:
+            k = max(r.req.params.prompt_logprobs for r in batch.rows if r.prompt_logprobs is not None)
+            prompt = compute_prompt_logprobs(hidden, dev["prompt_lp_token_idx"], dev["prompt_lp_targets"], k,
+                                             self.model.compute_logits, self.sampler.vocab_size)
         if not batch.sample_rows:
-            return None
-        return self.model.compute_logits(hidden[dev["sample_token_idx"]])
+            return None, prompt
+        return self.model.compute_logits(hidden[dev["sample_token_idx"]]), prompt
 
     def _input_ids(self, batch: ScheduledBatch, dev: dict[str, torch.Tensor]) -> torch.Tensor:
         """Prefill ids come staged from the host; decode ids from the FutureMap."""
@@ -344,6 +355,7 @@ def _metadata(batch: ScheduledBatch) -> dict[str, list[int]]:
     req_slots, seq_lens, prefix_lens, qo_indptr = [], [], [], [0]
     decode_idx, decode_slots, sample_idx, sample_slots = [], [], [], []
     cached_locs, cached_req_slots, cached_lens = [], [], []
+    lp_idx, lp_targets = [], []  # prompt logprobs: scored rows (flat token index) and their tokens
     for row in batch.rows:
         slot, start, n = row.req.slot, row.start, len(row.kv_slots)
         if row.prefill_ids is None:
@@ -353,6 +365,10 @@ def _metadata(batch: ScheduledBatch) -> dict[str, list[int]]:
             positions.append(start)
             token_req.append(slot)
         else:
+            if row.prompt_logprobs is not None:
+                a, b = row.prompt_logprobs
+                lp_idx += range(len(input_ids) + a - start, len(input_ids) + b - start)
+                lp_targets += row.req.prompt_token_ids[a + 1:b + 1]
             input_ids += row.prefill_ids
             positions += range(start, start + n)
             token_req += [slot] * n
@@ -372,7 +388,8 @@ def _metadata(batch: ScheduledBatch) -> dict[str, list[int]]:
             "token_req_slots": token_req, "req_slots": req_slots, "seq_lens": seq_lens,
             "prefix_lens": prefix_lens, "qo_indptr": qo_indptr, "decode_token_idx": decode_idx,
             "decode_slots": decode_slots, "sample_token_idx": sample_idx, "sample_slots": sample_slots,
-            "cached_locs": cached_locs, "cached_req_slots": cached_req_slots, "cached_lens": cached_lens}
+            "cached_locs": cached_locs, "cached_req_slots": cached_req_slots, "cached_lens": cached_lens,
+            "prompt_lp_token_idx": lp_idx, "prompt_lp_targets": lp_targets}
 
 
 def _decode_metadata(batch: ScheduledBatch, bucket: int) -> dict[str, list[int]]:

@@ -50,18 +50,20 @@ class PrefixCache:
         """Tokens of the request's input that admission would reuse (no state changes)."""
         if not self.enabled:
             return 0
-        return min(self.tree.match_length(req.fill_ids), len(req.fill_ids) - 1)
+        return min(self.tree.match_length(req.fill_ids), req.max_cached_prefix)
 
     def admit(self, req: Request) -> int:
         """Give a newly (re)admitted request the longest cached prefix of its input and lock
-        it. At least the last input token is always recomputed: its logits are needed.
-        Returns the matched length."""
+        it. At least the last input token is always recomputed: its logits are needed; so is
+        every row whose logits owe a prompt logprob (`Request.max_cached_prefix`: a request
+        asking for prompt logprobs takes no hit on its first admission). Returns the matched
+        length."""
         fill = req.fill_ids
         req.kv_slots, req.cached_len, req.cache_node, req.duplicate_slots = [], 0, None, []
         self.queried_tokens += len(fill)
         if not self.enabled:
             return 0
-        slots, node = self.tree.match(fill[:len(fill) - 1])
+        slots, node = self.tree.match(fill[:req.max_cached_prefix])
         if slots:
             self.tree.lock(node)
             req.kv_slots, req.cached_len, req.cache_node = slots, len(slots), node
