@@ -24,6 +24,7 @@ from tandem.diagnostics.timeline import StepRecord, Timeline
 from tandem.grammar import GrammarManager
 from tandem.limits import context_error
 from tandem.cuda_graph import DecodeGraphs, default_buckets
+from tandem.forward_batch import max_group_rows
 from tandem.config import EngineConfig, ModelConfig, resolve_device, resolve_dtype
 from tandem.memory.allocator import SlotAllocator
 from tandem.memory.kv_cache import KVCache
@@ -46,6 +47,7 @@ from tandem.sampling import Sampler, SamplingParams
 from tandem.sampling.bias import BAN, BadWordsMask, min_tokens_bias, static_bias
 from tandem.sampling.params import check_unicode
 from tandem.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from tandem.scheduler.cascade import CascadeRule
 from tandem.speculative.config import SpeculativeConfig
 from tandem.speculative.draft import DraftProposer, check_draft
 from tandem.speculative.graphs import VerifyGraphs
@@ -266,7 +268,8 @@ class Engine:
         k = spec.num_speculative_tokens if spec is not None else 0
         # A verify step: 2 ints per query token, 4 per row, 3 per reserved slot (2 (k + 1) a row).
         verify = rows * (2 * (k + 1) + 5 + 6 * (k + 1)) if spec is not None else 0
-        self.stager = InputStager(self.streams, capacity=4 * max_tokens + reused + 10 * rows + 16 + verify,
+        cascade = 5 * rows  # a cascade plan: 3 ints per row, <= 1 + rows / 2 group offsets
+        self.stager = InputStager(self.streams, capacity=4 * max_tokens + reused + 10 * rows + 16 + verify + cascade,
                                   coarse=cfg.experiments.coarse_war_barrier)
         # A verify row's result: accepted, proposed, then its k + 1 samples.
         self.copier = ResultCopier(self.streams, max_rows=rows * (k + 3) if spec is not None else rows)
@@ -282,13 +285,27 @@ class Engine:
         self.runner = ModelRunner(self.model, self.kv, self.table, self.backend, self.sampler,
                                   self.future_map, self.streams, self.stager, self.copier, graphs,
                                   mirror=self.parallel.sender, spec=self.spec_state,
-                                  verify_graphs=self._capture_verify_graphs())
+                                  verify_graphs=self._capture_verify_graphs(), cascade=self._cascade_rule())
         self.scheduler = Scheduler(
             SchedulerConfig(rows, cfg.max_prefill_tokens, cfg.chunked_prefill_size, cfg.enable_mixed_batch,
                             cfg.schedule_policy, max_reused_tokens_per_step=reused,
                             mixed_prefill_budget=cfg.mixed_prefill_budget),
             self.prefix_cache, self.req_slots, on_admit=self.runner.admit,
             verify=VerifyPlanner(spec) if spec is not None else None)
+
+    def _cascade_rule(self) -> CascadeRule | None:
+        """The experiment's switch; off under tensor parallelism (workers' requests carry no
+        tree paths, and every rank must run the same attention)."""
+        mode = self.cfg.experiments.cascade_attention
+        if mode not in ("auto", "on", "off"):
+            raise ValueError(f"experiments.cascade_attention must be auto, on or off; got {mode!r}")
+        if mode == "off" or self.parallel.tp.size > 1:
+            return None
+        cfg = self.model_config
+        rows = max_group_rows(cfg.num_heads, cfg.num_kv_heads)
+        if rows < 2:  # a group's queries would not fit one tile: nothing to share
+            return None
+        return CascadeRule.forced(rows) if mode == "on" else CascadeRule(max_group_rows=rows)
 
     def _spec_state(self, k: int) -> SpecState:
         spec, rows = self.speculative, self.cfg.max_running_requests
@@ -775,6 +792,8 @@ class Engine:
                 "cuda_graph_memory_mib": sum(g.memory_bytes for g in (self.runner.graphs, self.runner.verify_graphs)
                                              if g is not None) / 2**20,
                 "num_preemptions": self.scheduler.num_preemptions,
+                "cascade_steps": self.runner.cascade_steps,  # decode steps with shared-prefix groups
+                "cascade_rows": self.runner.cascade_rows,  # rows those steps grouped, summed
                 "memory": self.memory.as_dict() if self.memory is not None else None,
                 "steps": self.step_id, **(self.spec_counters.as_dict() if self.speculative is not None else {})}
 

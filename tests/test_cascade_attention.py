@@ -12,7 +12,8 @@ from kernel_setup import DEVICE, DTYPES  # first: it sets up Triton's interprete
 triton = pytest.importorskip("triton")
 
 from tandem.attention import torch_backend as ref  # noqa: E402
-from tandem.kernels.cascade_attention import cascade_attention, max_group_rows  # noqa: E402
+from tandem.forward_batch import max_group_rows  # noqa: E402
+from tandem.kernels.cascade_attention import cascade_attention  # noqa: E402
 
 TOL = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 

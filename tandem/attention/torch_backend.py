@@ -106,6 +106,10 @@ class TorchAttention:
                 k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch,
                 scale: float) -> torch.Tensor:
         write_kv(k_cache, v_cache, batch.out_cache_loc, k, v)
+        if batch.is_decode and batch.cascade is not None:
+            c = batch.cascade
+            return cascade_attention(q, k_cache, v_cache, batch.req_to_token, batch.req_slots, batch.seq_lens,
+                                     c.shared_lens, c.shared_src, scale, batch.max_seq_len)
         if batch.is_decode:
             return decode_attention(q, k_cache, v_cache, batch.req_to_token, batch.req_slots,
                                     batch.seq_lens, scale, batch.max_seq_len)

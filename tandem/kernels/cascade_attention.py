@@ -18,17 +18,11 @@ import torch
 import triton
 import triton.language as tl
 
+from tandem.forward_batch import max_group_rows
+
 from tandem.kernels.decode_attention import (LOG2E, MAX_SPLITS, MIN_ROW_SPLIT_TOKENS, MIN_TOKENS_PER_SPLIT,
                                              _num_sms, _split_len, decode_num_splits, decode_suffix_partials,
                                              default_block_n)
-
-MAX_GROUP_QUERIES = 64  # M of the shared part's tile (rows x query heads of a KV head)
-
-
-def max_group_rows(num_heads: int, num_kv_heads: int) -> int:
-    """Most rows a group may hold: its queries must fit one M tile. Larger groups are cut
-    into several (each still reads the prefix once)."""
-    return max(1, MAX_GROUP_QUERIES // (num_heads // num_kv_heads))
 
 
 @triton.jit

@@ -1,0 +1,112 @@
+"""Which decode rows attend a shared prefix once per group (cascade attention), from host facts.
+
+A request reads the radix-tree nodes on its path root..`cache_node` up to the first node whose
+slots are not its own table's (it computed a duplicate copy there; `PrefixCache._insert`).
+Duplicate runs begin and end at node boundaries (the tree splits edges where a match or an
+insert stops), so comparing each node's first slot decides the whole node. Rows reading the
+same node read the same KV slots below its end: that is a group's shared prefix.
+
+Lifetime: every node on a request's path is locked by it until it is released, and release
+waits for the request's last launched step (the one-step lag), so the shared slots cannot be
+freed or reused while a queued step reads them.
+"""
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+
+from tandem.forward_batch import CascadeInputs
+from tandem.scheduler.batch import Row
+
+FIELDS = ("cascade_shared_lens", "cascade_shared_src", "cascade_group_rows", "cascade_group_indptr")
+
+
+@dataclass(frozen=True)
+class CascadeRule:
+    """When a group's shared prefix is worth a separate pass.
+
+    Defaults: the shared pass costs one extra launch and a merge, and reading a prefix once per
+    group only pays when the prefix is long (FlashInfer's cascade loses on 128-token prefixes;
+    our split-K decode kernel spreads one row over >= 64-token splits, so below a few hundred
+    tokens the row kernel is already latency-bound) and the group has several rows. 256 tokens
+    and 2 rows are the starting point until the H200 sweep (`tandem.bench.decode_kernels
+    --cascade`) measures the crossover; `forced()` groups any shared prefix (tests, A/B).
+    """
+
+    min_shared_len: int = 256
+    min_group_rows: int = 2
+    max_group_rows: int = 16  # the kernel's M tile: set from the model's heads per KV head
+
+    @classmethod
+    def forced(cls, max_group_rows: int) -> "CascadeRule":
+        return cls(min_shared_len=1, min_group_rows=2, max_group_rows=max_group_rows)
+
+    def worth(self, shared_len: int, rows: int) -> bool:
+        return shared_len >= self.min_shared_len and rows >= self.min_group_rows
+
+
+@dataclass
+class CascadePlan:
+    """Host lists staged with the step's metadata (`fields`); per row and per group."""
+
+    shared_lens: list[int]  # per row: tokens read from its group's prefix (0: no group)
+    shared_src: list[int]  # per row: request slot whose table row holds the prefix (own slot if none)
+    group_rows: list[int]  # batch rows of each group, groups back to back
+    group_indptr: list[int]  # [groups + 1] offsets into group_rows
+    max_shared_len: int
+    max_group_size: int
+
+    def fields(self) -> dict[str, list[int]]:
+        return dict(zip(FIELDS, (self.shared_lens, self.shared_src, self.group_rows, self.group_indptr)))
+
+
+def plan_cascade(rows: list[Row], rule: CascadeRule) -> CascadePlan | None:
+    """Groups of decode rows sharing a prefix the rule finds worth it; None when there are none.
+    Each row joins the node on its read path that saves most (prefix length x (1 - 1/rows))."""
+    paths = [_read_path(row.req) for row in rows]
+    counts = Counter(id(node) for path in paths for node, _ in path)
+    chosen: dict[int, tuple[int, list[int]]] = {}  # node id -> (shared length, rows)
+    for b, path in enumerate(paths):
+        best = max(((end * (1 - 1 / counts[id(node)]), id(node), end) for node, end in path
+                    if rule.worth(end, counts[id(node)])), default=None)
+        if best is not None:
+            chosen.setdefault(best[1], (best[2], []))[1].append(b)
+    groups = [(end, members[i:i + rule.max_group_rows]) for end, members in chosen.values()
+              for i in range(0, len(members), rule.max_group_rows)]
+    groups = [(end, members) for end, members in groups if rule.worth(end, len(members))]
+    if not groups:
+        return None
+    shared_lens = [0] * len(rows)
+    shared_src = [row.req.slot for row in rows]
+    group_rows, indptr = [], [0]
+    for end, members in groups:
+        for b in members:
+            shared_lens[b], shared_src[b] = end, rows[members[0]].req.slot
+        group_rows += members
+        indptr.append(len(group_rows))
+    return CascadePlan(shared_lens, shared_src, group_rows, indptr, max(end for end, _ in groups),
+                       max(len(members) for _, members in groups))
+
+
+def _read_path(req) -> list[tuple[object, int]]:
+    """(node, end position) for each tree node, from the root, whose slots the request reads."""
+    nodes, node = [], req.cache_node
+    while node is not None and node.parent is not None:  # the root has no parent and no tokens
+        nodes.append(node)
+        node = node.parent
+    path, end = [], 0
+    for node in reversed(nodes):
+        if end >= len(req.kv_slots) or req.kv_slots[end] != node.slots[0]:
+            break  # the request computed its own copy from here on
+        end += len(node.slots)
+        path.append((node, end))
+    return path
+
+
+def staged_inputs(fields: dict[str, list[int]], dev: dict[str, torch.Tensor]) -> CascadeInputs | None:
+    """The forward's view of a plan staged with the step's metadata; None: the step has none."""
+    if FIELDS[0] not in fields:
+        return None
+    indptr = fields["cascade_group_indptr"]
+    return CascadeInputs(*(dev[name] for name in FIELDS), max_shared_len=max(fields["cascade_shared_lens"]),
+                         max_group_size=max(b - a for a, b in zip(indptr, indptr[1:])))

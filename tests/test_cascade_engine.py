@@ -1,0 +1,121 @@
+"""Cascade attention in the engine: grouping from the radix tree, and greedy tokens identical
+with the path forced on, chosen by the rule (auto) and off."""
+import random
+
+import pytest
+
+from tandem.config import EngineConfig, Experiments
+from tandem.engine import Engine
+from tandem.memory.allocator import SlotAllocator
+from tandem.memory.prefix_cache import PrefixCache
+from tandem.request import Request
+from tandem.sampling import SamplingParams
+from tandem.scheduler.batch import Row
+from tandem.scheduler.cascade import CascadeRule, plan_cascade
+from test_prefix_cache import shared_prefix_specs
+from tiny_models import TEST_DEVICE
+from workload import Spec, assert_kv_conserved, run_workload
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+def _engine(path, cascade: str, **kw) -> Engine:
+    return Engine(EngineConfig(model=str(path), device=TEST_DEVICE, dtype="float32",
+                               experiments=Experiments(cascade_attention=cascade), **kw))
+
+
+def group_specs(groups: int, per_group: int, prefix_len: int, seed: int) -> list[Spec]:
+    """The generated-shared-prefix shape, small: each group's requests share a long prefix and
+    differ in a short question; greedy, fixed output lengths."""
+    rng = random.Random(seed)
+    specs = []
+    for g in range(groups):
+        prefix = [rng.randrange(3, 1000) for _ in range(prefix_len)]
+        for i in range(per_group):
+            question = [rng.randrange(3, 1000) for _ in range(rng.randint(1, 9))]
+            specs.append(Spec(f"g{g}r{i}", prefix + question,
+                              SamplingParams(max_tokens=rng.randint(4, 16), **GREEDY)))
+    return specs
+
+
+def _run(path, specs, cascade: str, **kw) -> tuple[dict, dict]:
+    engine = _engine(path, cascade, **kw)
+    out = run_workload(engine, specs, arrive_per_step=64)
+    assert_kv_conserved(engine)
+    return out, engine.stats()
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_shared_prefix_workload_same_tokens(tiny_text_model, overlap):
+    specs = group_specs(groups=3, per_group=6, prefix_len=83, seed=1)
+    kw = dict(disable_overlap=not overlap, chunked_prefill_size=32, max_prefill_tokens=64)
+    off, off_stats = _run(tiny_text_model, specs, "off", **kw)
+    on, on_stats = _run(tiny_text_model, specs, "on", **kw)
+    assert on == off
+    assert off_stats["cascade_steps"] == 0
+    assert on_stats["cascade_steps"] > 5 and on_stats["cascade_rows"] > 5 * on_stats["cascade_steps"]
+
+
+def test_fuzzed_workload_same_tokens_with_preemption(tiny_text_model):
+    """Shared prefixes, n > 1 copies, aborts, a pool small enough to preempt and evict."""
+    specs = [Spec(s.rid, s.prompt, SamplingParams(max_tokens=s.params.max_tokens, temperature=0.0),
+                  s.abort_after) for s in shared_prefix_specs(120, seed=5)]
+    kw = dict(max_total_tokens=700, chunked_prefill_size=24, max_prefill_tokens=96)
+    off, _ = _run(tiny_text_model, specs, "off", **kw)
+    on, stats = _run(tiny_text_model, specs, "on", **kw)
+    assert on == off
+    assert stats["cascade_steps"] > 0 and stats["num_preemptions"] > 0
+
+
+def test_auto_rule_skips_short_prefixes(tiny_text_model):
+    specs = group_specs(groups=2, per_group=4, prefix_len=40, seed=2)  # below min_shared_len
+    out, stats = _run(tiny_text_model, specs, "auto")
+    assert stats["cascade_steps"] == 0
+
+
+# ---- grouping from the tree (host only) ----
+def _admitted(cache: PrefixCache, tokens: list[int], slot: int, computed: int | None = None) -> Request:
+    req = Request(f"q{slot}", tokens, SamplingParams(max_tokens=4), seed=0, max_samples=4)
+    req.slot, req.prefill_target = slot, len(tokens)
+    cache.admit(req)
+    req.kv_slots += cache.alloc(len(tokens) - req.cached_len)
+    req.num_computed = len(tokens) if computed is None else computed
+    return req
+
+
+def _decode_row(req: Request) -> Row:
+    return Row(req, req.num_computed, [0], None, 0)
+
+
+def test_plan_groups_rows_reading_the_same_node():
+    cache = PrefixCache(SlotAllocator(400))
+    prefix = list(range(100, 150))
+    first = _admitted(cache, prefix + [1, 2], slot=1)
+    cache.cache_prefill(first)
+    others = [_admitted(cache, prefix + [3 + i, 9], slot=2 + i) for i in range(3)]
+    lone = _admitted(cache, list(range(500, 560)), slot=9)
+    rows = [_decode_row(r) for r in [others[0], lone, first, others[1], others[2]]]
+    plan = plan_cascade(rows, CascadeRule.forced(max_group_rows=16))
+    assert plan.group_indptr == [0, 4] and sorted(plan.group_rows) == [0, 2, 3, 4]
+    assert plan.shared_lens == [50, 0, 50, 50, 50]
+    leader = rows[plan.group_rows[0]].req.slot
+    assert plan.shared_src == [leader, 9, leader, leader, leader]
+    # Larger groups are cut to the tile; the rule's thresholds drop short prefixes.
+    cut = plan_cascade(rows, CascadeRule.forced(max_group_rows=2))
+    assert cut.group_indptr == [0, 2, 4]
+    assert plan_cascade(rows, CascadeRule(min_shared_len=51)) is None
+
+
+def test_plan_excludes_duplicate_copies():
+    """A request that computed its own copy of a prefix cached meanwhile reads its own slots:
+    it must not join the group of the tree's copy."""
+    cache = PrefixCache(SlotAllocator(400))
+    prefix = list(range(100, 150))
+    a = _admitted(cache, prefix + [1], slot=1)
+    b = _admitted(cache, prefix + [2], slot=2)  # admitted before a's prefix was cached: no match
+    cache.cache_prefill(a)
+    cache.cache_prefill(b)  # b's first 50 slots duplicate a's
+    assert b.duplicate_slots and b.cached_len == 51
+    c = _admitted(cache, prefix + [3], slot=3)
+    plan = plan_cascade([_decode_row(r) for r in (a, b, c)], CascadeRule.forced(max_group_rows=16))
+    assert plan.shared_lens == [50, 0, 50] and plan.group_rows == [0, 2]
