@@ -24,7 +24,7 @@ from tandem.diagnostics.timeline import StepRecord, Timeline
 from tandem.grammar import GrammarManager
 from tandem.limits import context_error
 from tandem.cuda_graph import DecodeGraphs, default_buckets
-from tandem.forward_batch import max_group_rows
+from tandem.cascade_layout import max_group_rows
 from tandem.config import EngineConfig, ModelConfig, resolve_device, resolve_dtype
 from tandem.memory.allocator import SlotAllocator
 from tandem.memory.kv_cache import KVCache
@@ -305,7 +305,11 @@ class Engine:
         rows = max_group_rows(cfg.num_heads, cfg.num_kv_heads)
         if rows < 2:  # a group's queries would not fit one tile: nothing to share
             return None
-        return CascadeRule.forced(rows) if mode == "on" else CascadeRule(max_group_rows=rows)
+        sms = torch.cuda.get_device_properties(self.device).multi_processor_count if self.device.type == "cuda" else 4
+        items = -(-2 * sms // cfg.num_kv_heads)  # prefix chunks for ~2 waves of (chunk, KV head) programs
+        if mode == "on":
+            return CascadeRule.forced(rows, items)
+        return CascadeRule(max_group_rows=rows, work_items=items)
 
     def _spec_state(self, k: int) -> SpecState:
         spec, rows = self.speculative, self.cfg.max_running_requests

@@ -9,28 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-
-MAX_GROUP_QUERIES = 64  # cascade's shared pass: M of its tile (a group's rows x query heads per KV head)
-
-
-def max_group_rows(num_heads: int, num_kv_heads: int) -> int:
-    """Most rows a cascade group may hold: its queries must fit one M tile. Larger groups are
-    cut into several (each still reads the prefix once)."""
-    return max(1, MAX_GROUP_QUERIES // (num_heads // num_kv_heads))
-
-
-@dataclass
-class CascadeInputs:
-    """Decode rows grouped by a shared KV prefix (see `tandem.scheduler.cascade`): row b reads
-    keys [0, shared_lens[b]) as its group's shared part; group g is rows
-    group_rows[group_indptr[g]:group_indptr[g + 1]]. Device tensors plus host bounds."""
-
-    shared_lens: torch.Tensor  # [B] tokens of the row's shared prefix (0: no group)
-    shared_src: torch.Tensor  # [B] request slot whose table row holds it (the torch reference reads it)
-    group_rows: torch.Tensor  # [>= 1] batch rows, groups back to back
-    group_indptr: torch.Tensor  # [groups + 1]; an empty group is padding
-    max_shared_len: int  # host bounds: split counts and the M tile
-    max_group_size: int
+from tandem.cascade_layout import CascadeInputs
 
 
 @dataclass

@@ -12,14 +12,27 @@ from kernel_setup import DEVICE, DTYPES  # first: it sets up Triton's interprete
 triton = pytest.importorskip("triton")
 
 from tandem.attention import torch_backend as ref  # noqa: E402
-from tandem.forward_batch import max_group_rows  # noqa: E402
+from tandem.cascade_layout import CascadeInputs, max_group_rows, split_prefixes  # noqa: E402
 from tandem.kernels.cascade_attention import cascade_attention  # noqa: E402
 
 TOL = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 
 
+def _work(lens: list[int], part_len: int | None) -> tuple[list[int], list[int]]:
+    """Work items as the planner cuts them, or in chunks of `part_len` (aligned to nothing)."""
+    if part_len is None:
+        return split_prefixes(lens, target_items=8)
+    work, parts = [], []
+    for g, n in enumerate(lens):
+        starts = list(range(0, n, part_len))
+        for p, s in enumerate(starts):
+            work += [g, s, min(n, s + part_len), p]
+        parts.append(len(starts))
+    return work, parts
+
+
 def _shared_table(groups: list[tuple[int, list[int]]], lone: list[int], num_kv_heads: int,
-                  head_dim: int, dtype: torch.dtype, seed: int = 0):
+                  head_dim: int, dtype: torch.dtype, seed: int = 0, part_len: int | None = None):
     """A paged cache where each group (shared_len, [seq_len per row]) reads the same slots
     below shared_len, plus ungrouped rows of lengths `lone`. Rows of different groups are
     interleaved, so a group's rows are not contiguous in the batch. Slot 0 is the dummy."""
@@ -39,32 +52,34 @@ def _shared_table(groups: list[tuple[int, list[int]]], lone: list[int], num_kv_h
     members = [[b for b, r in enumerate(rows) if r[0] == gi] for gi in range(len(groups))]
     k_cache = torch.randn(total, num_kv_heads, head_dim, generator=g).to(dtype)
     v_cache = torch.randn(total, num_kv_heads, head_dim, generator=g).to(dtype)
-    shared = [s for _, s, _ in rows]
-    src = [req_slots[members[gi][0]] if gi >= 0 else req_slots[b] for b, (gi, _, _) in enumerate(rows)]
+    work, parts = _work([s for s, _ in groups], part_len)
     t = lambda x, dt=torch.int32: torch.tensor(x, dtype=dt, device=DEVICE)  # noqa: E731
+    layout = CascadeInputs(
+        shared_lens=t([s for _, s, _ in rows]), shared_parts=t([parts[gi] if gi >= 0 else 0 for gi, _, _ in rows]),
+        shared_src=t([req_slots[members[gi][0]] if gi >= 0 else req_slots[b] for b, (gi, _, _) in enumerate(rows)],
+                     torch.int64),
+        group_rows=t([b for m in members for b in m]),
+        group_indptr=t([0] + [sum(map(len, members[:i + 1])) for i in range(len(members))]),
+        work=t(work), max_group_size=max(map(len, members)), max_parts=max(parts))
     return dict(k_cache=k_cache.to(DEVICE), v_cache=v_cache.to(DEVICE), req_to_token=table.to(DEVICE),
-                req_slots=t(req_slots, torch.int64), seq_lens=t([n for _, _, n in rows]),
-                shared_lens=t(shared), shared_src=t(src, torch.int64),
-                group_rows=t([b for m in members for b in m]),
-                group_indptr=t([0] + [sum(map(len, members[:i + 1])) for i in range(len(members))]),
-                max_group=max(map(len, members), default=1))
+                req_slots=t(req_slots, torch.int64), seq_lens=t([n for _, _, n in rows]), layout=layout)
 
 
-def _case(heads, dtype, groups, lone, **kwargs):
+def _case(heads, dtype, groups, lone, part_len=None, **kwargs):
     num_heads, num_kv_heads, head_dim = heads
-    c = _shared_table(groups, lone, num_kv_heads, head_dim, dtype)
+    c = _shared_table(groups, lone, num_kv_heads, head_dim, dtype, part_len=part_len)
+    layout = c["layout"]
     q = torch.randn(len(c["seq_lens"]), num_heads, head_dim, device=DEVICE).to(dtype)
     scale = head_dim ** -0.5
     longest = int(c["seq_lens"].max())
     single = ref.decode_attention(q.float(), c["k_cache"].float(), c["v_cache"].float(), c["req_to_token"],
                                   c["req_slots"], c["seq_lens"], scale, longest)
     two_level = ref.cascade_attention(q.float(), c["k_cache"].float(), c["v_cache"].float(),
-                                      c["req_to_token"], c["req_slots"], c["seq_lens"], c["shared_lens"],
-                                      c["shared_src"], scale, longest)
+                                      c["req_to_token"], c["req_slots"], c["seq_lens"], layout.shared_lens,
+                                      layout.shared_src, scale, longest)
     torch.testing.assert_close(two_level, single, atol=1e-5, rtol=1e-5)
     out = cascade_attention(q, c["k_cache"], c["v_cache"], c["req_to_token"], c["req_slots"], c["seq_lens"],
-                            c["shared_lens"], c["group_rows"], c["group_indptr"], scale, longest,
-                            max(s for s, _ in groups), c["max_group"], **kwargs)
+                            layout, scale, longest, **kwargs)
     torch.testing.assert_close(out.float(), single, atol=TOL[dtype], rtol=TOL[dtype])
     return out
 
@@ -78,11 +93,24 @@ def test_cascade_matches_single_level(heads, dtype):
     _case(heads, dtype, [(37, [40, 90]), (131, [132, 150, 133, 200, 139]), (5, [6])], [23])
 
 
-@pytest.mark.parametrize("splits", [(1, 1), (2, 3), (5, 7)])
-def test_cascade_forced_splits(splits):
-    # Many splits over short parts: most are unused and the merge must skip them.
-    _case((8, 2, 32), torch.float32, [(150, [151, 170, 300]), (70, [71, 72])], [1, 260],
-          suffix_splits=splits[0], shared_splits=splits[1], min_split_tokens=16)
+@pytest.mark.parametrize("suffix_splits,part_len", [(1, 1000), (2, 37), (5, 16)])
+def test_cascade_forced_splits(suffix_splits, part_len):
+    # Suffix splits most rows leave unused (the merge must skip them); prefix chunks of any
+    # length, so groups have different part counts.
+    _case((8, 2, 32), torch.float32, [(150, [151, 170, 300]), (70, [71, 72])], [1, 260], part_len=part_len,
+          suffix_splits=suffix_splits, min_split_tokens=16)
+
+
+def test_split_prefixes_balances_and_bounds():
+    work, parts = split_prefixes([2048, 100, 700], target_items=20)
+    items = [work[i:i + 4] for i in range(0, len(work), 4)]
+    assert sum(parts) == len(items) <= 20 + 3
+    for g, n in enumerate([2048, 100, 700]):  # each prefix covered once, in order, by its parts
+        mine = [it for it in items if it[0] == g]
+        assert [it[3] for it in mine] == list(range(parts[g]))
+        assert mine[0][1] == 0 and mine[-1][2] == n
+        assert all(a[2] == b[1] for a, b in zip(mine, mine[1:]))
+    assert parts[1] == 1 and parts[0] > 1
 
 
 def test_cascade_single_kv_head_full_tile():
@@ -93,17 +121,22 @@ def test_cascade_single_kv_head_full_tile():
     _case(heads, torch.float16, [(100, [101 + i for i in range(rows)])], [])
 
 
-def test_cascade_padding_group_and_row():
-    # CUDA-graph padding: an empty group and a zero-length row must be harmless (zeros, no NaN).
+def test_cascade_padding_group_row_and_work_item():
+    # CUDA-graph padding: an empty group, a keyless work item and a zero-length row must be
+    # harmless (zeros, no NaN).
     num_heads, num_kv_heads, head_dim = 4, 2, 32
     c = _shared_table([(40, [41, 60])], [9], num_kv_heads, head_dim, torch.float32)
+    lay = c["layout"]
     q = torch.randn(4, num_heads, head_dim, device=DEVICE)
-    seq_lens = torch.cat([c["seq_lens"], torch.zeros(1, dtype=torch.int32, device=DEVICE)])
-    shared = torch.cat([c["shared_lens"], torch.zeros(1, dtype=torch.int32, device=DEVICE)])
-    slots = torch.cat([c["req_slots"], torch.zeros(1, dtype=torch.int64, device=DEVICE)])
-    indptr = torch.cat([c["group_indptr"], c["group_indptr"][-1:]])  # group 1: empty
-    out = cascade_attention(q, c["k_cache"], c["v_cache"], c["req_to_token"], slots, seq_lens, shared,
-                            c["group_rows"], indptr, 0.2, 60, 40, 2, shared_splits=2)
+    zero = lambda dt=torch.int32: torch.zeros(1, dtype=dt, device=DEVICE)  # noqa: E731
+    seq_lens = torch.cat([c["seq_lens"], zero()])
+    slots = torch.cat([c["req_slots"], zero(torch.int64)])
+    padded = CascadeInputs(torch.cat([lay.shared_lens, zero()]), torch.cat([lay.shared_parts, zero()]),
+                           torch.cat([lay.shared_src, zero(torch.int64)]), torch.cat([lay.group_rows, zero()]),
+                           torch.cat([lay.group_indptr, lay.group_indptr[-1:]]),  # group 1: empty
+                           torch.cat([lay.work, torch.zeros(8, dtype=torch.int32, device=DEVICE)]),
+                           max_group_size=4, max_parts=32)
+    out = cascade_attention(q, c["k_cache"], c["v_cache"], c["req_to_token"], slots, seq_lens, padded, 0.2, 60)
     expected = ref.decode_attention(q, c["k_cache"], c["v_cache"], c["req_to_token"], slots, seq_lens, 0.2, 60)
     torch.testing.assert_close(out[:3], expected[:3], atol=1e-4, rtol=1e-4)
     assert torch.equal(out[3], torch.zeros_like(out[3]))

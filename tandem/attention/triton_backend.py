@@ -27,10 +27,8 @@ class TritonAttention:
                 scale: float) -> torch.Tensor:
         write_kv(k_cache, v_cache, batch.out_cache_loc, k, v)
         if batch.is_decode and batch.cascade is not None:
-            c = batch.cascade
             return cascade_attention(q, k_cache, v_cache, batch.req_to_token, batch.req_slots, batch.seq_lens,
-                                     c.shared_lens, c.group_rows, c.group_indptr, scale, batch.max_seq_len,
-                                     c.max_shared_len, c.max_group_size, min_split_tokens=self.min_split_tokens)
+                                     batch.cascade, scale, batch.max_seq_len, min_split_tokens=self.min_split_tokens)
         if batch.is_decode:
             return decode_attention(q, k_cache, v_cache, batch.req_to_token, batch.req_slots,
                                     batch.seq_lens, scale, batch.max_seq_len,

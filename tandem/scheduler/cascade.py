@@ -15,10 +15,12 @@ from dataclasses import dataclass
 
 import torch
 
-from tandem.forward_batch import CascadeInputs
+from tandem.cascade_layout import MAX_PARTS, WORK_INTS, CascadeInputs, split_prefixes
 from tandem.scheduler.batch import Row
 
-FIELDS = ("cascade_shared_lens", "cascade_shared_src", "cascade_group_rows", "cascade_group_indptr")
+# Staged in this order; CascadeInputs takes the tensors in the same order.
+FIELDS = ("cascade_shared_lens", "cascade_shared_parts", "cascade_shared_src", "cascade_group_rows",
+          "cascade_group_indptr", "cascade_work")
 
 
 @dataclass(frozen=True)
@@ -36,10 +38,17 @@ class CascadeRule:
     min_shared_len: int = 256
     min_group_rows: int = 2
     max_group_rows: int = 16  # the kernel's M tile: set from the model's heads per KV head
+    work_items: int = 32  # prefix chunks a step aims for: ~2 waves of SMs per KV head (the engine sets it)
 
     @classmethod
-    def forced(cls, max_group_rows: int) -> "CascadeRule":
-        return cls(min_shared_len=1, min_group_rows=2, max_group_rows=max_group_rows)
+    def forced(cls, max_group_rows: int, work_items: int = 32) -> "CascadeRule":
+        return cls(min_shared_len=1, min_group_rows=2, max_group_rows=max_group_rows, work_items=work_items)
+
+    def graph_capacity(self, bucket: int) -> tuple[int, int]:
+        """(groups, work items) a `bucket`-row step can need: groups have >= min_group_rows
+        rows; chunks are >= total / work_items tokens, so items <= work_items + groups."""
+        groups = bucket // self.min_group_rows
+        return groups, groups + self.work_items
 
     def worth(self, shared_len: int, rows: int) -> bool:
         return shared_len >= self.min_shared_len and rows >= self.min_group_rows
@@ -47,17 +56,29 @@ class CascadeRule:
 
 @dataclass
 class CascadePlan:
-    """Host lists staged with the step's metadata (`fields`); per row and per group."""
+    """Host lists staged with the step's metadata (`fields`); see `CascadeInputs`."""
 
     shared_lens: list[int]  # per row: tokens read from its group's prefix (0: no group)
+    shared_parts: list[int]  # per row: work items of its group (0: no group)
     shared_src: list[int]  # per row: request slot whose table row holds the prefix (own slot if none)
     group_rows: list[int]  # batch rows of each group, groups back to back
     group_indptr: list[int]  # [groups + 1] offsets into group_rows
-    max_shared_len: int
-    max_group_size: int
+    work: list[int]  # WORK_INTS per item: group, first key, end key, part
 
     def fields(self) -> dict[str, list[int]]:
-        return dict(zip(FIELDS, (self.shared_lens, self.shared_src, self.group_rows, self.group_indptr)))
+        return dict(zip(FIELDS, (self.shared_lens, self.shared_parts, self.shared_src, self.group_rows,
+                                 self.group_indptr, self.work)))
+
+    def padded_fields(self, bucket: int, groups: int, items: int) -> dict[str, list[int]]:
+        """The CUDA-graph layout: fixed sizes for a `bucket`-row graph. Padding rows have no
+        group, padding groups no rows, padding work items no keys."""
+        rows = bucket - len(self.shared_lens)
+        assert len(self.group_indptr) - 1 <= groups and len(self.work) <= WORK_INTS * items
+        return dict(zip(FIELDS, (
+            self.shared_lens + [0] * rows, self.shared_parts + [0] * rows, self.shared_src + [0] * rows,
+            self.group_rows + [0] * (bucket - len(self.group_rows)),
+            self.group_indptr + [self.group_indptr[-1]] * (groups + 1 - len(self.group_indptr)),
+            self.work + [0] * (WORK_INTS * items - len(self.work)))))
 
 
 def plan_cascade(rows: list[Row], rule: CascadeRule) -> CascadePlan | None:
@@ -76,16 +97,16 @@ def plan_cascade(rows: list[Row], rule: CascadeRule) -> CascadePlan | None:
     groups = [(end, members) for end, members in groups if rule.worth(end, len(members))]
     if not groups:
         return None
-    shared_lens = [0] * len(rows)
+    work, parts = split_prefixes([end for end, _ in groups], rule.work_items)
+    shared_lens, shared_parts = [0] * len(rows), [0] * len(rows)
     shared_src = [row.req.slot for row in rows]
     group_rows, indptr = [], [0]
-    for end, members in groups:
+    for (end, members), k in zip(groups, parts):
         for b in members:
-            shared_lens[b], shared_src[b] = end, rows[members[0]].req.slot
+            shared_lens[b], shared_parts[b], shared_src[b] = end, k, rows[members[0]].req.slot
         group_rows += members
         indptr.append(len(group_rows))
-    return CascadePlan(shared_lens, shared_src, group_rows, indptr, max(end for end, _ in groups),
-                       max(len(members) for _, members in groups))
+    return CascadePlan(shared_lens, shared_parts, shared_src, group_rows, indptr, work)
 
 
 def _read_path(req) -> list[tuple[object, int]]:
@@ -104,9 +125,21 @@ def _read_path(req) -> list[tuple[object, int]]:
 
 
 def staged_inputs(fields: dict[str, list[int]], dev: dict[str, torch.Tensor]) -> CascadeInputs | None:
-    """The forward's view of a plan staged with the step's metadata; None: the step has none."""
+    """The eager forward's view of a plan staged with the step's metadata; None: it has none."""
     if FIELDS[0] not in fields:
         return None
     indptr = fields["cascade_group_indptr"]
-    return CascadeInputs(*(dev[name] for name in FIELDS), max_shared_len=max(fields["cascade_shared_lens"]),
-                         max_group_size=max(b - a for a, b in zip(indptr, indptr[1:])))
+    return CascadeInputs(*(dev[name] for name in FIELDS),
+                         max_group_size=max(b - a for a, b in zip(indptr, indptr[1:])),
+                         max_parts=max(fields["cascade_shared_parts"]))
+
+
+def graph_inputs(views: dict[str, torch.Tensor], rule: CascadeRule) -> CascadeInputs:
+    """A CUDA graph's view of its padded layout: fixed host bounds for every replay."""
+    return CascadeInputs(*(views[name] for name in FIELDS), max_group_size=rule.max_group_rows,
+                         max_parts=MAX_PARTS)
+
+
+def graph_sizes(bucket: int, rule: CascadeRule) -> dict[str, int]:
+    groups, items = rule.graph_capacity(bucket)
+    return dict(zip(FIELDS, (bucket, bucket, bucket, bucket, groups + 1, WORK_INTS * items)))
