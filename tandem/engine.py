@@ -268,7 +268,7 @@ class Engine:
         k = spec.num_speculative_tokens if spec is not None else 0
         # A verify step: 2 ints per query token, 4 per row, 3 per reserved slot (2 (k + 1) a row).
         verify = rows * (2 * (k + 1) + 5 + 6 * (k + 1)) if spec is not None else 0
-        cascade = 5 * rows  # a cascade plan: 3 ints per row, <= 1 + rows / 2 group offsets
+        cascade = 8 * rows + 4 * 512  # a cascade plan: 4 ints a row, <= rows / 2 + 1 offsets, 4 a work item
         self.stager = InputStager(self.streams, capacity=4 * max_tokens + reused + 10 * rows + 16 + verify + cascade,
                                   coarse=cfg.experiments.coarse_war_barrier)
         # A verify row's result: accepted, proposed, then its k + 1 samples.
@@ -281,11 +281,12 @@ class Engine:
         self.grammar = GrammarManager(self.tokenizer, self.model_config.vocab_size, sorted(self.eos_token_ids),
                                       self.streams, rows, cfg.grammar_threads, cfg.grammar_compile_timeout,
                                       enabled=self.parallel.tp.size == 1)
-        graphs = self._capture_graphs()
+        cascade = self._cascade_rule()
+        graphs = self._capture_graphs(cascade)
         self.runner = ModelRunner(self.model, self.kv, self.table, self.backend, self.sampler,
                                   self.future_map, self.streams, self.stager, self.copier, graphs,
                                   mirror=self.parallel.sender, spec=self.spec_state,
-                                  verify_graphs=self._capture_verify_graphs(), cascade=self._cascade_rule())
+                                  verify_graphs=self._capture_verify_graphs(), cascade=cascade)
         self.scheduler = Scheduler(
             SchedulerConfig(rows, cfg.max_prefill_tokens, cfg.chunked_prefill_size, cfg.enable_mixed_batch,
                             cfg.schedule_policy, max_reused_tokens_per_step=reused,
@@ -320,12 +321,12 @@ class Engine:
                               rows, self.device)
         return SpecState(rows, self.max_model_len, k, self.device, draft)
 
-    def _capture_graphs(self) -> DecodeGraphs | None:
+    def _capture_graphs(self, cascade: CascadeRule | None) -> DecodeGraphs | None:
         if not self._graphs_usable():
             return None
         draft = self.spec_state.draft if self.spec_state is not None else None
         graphs = DecodeGraphs(self.model, self.kv, self.table, self.backend, self.future_map, self.streams,
-                              self.stager, self._graph_buckets(), self.max_model_len, draft)
+                              self.stager, self._graph_buckets(), self.max_model_len, draft, cascade)
         graphs.capture()
         return graphs
 

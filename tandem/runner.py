@@ -23,6 +23,7 @@ from tandem.sampling.inputs import SampleOutput
 from tandem.sampling.inputs import seed_to_int64
 from tandem.sampling.noise import row_keys
 from tandem.scheduler.batch import ScheduledBatch
+from tandem.scheduler.cascade import FIELDS as CASCADE_FIELDS
 from tandem.scheduler.cascade import CascadePlan, CascadeRule, plan_cascade, staged_inputs
 from tandem.speculative.graphs import VERIFY_FIELDS, VerifyGraphs, settle
 from tandem.speculative.state import SpecState, SpecStep
@@ -85,7 +86,8 @@ class ModelRunner:
         else:
             fields = _metadata(batch) if bucket is None else _decode_metadata(batch, bucket)
         if cascade is not None:  # staged in the same copy as the rest of the step's inputs
-            fields.update(cascade.fields())
+            fields.update(cascade.fields() if bucket is None else
+                          cascade.padded_fields(bucket, *self.cascade.graph_capacity(bucket)))
         dev = self.stager.stage(batch.step, fields)
         try:
             if verify:
@@ -123,8 +125,8 @@ class ModelRunner:
                 if self.spec is not None:  # a sampled token follows its row's last input
                     pending.sampled_positions = dev["positions"][dev["sample_token_idx"]] + 1
             else:
-                logits = self.graphs.replay(bucket, batch.step % self.stager.depth,
-                                            dev["req_slots"])[:len(rows)]
+                logits = self.graphs.replay(bucket, batch.step % self.stager.depth, dev["req_slots"],
+                                            cascade=CASCADE_FIELDS[0] in fields)[:len(rows)]
                 sample_slots = dev["req_slots"][:len(rows)]
                 if self.spec is not None:
                     pending.sampled_positions = dev["positions"][:len(rows)] + 1
@@ -291,7 +293,7 @@ class ModelRunner:
     def _graph_bucket(self, batch: ScheduledBatch, cascade: CascadePlan | None) -> int | None:
         if self.graphs is None or not batch.is_decode or len(batch.rows) > self.graphs.max_batch:
             return None
-        if cascade is not None:  # cascade steps run eagerly (no graphs captured with its inputs)
+        if cascade is not None and not self.graphs.has_cascade(self.graphs.bucket(len(batch.rows))):
             return None
         return self.graphs.bucket(len(batch.rows))
 

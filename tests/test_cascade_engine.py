@@ -5,6 +5,7 @@ import random
 import pytest
 
 from tandem.config import EngineConfig, Experiments
+from tandem.cuda_graph import DecodeGraphs
 from tandem.engine import Engine
 from tandem.memory.allocator import SlotAllocator
 from tandem.memory.prefix_cache import PrefixCache
@@ -119,3 +120,35 @@ def test_plan_excludes_duplicate_copies():
     c = _admitted(cache, prefix + [3], slot=3)
     plan = plan_cascade([_decode_row(r) for r in (a, b, c)], CascadeRule.forced(max_group_rows=16))
     assert plan.shared_lens == [50, 0, 50] and plan.group_rows == [0, 2]
+
+
+class _EagerGraphs(DecodeGraphs):
+    """The CUDA-graph layout on the CPU: a 'replay' runs the captured function eagerly on the
+    staged views it would read, so the padded inputs and the runner's graph path are tested."""
+
+    cascade_replays = 0
+
+    def replay(self, bucket: int, ring: int, req_slots, cascade: bool = False):
+        self.cascade_replays += cascade
+        return self.forward(self.stager.views(ring, self.sizes(bucket, cascade)), bucket, cascade)
+
+
+def _with_graph_layout(engine: Engine) -> Engine:
+    e = engine
+    e.runner.graphs = _EagerGraphs(e.model, e.kv, e.table, e.backend, e.future_map, e.streams, e.stager,
+                                   [1, 2, 4, 8, 16, 32], e.max_model_len, cascade=e.runner.cascade)
+    return e
+
+
+def test_graph_layout_same_tokens(tiny_text_model):
+    """Both sides through the graph layout: its attention spans the model's whole context
+    (a graph's bound), whose float32 sums differ from the eager path's in the last bits."""
+    specs = group_specs(groups=3, per_group=5, prefix_len=61, seed=3)
+    kw = dict(chunked_prefill_size=32, max_prefill_tokens=64)
+    runs = {}
+    for mode in ("off", "on"):
+        engine = _with_graph_layout(_engine(tiny_text_model, mode, **kw))
+        runs[mode] = run_workload(engine, specs, arrive_per_step=64)
+        assert_kv_conserved(engine)
+    assert runs["on"] == runs["off"]
+    assert engine.runner.graphs.cascade_replays == engine.stats()["cascade_steps"] > 5
