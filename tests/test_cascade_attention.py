@@ -140,3 +140,16 @@ def test_cascade_padding_group_row_and_work_item():
     expected = ref.decode_attention(q, c["k_cache"], c["v_cache"], c["req_to_token"], slots, seq_lens, 0.2, 60)
     torch.testing.assert_close(out[:3], expected[:3], atol=1e-4, rtol=1e-4)
     assert torch.equal(out[3], torch.zeros_like(out[3]))
+
+
+def test_kernel_benchmark_runs_tiny():
+    """The H200 micro-benchmark's harness, at a tiny size in the interpreter: its cases are
+    exact, and it prints one table row per case."""
+    from tandem.bench import cascade_kernels as bench
+    case = bench.Case((4, 2, 32), groups=2, rows=3, shared=70, suffix=9)
+    d = bench.build(case, torch.float32, torch.device(DEVICE))
+    args = (d["q"], d["k"], d["v"], d["table"], d["req_slots"], d["seq_lens"])
+    out = cascade_attention(*args, d["layout"], 0.3, 79)
+    torch.testing.assert_close(out, ref.decode_attention(*args, 0.3, 79), atol=1e-4, rtol=1e-4)
+    row = bench.run_case(case, torch.float32, torch.device(DEVICE), reps=1)
+    assert set(row) == set(bench.COLUMNS) and row["single_ms"] > 0 and row["shared_gb_s"] > 0

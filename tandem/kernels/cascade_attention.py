@@ -137,19 +137,8 @@ def cascade_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     mid_lse = torch.empty(batch, num_heads, splits, dtype=torch.float32, device=q.device)
     decode_suffix_partials(q, k_cache, v_cache, req_to_token, req_slots, seq_lens, c.shared_lens, scale,
                            mid_o, mid_lse, suffix_splits, min_split_tokens, block_n)
+    shared_prefix_partials(q, k_cache, v_cache, req_to_token, req_slots, c, scale, mid_o, mid_lse, suffix_splits)
     block_d = triton.next_power_of_2(head_dim)
-    items = c.work.shape[0] // WORK_INTS
-    if items:
-        _shared_prefix_kernel[(items, num_kv_heads)](
-            q, k_cache, v_cache, req_to_token, req_slots, c.group_rows, c.group_indptr, c.work,
-            mid_o, mid_lse, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
-            v_cache.stride(0), v_cache.stride(1), req_to_token.stride(0),
-            mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
-            scale * LOG2E, suffix_splits,
-            GROUP=group, HEAD_DIM=head_dim, BLOCK_M=max(16, triton.next_power_of_2(c.max_group_size * group)),
-            BLOCK_N=block_n, BLOCK_D=block_d,
-            DOT_PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32", num_warps=4, num_stages=2,
-        )
     _cascade_merge_kernel[(batch, num_heads)](
         mid_o, mid_lse, out, seq_lens, c.shared_lens, c.shared_parts,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
@@ -158,3 +147,26 @@ def cascade_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         num_warps=4,
     )
     return out
+
+
+def shared_prefix_partials(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           req_to_token: torch.Tensor, req_slots: torch.Tensor, c: CascadeInputs, scale: float,
+                           mid_o: torch.Tensor, mid_lse: torch.Tensor, split_offset: int) -> None:
+    """The shared part alone: each work item's chunk of its group's prefix, attended by all the
+    group's queries, into splits [split_offset, split_offset + c.max_parts) of the mid buffers."""
+    num_heads, head_dim = q.shape[1:]
+    num_kv_heads = k_cache.shape[1]
+    items = c.work.shape[0] // WORK_INTS
+    if not items:
+        return
+    group = num_heads // num_kv_heads
+    _shared_prefix_kernel[(items, num_kv_heads)](
+        q, k_cache, v_cache, req_to_token, req_slots, c.group_rows, c.group_indptr, c.work,
+        mid_o, mid_lse, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+        v_cache.stride(0), v_cache.stride(1), req_to_token.stride(0),
+        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
+        scale * LOG2E, split_offset,
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_M=max(16, triton.next_power_of_2(c.max_group_size * group)),
+        BLOCK_N=default_block_n(head_dim), BLOCK_D=triton.next_power_of_2(head_dim),
+        DOT_PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32", num_warps=4, num_stages=2,
+    )
