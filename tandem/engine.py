@@ -296,11 +296,12 @@ class Engine:
 
     def _cascade_rule(self) -> CascadeRule | None:
         """The experiment's switch; off under tensor parallelism (workers' requests carry no
-        tree paths, and every rank must run the same attention)."""
+        tree paths, and every rank must run the same attention) and speculative decoding (the
+        draft model's forward reads the same batch with its own head layout)."""
         mode = self.cfg.experiments.cascade_attention
         if mode not in ("auto", "on", "off"):
             raise ValueError(f"experiments.cascade_attention must be auto, on or off; got {mode!r}")
-        if mode == "off" or self.parallel.tp.size > 1:
+        if mode == "off" or self.parallel.tp.size > 1 or self.speculative is not None:
             return None
         cfg = self.model_config
         rows = max_group_rows(cfg.num_heads, cfg.num_kv_heads)

@@ -69,6 +69,7 @@ class ModelRunner:
         self.mirror = mirror
         self.cascade = cascade  # decode steps group rows by shared prefix (cascade attention); None: off
         self.cascade_steps = self.cascade_rows = 0  # planned so far (stats)
+        self.cascade_paths: dict = {}  # the planner's memo of the rows' tree paths
 
     def launch(self, batch: ScheduledBatch, defer_sampling: bool = False) -> PendingResult:
         """Queue the step. With `defer_sampling` only the forward is queued; `sample` queues the
@@ -284,7 +285,7 @@ class ModelRunner:
         """Groups for a plain decode step (host facts only: the rows' tree paths and slots)."""
         if self.cascade is None or not batch.is_decode or batch.is_verify:
             return None
-        plan = plan_cascade(batch.rows, self.cascade)
+        plan = plan_cascade(batch.rows, self.cascade, self.cascade_paths)
         if plan is not None:
             self.cascade_steps += 1
             self.cascade_rows += len(plan.group_rows)

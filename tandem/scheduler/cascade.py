@@ -81,18 +81,23 @@ class CascadePlan:
             self.work + [0] * (WORK_INTS * items - len(self.work)))))
 
 
-def plan_cascade(rows: list[Row], rule: CascadeRule) -> CascadePlan | None:
+def plan_cascade(rows: list[Row], rule: CascadeRule, memo: dict | None = None) -> CascadePlan | None:
     """Groups of decode rows sharing a prefix the rule finds worth it; None when there are none.
-    Each row joins the node on its read path that saves most (prefix length x (1 - 1/rows))."""
-    paths = [_read_path(row.req) for row in rows]
-    counts = Counter(id(node) for path in paths for node, _ in path)
-    chosen: dict[int, tuple[int, list[int]]] = {}  # node id -> (shared length, rows)
+    Each row joins the node on its read path that saves most (prefix length x (1 - 1/rows)).
+    `memo` (the caller's, kept between steps) holds each row's read path; it is left holding
+    only this step's rows."""
+    paths = _read_paths(rows, memo if memo is not None else {})
+    counts = Counter(node for path in paths for node, _ in path)
+    if not counts or max(counts.values()) < rule.min_group_rows:
+        return None  # nothing shared (the common case without sharing): no per-row choice
+    ends = {node: end for path in paths for node, end in path}
+    score = {node: ends[node] * (1 - 1 / n) for node, n in counts.items() if rule.worth(ends[node], n)}
+    chosen: dict[int, list[int]] = {}  # node -> rows
     for b, path in enumerate(paths):
-        best = max(((end * (1 - 1 / counts[id(node)]), id(node), end) for node, end in path
-                    if rule.worth(end, counts[id(node)])), default=None)
+        best = max(((score[node], node) for node, _ in path if node in score), default=None)
         if best is not None:
-            chosen.setdefault(best[1], (best[2], []))[1].append(b)
-    groups = [(end, members[i:i + rule.max_group_rows]) for end, members in chosen.values()
+            chosen.setdefault(best[1], []).append(b)
+    groups = [(ends[node], members[i:i + rule.max_group_rows]) for node, members in chosen.items()
               for i in range(0, len(members), rule.max_group_rows)]
     groups = [(end, members) for end, members in groups if rule.worth(end, len(members))]
     if not groups:
@@ -109,8 +114,27 @@ def plan_cascade(rows: list[Row], rule: CascadeRule) -> CascadePlan | None:
     return CascadePlan(shared_lens, shared_parts, shared_src, group_rows, indptr, work)
 
 
-def _read_path(req) -> list[tuple[object, int]]:
-    """(node, end position) for each tree node, from the root, whose slots the request reads."""
+def _read_paths(rows: list[Row], memo: dict) -> list[list[tuple[int, int]]]:
+    """Each row's read path, reused from `memo` while its request keeps the same `cache_node`.
+    A reused path stays true: the request's slots below a node it read change only through
+    release, and a readmission at the same node reads the whole path. (A node split since then
+    is missing from it: a missed grouping, never a wrong one. Its node ids stay unique: the
+    entry holds `cache_node`, whose parent links keep every node of the path alive.)"""
+    old, paths = dict(memo), []
+    memo.clear()
+    for row in rows:
+        req = row.req
+        hit = old.get(id(req))
+        if hit is None or hit[0] is not req or hit[1] is not req.cache_node:
+            hit = (req, req.cache_node, _read_path(req))
+        memo[id(req)] = hit
+        paths.append(hit[2])
+    return paths
+
+
+def _read_path(req) -> list[tuple[int, int]]:
+    """(id of the node, its end position) for each tree node, from the root, whose slots the
+    request reads."""
     nodes, node = [], req.cache_node
     while node is not None and node.parent is not None:  # the root has no parent and no tokens
         nodes.append(node)
@@ -120,7 +144,7 @@ def _read_path(req) -> list[tuple[object, int]]:
         if end >= len(req.kv_slots) or req.kv_slots[end] != node.slots[0]:
             break  # the request computed its own copy from here on
         end += len(node.slots)
-        path.append((node, end))
+        path.append((id(node), end))
     return path
 
 
