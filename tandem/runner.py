@@ -311,7 +311,7 @@ class ModelRunner:
             qo_indptr=dev["qo_indptr"], req_to_token=self.table.table,
             host_req_slots=fields["req_slots"], host_seq_lens=fields["seq_lens"],
             host_extend_lens=[r.num_new for r in batch.rows], is_decode=batch.is_decode,
-            max_seq_len=max(fields["seq_lens"]), cascade=staged_inputs(fields, dev))
+            max_seq_len=max(fields["seq_lens"]), cascade=staged_inputs(fields, dev, self.cascade))
         hidden = self.model(fb, self.kv, self.backend)
         if self.spec is not None and self.spec.draft is not None:
             self.spec.draft.mirror(fb)  # the draft's KV is valid wherever the target's is

@@ -148,13 +148,14 @@ def _read_path(req) -> list[tuple[int, int]]:
     return path
 
 
-def staged_inputs(fields: dict[str, list[int]], dev: dict[str, torch.Tensor]) -> CascadeInputs | None:
-    """The eager forward's view of a plan staged with the step's metadata; None: it has none."""
+def staged_inputs(fields: dict[str, list[int]], dev: dict[str, torch.Tensor],
+                  rule: CascadeRule) -> CascadeInputs | None:
+    """The eager forward's view of a plan staged with the step's metadata; None: it has none.
+    The M tile is the rule's bound, as in graphs: one kernel specialization, compiled at
+    warm-up, not one per group size met while serving."""
     if FIELDS[0] not in fields:
         return None
-    indptr = fields["cascade_group_indptr"]
-    return CascadeInputs(*(dev[name] for name in FIELDS),
-                         max_group_size=max(b - a for a, b in zip(indptr, indptr[1:])),
+    return CascadeInputs(*(dev[name] for name in FIELDS), max_group_size=rule.max_group_rows,
                          max_parts=max(fields["cascade_shared_parts"]))
 
 
