@@ -152,3 +152,16 @@ def test_graph_layout_same_tokens(tiny_text_model):
         assert_kv_conserved(engine)
     assert runs["on"] == runs["off"]
     assert engine.runner.graphs.cascade_replays == engine.stats()["cascade_steps"] > 5
+
+
+def test_triton_backend_same_tokens(tiny_text_model):
+    """The Triton backend's cascade wiring, interpreted on the CPU (float32): a small run."""
+    pytest.importorskip("triton")
+    specs = group_specs(groups=2, per_group=3, prefix_len=45, seed=7)
+    runs, steps = {}, {}
+    for mode in ("off", "on"):
+        engine = _engine(tiny_text_model, mode, attention_backend="triton")
+        runs[mode] = run_workload(engine, specs, arrive_per_step=64)
+        steps[mode] = engine.stats()["cascade_steps"]
+    assert runs["on"] == runs["off"]
+    assert steps["off"] == 0 and steps["on"] > 3
