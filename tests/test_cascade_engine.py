@@ -165,3 +165,19 @@ def test_triton_backend_same_tokens(tiny_text_model):
         steps[mode] = engine.stats()["cascade_steps"]
     assert runs["on"] == runs["off"]
     assert steps["off"] == 0 and steps["on"] > 3
+
+
+def test_n_samples_decode_as_one_group(tiny_text_model):
+    """n > 1 shares the prompt through the cache, so its samples decode as one group; seeded
+    sampling gives the same tokens with the path on and off."""
+    from tandem import LLM
+    prompt = list(range(10, 130))
+    params = SamplingParams(n=4, temperature=0.8, seed=3, max_tokens=10, ignore_eos=True)
+    outs, steps = {}, {}
+    for mode in ("off", "on"):
+        llm = LLM(str(tiny_text_model), device=TEST_DEVICE, dtype="float32",
+                  experiments=Experiments(cascade_attention=mode))
+        outs[mode] = [c.token_ids for c in llm.generate([prompt], params, use_tqdm=False)[0].outputs]
+        steps[mode] = llm.engine.stats()["cascade_steps"]
+    assert outs["on"] == outs["off"] and len(set(map(tuple, outs["on"]))) > 1
+    assert steps["off"] == 0 and steps["on"] >= 8
