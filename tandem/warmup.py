@@ -52,8 +52,9 @@ def warm_up(engine) -> float:
                       for _ in range(b)])
     rule = engine.runner.cascade
     if rule is not None:  # an eager cascade step (graphs compiled theirs at capture): one shared prompt
-        shared = prompt(min(rule.min_shared_len + 16, engine.max_model_len - 8))
         rows = min(decode_batches[-1], cfg.max_running_requests)
+        enough = max(rule.min_shared_len, rule.min_saved_tokens // max(rows - 1, 1)) + 16  # the rule groups it
+        shared = prompt(min(enough, engine.max_model_len - 8))
         _run(engine, [(shared, SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))] * rows)
     engine.reset_prefix_cache()
     engine.prefix_cache.hit_tokens = engine.prefix_cache.queried_tokens = 0

@@ -104,7 +104,10 @@ def test_plan_groups_rows_reading_the_same_node():
     # Larger groups are cut to the tile; the rule's thresholds drop short prefixes.
     cut = plan_cascade(rows, CascadeRule.forced(max_group_rows=2))
     assert cut.group_indptr == [0, 2, 4]
-    assert plan_cascade(rows, CascadeRule(min_shared_len=51)) is None
+    assert plan_cascade(rows, CascadeRule(min_shared_len=51, min_saved_tokens=0)) is None
+    # The step-level rule: 4 rows x 50 shared tokens save 3 x 50 reads.
+    assert plan_cascade(rows, CascadeRule(min_shared_len=50, min_saved_tokens=150)) is not None
+    assert plan_cascade(rows, CascadeRule(min_shared_len=50, min_saved_tokens=151)) is None
 
 
 def test_plan_excludes_duplicate_copies():

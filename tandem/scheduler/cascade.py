@@ -25,24 +25,31 @@ FIELDS = ("cascade_shared_lens", "cascade_shared_parts", "cascade_shared_src", "
 
 @dataclass(frozen=True)
 class CascadeRule:
-    """When a group's shared prefix is worth a separate pass.
+    """When grouping pays, per group and per step.
 
-    Defaults: the shared pass costs one extra launch and a merge, and reading a prefix once per
-    group only pays when the prefix is long (FlashInfer's cascade loses on 128-token prefixes;
-    our split-K decode kernel spreads one row over >= 64-token splits, so below a few hundred
-    tokens the row kernel is already latency-bound) and the group has several rows. 256 tokens
-    and 2 rows are the starting point until the H200 sweep (`tandem.bench.decode_kernels
-    --cascade`) measures the crossover; `forced()` groups any shared prefix (tests, A/B).
+    A cascade step runs two more kernels a layer than a plain one (the shared part and the
+    merge, the suffix part replacing the plain decode kernel): ~2 x 28 layers x a few us,
+    0.15-0.3 ms a step on the H200 even inside a graph, the time to stream ~0.6-1.2 GB at
+    ~4 TB/s, i.e. ~5-10k tokens of Qwen3-0.6B's KV (112 KiB a token over its 28 layers;
+    Llama-3.1-8B: 128 KiB). So a step groups only when its groups save >= `min_saved_tokens`
+    token reads ((rows - 1) x prefix length, summed). Per group, the merge's partial outputs
+    cost ~32 KiB a row a layer against 4 KiB a shared token a layer saved, and FlashInfer's
+    cascade loses on 128-token prefixes: `min_shared_len` 256. All three numbers come from
+    this arithmetic, not from a measurement yet: the H200 sweep
+    (`python -m tandem.bench.cascade_kernels`) measures the crossover. `forced()` groups any
+    shared prefix (tests, A/B).
     """
 
     min_shared_len: int = 256
     min_group_rows: int = 2
+    min_saved_tokens: int = 8192
     max_group_rows: int = 16  # the kernel's M tile: set from the model's heads per KV head
     work_items: int = 32  # prefix chunks a step aims for: ~2 waves of SMs per KV head (the engine sets it)
 
     @classmethod
     def forced(cls, max_group_rows: int, work_items: int = 32) -> "CascadeRule":
-        return cls(min_shared_len=1, min_group_rows=2, max_group_rows=max_group_rows, work_items=work_items)
+        return cls(min_shared_len=1, min_group_rows=2, min_saved_tokens=0, max_group_rows=max_group_rows,
+                   work_items=work_items)
 
     def graph_capacity(self, bucket: int) -> tuple[int, int]:
         """(groups, work items) a `bucket`-row step can need: groups have >= min_group_rows
@@ -100,7 +107,7 @@ def plan_cascade(rows: list[Row], rule: CascadeRule, memo: dict | None = None) -
     groups = [(ends[node], members[i:i + rule.max_group_rows]) for node, members in chosen.items()
               for i in range(0, len(members), rule.max_group_rows)]
     groups = [(end, members) for end, members in groups if rule.worth(end, len(members))]
-    if not groups:
+    if not groups or sum((len(members) - 1) * end for end, members in groups) < rule.min_saved_tokens:
         return None
     work, parts = split_prefixes([end for end, _ in groups], rule.work_items)
     shared_lens, shared_parts = [0] * len(rows), [0] * len(rows)
