@@ -132,9 +132,10 @@ def prefix(ctx: Ctx, preset: str, cache: str, budget: float, cascade: str = "aut
              if ctx.quick else ["--max-running-requests", "512"])  # 512: docs/benchmarks.md, run 2
     argv = [*BENCH, "prefix", "--preset", model, "--device", ctx.device, "--workload", "shared",
             *sizes, "--cache", cache, "--cascade", cascade]
-    name = f"cache_{cache}" + ("" if cascade == "auto" else f"_cascade_{cascade}")
-    key = f"prefix.{model}.shared.{name}"
-    return RunSpec("prefix", f"prefix-{model}-shared-{name}", argv, budget, lambda _, log: _prefix_figures(log, key))
+    ab = "" if cascade == "auto" else f"_cascade_{cascade}"
+    key = f"prefix.{model}.shared.cache_{cache}{ab}"
+    run = f"prefix-{model}-shared-{cache}{ab.replace('_', '-')}"
+    return RunSpec("prefix", run, argv, budget, lambda _, log: _prefix_figures(log, key))
 
 
 def _prefix_figures(log: Path, key: str) -> Figures:
