@@ -311,7 +311,8 @@ class Engine:
         items = -(-2 * sms // cfg.num_kv_heads)  # prefix chunks for ~2 waves of (chunk, KV head) programs
         if mode == "on":
             return CascadeRule.forced(rows, items)
-        return CascadeRule(max_group_rows=rows, work_items=items)
+        kv_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * self.dtype.itemsize
+        return CascadeRule.for_model(rows, items, kv_bytes)
 
     def _spec_state(self, k: int) -> SpecState:
         spec, rows = self.speculative, self.cfg.max_running_requests

@@ -74,6 +74,14 @@ def test_auto_rule_skips_short_prefixes(tiny_text_model):
     assert stats["cascade_steps"] == 0
 
 
+def test_rule_scales_with_the_models_kv_bytes():
+    """The step threshold is a fixed cost in KV bytes: 8x the tokens with 1 KV head than 8."""
+    qwen = CascadeRule.for_model(32, 33, kv_bytes_per_token=2 * 28 * 8 * 128 * 2)
+    one_head = CascadeRule.for_model(32, 33, kv_bytes_per_token=2 * 28 * 1 * 128 * 2)
+    assert 8000 < qwen.min_saved_tokens < 10000
+    assert abs(one_head.min_saved_tokens - 8 * qwen.min_saved_tokens) <= 8
+
+
 # ---- grouping from the tree (host only) ----
 def _admitted(cache: PrefixCache, tokens: list[int], slot: int, computed: int | None = None) -> Request:
     req = Request(f"q{slot}", tokens, SamplingParams(max_tokens=4), seed=0, max_samples=4)

@@ -18,6 +18,8 @@ import torch
 from tandem.cascade_layout import MAX_PARTS, WORK_INTS, CascadeInputs, split_prefixes
 from tandem.scheduler.batch import Row
 
+STEP_COST_BYTES = 1 << 30  # a cascade step's two extra kernels a layer, as KV streamed meanwhile (CascadeRule)
+
 # Staged in this order; CascadeInputs takes the tensors in the same order.
 FIELDS = ("cascade_shared_lens", "cascade_shared_parts", "cascade_shared_src", "cascade_group_rows",
           "cascade_group_indptr", "cascade_work")
@@ -30,9 +32,10 @@ class CascadeRule:
     A cascade step runs two more kernels a layer than a plain one (the shared part and the
     merge, the suffix part replacing the plain decode kernel): ~2 x 28 layers x a few us,
     0.15-0.3 ms a step on the H200 even inside a graph, the time to stream ~0.6-1.2 GB at
-    ~4 TB/s, i.e. ~5-10k tokens of Qwen3-0.6B's KV (112 KiB a token over its 28 layers;
-    Llama-3.1-8B: 128 KiB). So a step groups only when its groups save >= `min_saved_tokens`
-    token reads ((rows - 1) x prefix length, summed). Per group, the merge's partial outputs
+    ~4 TB/s (STEP_COST_BYTES), i.e. ~5-10k tokens of Qwen3-0.6B's KV (112 KiB a token over its
+    28 layers; Llama-3.1-8B: 128 KiB; a model with one KV head: 8x more tokens). So a step
+    groups only when its groups save >= `min_saved_tokens` token reads ((rows - 1) x prefix
+    length, summed), STEP_COST_BYTES in the model's KV bytes a token (`for_model`). Per group, the merge's partial outputs
     cost ~32 KiB a row a layer against 4 KiB a shared token a layer saved, and FlashInfer's
     cascade loses on 128-token prefixes: `min_shared_len` 256. All three numbers come from
     this arithmetic, not from a measurement yet: the H200 sweep
@@ -45,6 +48,12 @@ class CascadeRule:
     min_saved_tokens: int = 8192
     max_group_rows: int = 16  # the kernel's M tile: set from the model's heads per KV head
     work_items: int = 32  # prefix chunks a step aims for: ~2 waves of SMs per KV head (the engine sets it)
+
+    @classmethod
+    def for_model(cls, max_group_rows: int, work_items: int, kv_bytes_per_token: int) -> "CascadeRule":
+        """The cost rule for a model whose KV takes `kv_bytes_per_token` over all layers."""
+        return cls(min_saved_tokens=-(-STEP_COST_BYTES // kv_bytes_per_token), max_group_rows=max_group_rows,
+                   work_items=work_items)
 
     @classmethod
     def forced(cls, max_group_rows: int, work_items: int = 32) -> "CascadeRule":
