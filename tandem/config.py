@@ -121,6 +121,9 @@ class Experiments:
     # Split-K decode attention: each row picks its split count from its own length (on the
     # device); off spreads every row over the grid's splits, sized for the longest context.
     attention_split_by_context: bool = True
+    # Cascade decode attention (rows sharing a cached prefix read it once per group): auto groups
+    # by `CascadeRule`'s cost thresholds, on groups every shared prefix (>= 2 rows), off never.
+    cascade_attention: str = "auto"
 
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]

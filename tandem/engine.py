@@ -24,6 +24,7 @@ from tandem.diagnostics.timeline import StepRecord, Timeline
 from tandem.grammar import GrammarManager
 from tandem.limits import context_error
 from tandem.cuda_graph import DecodeGraphs, default_buckets
+from tandem.cascade_layout import max_group_rows
 from tandem.config import EngineConfig, ModelConfig, resolve_device, resolve_dtype
 from tandem.memory.allocator import SlotAllocator
 from tandem.memory.kv_cache import KVCache
@@ -47,6 +48,7 @@ from tandem.sampling.prompt_logprobs import PromptLogprobs
 from tandem.sampling.bias import BAN, BadWordsMask, min_tokens_bias, static_bias
 from tandem.sampling.params import check_unicode
 from tandem.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from tandem.scheduler.cascade import CascadeRule
 from tandem.speculative.config import SpeculativeConfig
 from tandem.speculative.draft import DraftProposer, check_draft
 from tandem.speculative.graphs import VerifyGraphs
@@ -268,7 +270,8 @@ class Engine:
         # A verify step: 2 ints per query token, 4 per row, 3 per reserved slot (2 (k + 1) a row).
         verify = rows * (2 * (k + 1) + 5 + 6 * (k + 1)) if spec is not None else 0
         # Per token: id, position, KV slot, request slot, and for prompt logprobs row and target.
-        self.stager = InputStager(self.streams, capacity=6 * max_tokens + reused + 10 * rows + 16 + verify,
+        cascade = 8 * rows + 4 * 512  # a cascade plan: 4 ints a row, <= rows / 2 + 1 offsets, 4 a work item
+        self.stager = InputStager(self.streams, capacity=6 * max_tokens + reused + 10 * rows + 16 + verify + cascade,
                                   coarse=cfg.experiments.coarse_war_barrier)
         # A verify row's result: accepted, proposed, then its k + 1 samples.
         self.copier = ResultCopier(self.streams, max_rows=rows * (k + 3) if spec is not None else rows)
@@ -280,17 +283,38 @@ class Engine:
         self.grammar = GrammarManager(self.tokenizer, self.model_config.vocab_size, sorted(self.eos_token_ids),
                                       self.streams, rows, cfg.grammar_threads, cfg.grammar_compile_timeout,
                                       enabled=self.parallel.tp.size == 1)
-        graphs = self._capture_graphs()
+        cascade = self._cascade_rule()
+        graphs = self._capture_graphs(cascade)
         self.runner = ModelRunner(self.model, self.kv, self.table, self.backend, self.sampler,
                                   self.future_map, self.streams, self.stager, self.copier, graphs,
                                   mirror=self.parallel.sender, spec=self.spec_state,
-                                  verify_graphs=self._capture_verify_graphs())
+                                  verify_graphs=self._capture_verify_graphs(), cascade=cascade)
         self.scheduler = Scheduler(
             SchedulerConfig(rows, cfg.max_prefill_tokens, cfg.chunked_prefill_size, cfg.enable_mixed_batch,
                             cfg.schedule_policy, max_reused_tokens_per_step=reused,
                             mixed_prefill_budget=cfg.mixed_prefill_budget),
             self.prefix_cache, self.req_slots, on_admit=self.runner.admit,
             verify=VerifyPlanner(spec) if spec is not None else None)
+
+    def _cascade_rule(self) -> CascadeRule | None:
+        """The experiment's switch; off under tensor parallelism (workers' requests carry no
+        tree paths, and every rank must run the same attention) and speculative decoding (the
+        draft model's forward reads the same batch with its own head layout)."""
+        mode = self.cfg.experiments.cascade_attention
+        if mode not in ("auto", "on", "off"):
+            raise ValueError(f"experiments.cascade_attention must be auto, on or off; got {mode!r}")
+        if mode == "off" or self.parallel.tp.size > 1 or self.speculative is not None:
+            return None
+        cfg = self.model_config
+        rows = max_group_rows(cfg.num_heads, cfg.num_kv_heads)
+        if rows < 2:  # a group's queries would not fit one tile: nothing to share
+            return None
+        sms = torch.cuda.get_device_properties(self.device).multi_processor_count if self.device.type == "cuda" else 4
+        items = -(-2 * sms // cfg.num_kv_heads)  # prefix chunks for ~2 waves of (chunk, KV head) programs
+        if mode == "on":
+            return CascadeRule.forced(rows, items)
+        kv_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * self.dtype.itemsize
+        return CascadeRule.for_model(rows, items, kv_bytes)
 
     def _spec_state(self, k: int) -> SpecState:
         spec, rows = self.speculative, self.cfg.max_running_requests
@@ -301,12 +325,12 @@ class Engine:
                               rows, self.device)
         return SpecState(rows, self.max_model_len, k, self.device, draft)
 
-    def _capture_graphs(self) -> DecodeGraphs | None:
+    def _capture_graphs(self, cascade: CascadeRule | None) -> DecodeGraphs | None:
         if not self._graphs_usable():
             return None
         draft = self.spec_state.draft if self.spec_state is not None else None
         graphs = DecodeGraphs(self.model, self.kv, self.table, self.backend, self.future_map, self.streams,
-                              self.stager, self._graph_buckets(), self.max_model_len, draft)
+                              self.stager, self._graph_buckets(), self.max_model_len, draft, cascade)
         graphs.capture()
         return graphs
 
@@ -813,6 +837,8 @@ class Engine:
                 "cuda_graph_memory_mib": sum(g.memory_bytes for g in (self.runner.graphs, self.runner.verify_graphs)
                                              if g is not None) / 2**20,
                 "num_preemptions": self.scheduler.num_preemptions,
+                "cascade_steps": self.runner.cascade_steps,  # decode steps with shared-prefix groups
+                "cascade_rows": self.runner.cascade_rows,  # rows those steps grouped, summed
                 "memory": self.memory.as_dict() if self.memory is not None else None,
                 "steps": self.step_id, **(self.spec_counters.as_dict() if self.speculative is not None else {})}
 

@@ -24,6 +24,8 @@ from tandem.sampling.inputs import seed_to_int64
 from tandem.sampling.noise import row_keys
 from tandem.sampling.prompt_logprobs import PromptLogprobs, compute_prompt_logprobs
 from tandem.scheduler.batch import ScheduledBatch
+from tandem.scheduler.cascade import FIELDS as CASCADE_FIELDS
+from tandem.scheduler.cascade import CascadePlan, CascadeRule, plan_cascade, staged_inputs
 from tandem.speculative.graphs import VERIFY_FIELDS, VerifyGraphs, settle
 from tandem.speculative.state import SpecState, SpecStep
 from tandem.speculative.verify import Verdict, accept_rejection
@@ -61,7 +63,7 @@ class ModelRunner:
                  sampler: Sampler, future_map: FutureMap, streams: StreamSet,
                  stager: InputStager, copier: ResultCopier, graphs: DecodeGraphs | None = None,
                  timing: bool = False, mirror=None, spec: SpecState | None = None,
-                 verify_graphs: VerifyGraphs | None = None):
+                 verify_graphs: VerifyGraphs | None = None, cascade: CascadeRule | None = None):
         self.model, self.kv, self.table, self.backend = model, kv, table, backend
         self.spec = spec  # speculative decoding's device state; None: off
         self.verify_graphs = verify_graphs
@@ -69,6 +71,9 @@ class ModelRunner:
         self.stager, self.copier, self.graphs, self.timing = stager, copier, graphs, timing
         # Tensor parallelism, rank 0: the same admits and steps go to the workers (StepSender).
         self.mirror = mirror
+        self.cascade = cascade  # decode steps group rows by shared prefix (cascade attention); None: off
+        self.cascade_steps = self.cascade_rows = 0  # planned so far (stats)
+        self.cascade_paths: dict = {}  # the planner's memo of the rows' tree paths
 
     def launch(self, batch: ScheduledBatch, defer_sampling: bool = False) -> PendingResult:
         """Queue the step. With `defer_sampling` only the forward is queued; `sample` queues the
@@ -79,11 +84,15 @@ class ModelRunner:
             assert not defer_sampling, "token masks under tensor parallelism"
             self.mirror.launch(batch)  # first: the workers start while this rank stages
         verify = batch.is_verify
-        bucket = self._verify_bucket(batch, defer_sampling) if verify else self._graph_bucket(batch)
+        cascade = self._cascade_plan(batch)
+        bucket = self._verify_bucket(batch, defer_sampling) if verify else self._graph_bucket(batch, cascade)
         if verify:
             fields = _verify_metadata(batch, bucket)
         else:
             fields = _metadata(batch) if bucket is None else _decode_metadata(batch, bucket)
+        if cascade is not None:  # staged in the same copy as the rest of the step's inputs
+            fields.update(cascade.fields() if bucket is None else
+                          cascade.padded_fields(bucket, *self.cascade.graph_capacity(bucket)))
         dev = self.stager.stage(batch.step, fields)
         try:
             if verify:
@@ -121,8 +130,8 @@ class ModelRunner:
                 if self.spec is not None:  # a sampled token follows its row's last input
                     pending.sampled_positions = dev["positions"][dev["sample_token_idx"]] + 1
             else:
-                logits = self.graphs.replay(bucket, batch.step % self.stager.depth,
-                                            dev["req_slots"])[:len(rows)]
+                logits = self.graphs.replay(bucket, batch.step % self.stager.depth, dev["req_slots"],
+                                            cascade=CASCADE_FIELDS[0] in fields)[:len(rows)]
                 sample_slots = dev["req_slots"][:len(rows)]
                 if self.spec is not None:
                     pending.sampled_positions = dev["positions"][:len(rows)] + 1
@@ -277,8 +286,20 @@ class ModelRunner:
         emitted = verdict.tokens[step.token_row, step.token_offset]
         return verdict, self.sampler.with_logprobs(raw, emitted, sampling)
 
-    def _graph_bucket(self, batch: ScheduledBatch) -> int | None:
+    def _cascade_plan(self, batch: ScheduledBatch) -> CascadePlan | None:
+        """Groups for a plain decode step (host facts only: the rows' tree paths and slots)."""
+        if self.cascade is None or not batch.is_decode or batch.is_verify:
+            return None
+        plan = plan_cascade(batch.rows, self.cascade, self.cascade_paths)
+        if plan is not None:
+            self.cascade_steps += 1
+            self.cascade_rows += len(plan.group_rows)
+        return plan
+
+    def _graph_bucket(self, batch: ScheduledBatch, cascade: CascadePlan | None) -> int | None:
         if self.graphs is None or not batch.is_decode or len(batch.rows) > self.graphs.max_batch:
+            return None
+        if cascade is not None and not self.graphs.has_cascade(self.graphs.bucket(len(batch.rows))):
             return None
         return self.graphs.bucket(len(batch.rows))
 
@@ -296,7 +317,7 @@ class ModelRunner:
             qo_indptr=dev["qo_indptr"], req_to_token=self.table.table,
             host_req_slots=fields["req_slots"], host_seq_lens=fields["seq_lens"],
             host_extend_lens=[r.num_new for r in batch.rows], is_decode=batch.is_decode,
-            max_seq_len=max(fields["seq_lens"]))
+            max_seq_len=max(fields["seq_lens"]), cascade=staged_inputs(fields, dev, self.cascade))
         hidden = self.model(fb, self.kv, self.backend)
         if self.spec is not None and self.spec.draft is not None:
             self.spec.draft.mirror(fb)  # the draft's KV is valid wherever the target's is
