@@ -19,8 +19,7 @@ from tandem.overlap.staging import InputStager
 from tandem.overlap.streams import StreamSet
 from tandem.request import Request
 from tandem.sampling import Sampler, SamplingInputs, SamplingParams
-from tandem.sampling.inputs import SampleOutput
-from tandem.sampling.inputs import seed_to_int64
+from tandem.sampling.inputs import SampleOutput, seed_to_int64
 from tandem.sampling.noise import row_keys
 from tandem.sampling.prompt_logprobs import PromptLogprobs, compute_prompt_logprobs
 from tandem.scheduler.batch import ScheduledBatch
@@ -267,7 +266,7 @@ class ModelRunner:
         else:
             out = self.sampler.sample(logits, sampling, bitmask, extra)  # a bitmask only when every k is 0
             verdict = self.spec.point_mass_verdict(step, out.token_ids)
-        packed, _ = settle(self.spec, self.future_map, step, slots, verdict)
+        packed = settle(self.spec, self.future_map, step, slots, verdict)
         self.sampler.record_emitted(slots, verdict.tokens, verdict.accepted)
         return packed, out.logprobs, out.top_ids, out.top_logprobs
 

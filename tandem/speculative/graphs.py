@@ -22,16 +22,13 @@ from tandem.speculative.verify import Verdict
 log = logging.getLogger("tandem")
 
 
-def settle(spec: SpecState, future_map, step: SpecStep, slots: torch.Tensor,
-           verdict: Verdict) -> tuple[torch.Tensor, torch.Tensor]:
+def settle(spec: SpecState, future_map, step: SpecStep, slots: torch.Tensor, verdict: Verdict) -> torch.Tensor:
     """After the verdict (from the target's samples or the rejection step): the new lengths
-    and history, each row's last emitted token relayed to the next step. Returns (packed,
-    last): packed row b is [accepted, proposed, tokens[0..k]], it emits tokens[:accepted + 1]."""
+    and history, each row's last emitted token relayed to the next step. Returns the packed
+    result: row b is [accepted, proposed, tokens[0..k]], it emits tokens[:accepted + 1]."""
     accepted, tokens = spec.finish(step, slots, verdict)
-    last = tokens.gather(1, accepted[:, None]).squeeze(1)
-    future_map.stash(slots, last)
-    packed = torch.cat([accepted[:, None], step.proposal.count[:, None], tokens], dim=1).flatten()
-    return packed, last
+    future_map.stash(slots, tokens.gather(1, accepted[:, None]).squeeze(1))
+    return torch.cat([accepted[:, None], step.proposal.count[:, None], tokens], dim=1).flatten()
 
 
 # The fixed fields a graph reads from the staging ring, in this order at the ring slot's start.
@@ -123,7 +120,7 @@ class VerifyGraphs:
         No penalty counts: a greedy-only step has no row with penalties, and a request with
         them resets its slot's counts when admitted."""
         verdict = self.spec.point_mass_verdict(step, logits.argmax(dim=-1))
-        return settle(self.spec, self.future_map, step, slots, verdict)[0]
+        return settle(self.spec, self.future_map, step, slots, verdict)
 
     def replay_tail(self, bucket: int, ring: int, rows: int, logits: torch.Tensor, step: SpecStep) -> torch.Tensor:
         """Queue the greedy tail of the step `replay(bucket, ring)` just queued (its untrimmed
