@@ -155,6 +155,10 @@ class EngineConfig:
         None, "mixed batches: prefill tokens a step carries beside its decodes (None: one chunk less the decodes)")
     enable_prefix_caching: bool = knob(True, "reuse the KV of cached prompt prefixes (radix tree)",
                                        aliases=("--prefix-caching",))
+    # Off by default: pinned memory is taken from the OS up front (it cannot be swapped), and a
+    # safe size depends on what else the host runs; the user knows, the engine cannot.
+    host_kv_cache_gb: float = knob(0.0, "GiB of pinned host memory per rank for prefixes evicted from the "
+                                        "KV pool (a second prefix-cache tier; 0: off)")
     schedule_policy: Literal["fcfs", "lpm"] = knob(
         "fcfs", "admission order: first come first served, or longest cached prefix first")
     attention_backend: Literal["auto", "torch", "triton"] = knob(

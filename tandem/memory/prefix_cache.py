@@ -14,20 +14,43 @@ on the forward stream. Eviction takes only nodes no request locks, and a request
 uses until it is released, so nothing an in-flight step reads can be evicted.
 
 With caching disabled the same calls keep the same books with an always-empty tree.
+
+Host tier (`HostTier`): eviction writes unreferenced prefixes back to pinned host memory, and
+`admit` loads the host-resident part of a match back into fresh GPU slots (at most
+`load_tokens_per_step` tokens per planned step: the copy's share of the step). The copies'
+ordering rules are in `tandem.overlap.kv_tier_copy`.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Callable
+
 from tandem.memory.allocator import SlotAllocator
-from tandem.memory.radix_cache import RadixCache
+from tandem.memory.radix_cache import HostTierHooks, Node, RadixCache
 from tandem.request import Request
 
 
+@dataclass
+class HostTier:
+    """The host tier as the prefix cache sees it: host slots and the two copy directions."""
+
+    host_slots: SlotAllocator
+    write_back: Callable[[list[int], list[int]], None]  # (gpu_slots, host_slots)
+    load: Callable[[list[int], list[int]], None]  # (host_slots, gpu_slots)
+    load_tokens_per_step: int = 16384
+
+
 class PrefixCache:
-    def __init__(self, kv_slots: SlotAllocator, enabled: bool = True, debug: bool = False):
+    def __init__(self, kv_slots: SlotAllocator, enabled: bool = True, debug: bool = False,
+                 host: HostTier | None = None):
         self.kv_slots, self.enabled, self.debug = kv_slots, enabled, debug
-        self.tree = RadixCache(kv_slots.free)
+        self.host = host if enabled else None
+        hooks = HostTierHooks(host.host_slots, host.write_back) if self.host is not None else None
+        self.tree = RadixCache(kv_slots.free, hooks)
         self.hit_tokens = 0  # running totals, in prompt tokens
         self.queried_tokens = 0
+        self.host_hit_tokens = 0  # tokens loaded back from the host tier (kept by an undone admission)
+        self._load_tokens_left = 0  # this step's load budget (new_step)
 
     # ---- capacity ----
     @property
@@ -44,6 +67,11 @@ class PrefixCache:
         if short > 0:
             self.tree.evict(short)
         return self.kv_slots.alloc(n)
+
+    def new_step(self) -> None:
+        """A step is being planned: its loads from the host tier start a fresh budget."""
+        if self.host is not None:
+            self._load_tokens_left = self.host.load_tokens_per_step
 
     # ---- a request's prefix ----
     def match_length(self, req: Request) -> int:
@@ -62,11 +90,46 @@ class PrefixCache:
         if not self.enabled:
             return 0
         slots, node = self.tree.match(fill[:len(fill) - 1])
+        if self.host is not None:
+            loaded, node = self._load_host_part(node, fill[:len(fill) - 1], len(slots))
+            slots = slots + loaded
         if slots:
             self.tree.lock(node)
             req.kv_slots, req.cached_len, req.cache_node = slots, len(slots), node
             self.hit_tokens += len(slots)
         return len(slots)
+
+    def _load_host_part(self, node: Node, tokens: list[int], start: int) -> tuple[list[int], Node]:
+        """Load the host-resident continuation of a match (tokens[:start] ending at `node`)
+        into fresh GPU slots, as far as this step's budget and the GPU room allow. The loaded
+        nodes stay cached on the GPU even if admission then does not go ahead."""
+        path = self.tree.host_continuation(node, tokens, start)
+        if not path:
+            return [], node
+        self.tree.lock(node)  # the GPU part of the match stays while eviction makes room
+        room = min(self._load_tokens_left, self.available())
+        take, total = [], 0
+        for host_node in path:
+            if total + len(host_node.key) > room:
+                break
+            take.append(host_node)
+            total += len(host_node.key)
+        if not take:
+            self.tree.unlock(node)
+            return [], node
+        self.tree.lock(take[-1])  # eviction's write-backs must not drop what is being loaded
+        gpu_slots = self.alloc(total)
+        host_slots = [h for n in take for h in n.host_slots]
+        self.host.load(host_slots, gpu_slots)
+        at = 0
+        for host_node in take:
+            self.host.host_slots.free(self.tree.mark_loaded(host_node, gpu_slots[at:at + len(host_node.key)]))
+            at += len(host_node.key)
+        self.tree.unlock(take[-1])
+        self.tree.unlock(node)
+        self._load_tokens_left -= total
+        self.host_hit_tokens += total
+        return gpu_slots, take[-1]
 
     def undo_admit(self, req: Request) -> None:
         """Admission did not go ahead (no room): drop the lock, keep the tree as it was."""
@@ -104,8 +167,11 @@ class PrefixCache:
         req.cache_node, req.cached_len = node, upto
 
     def reset(self) -> int:
-        """Drop every cached prefix no request uses. Returns the slots freed."""
-        return self.tree.evict(self.tree.evictable_tokens)
+        """Drop every cached prefix no request uses, in both tiers. Returns the GPU slots freed."""
+        freed = self.tree.evict(self.tree.evictable_tokens, to_host=False)
+        if self.host is not None:
+            self.tree.evict_host(self.tree.host_tokens)
+        return freed
 
     # ---- debug checks ----
     def check(self, requests: list[Request]) -> None:
@@ -131,3 +197,7 @@ class PrefixCache:
         assert total == self.kv_slots.count, \
             f"KV slots leaked: {self.kv_slots.num_free} free + {len(tree_slots)} cached + " \
             f"{len(owned)} held != {self.kv_slots.count}"
+        if self.host is not None:
+            pool, held = self.host.host_slots, len(self.tree.all_host_slots())
+            assert pool.num_free + held == pool.count, \
+                f"host slots leaked: {pool.num_free} free + {held} cached != {pool.count}"

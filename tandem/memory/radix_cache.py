@@ -6,21 +6,32 @@ them (`lock`/`unlock`, counted on the whole path to the root), and only unrefere
 evicted, least recently used first. Host-only bookkeeping: it never touches device memory.
 
 The tree owns the slots of its nodes: whoever inserts hands them over, eviction frees them.
+
+With a host tier (`HostTierHooks`), a node lives on the GPU (`slots`) or on the host
+(`host_slots`, its `slots` empty). GPU eviction writes an unreferenced node with no GPU child
+back to the host instead of dropping it; the host tier's own eviction drops the coldest
+host-only leaves. A GPU node's parent is always on the GPU (the root counts), so a match is a
+GPU part followed by a host part, which the caller loads back (`host_continuation`,
+`mark_loaded`). LRU order is shared by both tiers (one clock).
 """
 from __future__ import annotations
 
 import heapq
 import itertools
+from dataclasses import dataclass
 from typing import Callable
+
+from tandem.memory.allocator import SlotAllocator
 
 _clock = itertools.count()  # access order for LRU; a counter, so ties cannot happen
 
 
 class Node:
-    __slots__ = ("key", "slots", "children", "parent", "lock_ref", "last_access")
+    __slots__ = ("key", "slots", "host_slots", "children", "parent", "lock_ref", "last_access")
 
     def __init__(self, key: list[int], slots: list[int], parent: "Node | None"):
         self.key, self.slots, self.parent = key, slots, parent
+        self.host_slots: list[int] | None = None  # set while the node lives on the host
         self.children: dict[int, Node] = {}  # by first token of the child's key
         self.lock_ref = 0
         self.last_access = next(_clock)
@@ -29,13 +40,24 @@ class Node:
         return self.last_access < other.last_access
 
 
+@dataclass
+class HostTierHooks:
+    """What the tree needs of a host tier: its slot allocator and a way to queue a copy of GPU
+    slots to host slots (the copy's ordering rules live with the copier)."""
+
+    host_slots: SlotAllocator
+    write_back: Callable[[list[int], list[int]], None]
+
+
 class RadixCache:
-    def __init__(self, free_slots: Callable[[list[int]], None]):
+    def __init__(self, free_slots: Callable[[list[int]], None], host: HostTierHooks | None = None):
         self.free_slots = free_slots  # gives evicted slots back to the KV allocator
+        self.host = host
         self.root = Node([], [], None)
         self.root.lock_ref = 1  # never evicted
-        self.evictable_tokens = 0  # tokens in nodes no request references
-        self.locked_tokens = 0  # tokens in nodes some request references
+        self.evictable_tokens = 0  # GPU tokens in nodes no request references
+        self.locked_tokens = 0  # GPU tokens in nodes some request references
+        self.host_tokens = 0  # tokens of host-resident nodes
 
     @property
     def total_tokens(self) -> int:
@@ -49,7 +71,7 @@ class RadixCache:
         now = next(_clock)
         while i < len(tokens):
             child = node.children.get(tokens[i])
-            if child is None:
+            if child is None or not child.slots:  # the rest lives on the host: host_continuation
                 break
             n = common_length(child.key, tokens, i)
             if n < len(child.key):
@@ -79,7 +101,7 @@ class RadixCache:
         tokens were already cached (their slots in `slots` stay the caller's: duplicates), the
         rest now belong to the tree; `node` is where `tokens` ends."""
         assert len(tokens) == len(slots)
-        node, i = self.root, 0
+        node, i, present = self.root, 0, None
         now = next(_clock)
         while i < len(tokens):
             child = node.children.get(tokens[i])
@@ -87,18 +109,35 @@ class RadixCache:
                 new = Node(list(tokens[i:]), list(slots[i:]), node)
                 node.children[tokens[i]] = new
                 self.evictable_tokens += len(new.key)
-                return i, new
+                return (i if present is None else present), new
             n = common_length(child.key, tokens, i)
             if n < len(child.key):
                 child = self._split(child, n)
             child.last_access = now
+            if not child.slots:  # on the host: the caller's fresh copy makes it GPU-resident again
+                present = i if present is None else present
+                self._promote(child, list(slots[i:i + n]))
             node, i = child, i + n
-        return i, node
+        return (i if present is None else present), node
+
+    def _promote(self, node: Node, slots: list[int]) -> None:
+        """A host-resident node takes GPU slots that hold its KV (handed over by an inserting
+        request); its host slots go back. Below a host node every node is on the host, so
+        the GPU part stays closed under parents."""
+        self.host.host_slots.free(node.host_slots)
+        self.host_tokens -= len(node.key)
+        node.slots, node.host_slots = slots, None
+        if node.lock_ref:
+            self.locked_tokens += len(node.key)
+        else:
+            self.evictable_tokens += len(node.key)
 
     def _split(self, child: Node, n: int) -> Node:
         """Cut `child`'s edge after n tokens; returns the new upper node (same locks)."""
         upper = Node(child.key[:n], child.slots[:n], child.parent)
         upper.lock_ref, upper.last_access = child.lock_ref, child.last_access
+        if child.host_slots is not None:
+            upper.host_slots, child.host_slots = child.host_slots[:n], child.host_slots[n:]
         child.parent.children[upper.key[0]] = upper
         child.key, child.slots, child.parent = child.key[n:], child.slots[n:], upper
         upper.children[child.key[0]] = child
@@ -108,7 +147,7 @@ class RadixCache:
     def lock(self, node: Node) -> None:
         """A request uses the path root..node: none of it may be evicted."""
         while node is not self.root:
-            if node.lock_ref == 0:
+            if node.lock_ref == 0 and node.slots:  # the counters count GPU tokens
                 self.evictable_tokens -= len(node.key)
                 self.locked_tokens += len(node.key)
             node.lock_ref += 1
@@ -118,28 +157,114 @@ class RadixCache:
         while node is not self.root:
             node.lock_ref -= 1
             assert node.lock_ref >= 0, "prefix cache: unlock without lock"
-            if node.lock_ref == 0:
+            if node.lock_ref == 0 and node.slots:
                 self.evictable_tokens += len(node.key)
                 self.locked_tokens -= len(node.key)
             node = node.parent
 
     # ---- eviction ----
-    def evict(self, num_tokens: int) -> int:
-        """Free at least `num_tokens` slots from unreferenced leaves, least recently used
-        first (fewer if not that many are evictable). Returns how many were freed."""
-        heap = [n for n in self._nodes() if not n.children and n.lock_ref == 0]
+    def evict(self, num_tokens: int, to_host: bool = True) -> int:
+        """Free at least `num_tokens` GPU slots from unreferenced nodes without GPU children,
+        least recently used first (fewer if not that many are evictable). With a host tier
+        (and `to_host`) each one's KV is written back to host slots first; without room
+        there, it is dropped with its host-resident subtree. Returns the GPU slots freed."""
+        heap = [n for n in self._nodes() if self._gpu_evictable(n)]
+        heapq.heapify(heap)
+        freed = 0
+        while freed < num_tokens and heap:
+            node = heapq.heappop(heap)
+            gpu_slots, parent = node.slots, node.parent
+            self.evictable_tokens -= len(node.key)
+            host_slots = self._host_room(len(gpu_slots)) if to_host and self.host is not None else None
+            if host_slots is None:
+                self._drop_subtree(node)
+            else:
+                self.host.write_back(gpu_slots, host_slots)
+                node.slots, node.host_slots = [], host_slots
+                self.host_tokens += len(node.key)
+            self.free_slots(gpu_slots)  # reuse is ordered after the write-back: KVTierCopier.fence
+            freed += len(gpu_slots)
+            if parent is not self.root and self._gpu_evictable(parent):
+                heapq.heappush(heap, parent)
+        return freed
+
+    @staticmethod
+    def _gpu_evictable(node: Node) -> bool:
+        return node.lock_ref == 0 and bool(node.slots) and not any(c.slots for c in node.children.values())
+
+    def _drop_subtree(self, node: Node) -> None:
+        """Unlink `node`; its descendants are host-resident (and unreferenced): their host
+        slots go back. The caller accounts for `node`'s own GPU slots."""
+        del node.parent.children[node.key[0]]
+        stack = list(node.children.values())
+        while stack:
+            below = stack.pop()
+            stack.extend(below.children.values())
+            self.host.host_slots.free(below.host_slots)
+            self.host_tokens -= len(below.key)
+
+    def _host_room(self, n: int) -> list[int] | None:
+        """n host slots, dropping the coldest host-only leaves for them; None if the host
+        tier cannot hold n (too small, or what it holds is in use)."""
+        pool = self.host.host_slots
+        if n > pool.count:
+            return None
+        if n > pool.num_free:
+            self.evict_host(n - pool.num_free)
+        return pool.alloc(n) if n <= pool.num_free else None
+
+    def evict_host(self, num_tokens: int) -> int:
+        """Drop at least `num_tokens` host-resident tokens, coldest leaves first. Returns how
+        many host slots were freed."""
+        heap = [n for n in self._nodes() if self._host_droppable(n)]
         heapq.heapify(heap)
         freed = 0
         while freed < num_tokens and heap:
             leaf = heapq.heappop(heap)
-            self.free_slots(leaf.slots)
-            freed += len(leaf.slots)
-            self.evictable_tokens -= len(leaf.key)
             parent = leaf.parent
             del parent.children[leaf.key[0]]
-            if parent is not self.root and not parent.children and parent.lock_ref == 0:
+            self.host.host_slots.free(leaf.host_slots)  # later copies into them: same copy stream
+            self.host_tokens -= len(leaf.key)
+            freed += len(leaf.key)
+            if parent is not self.root and self._host_droppable(parent):
                 heapq.heappush(heap, parent)
         return freed
+
+    @staticmethod
+    def _host_droppable(node: Node) -> bool:
+        return node.host_slots is not None and node.lock_ref == 0 and not node.children
+
+    # ---- load-back ----
+    def host_continuation(self, node: Node, tokens: list[int], start: int) -> list[Node]:
+        """The host-resident nodes that continue a match ending at `node` (which matched
+        tokens[:start]), the last one split where the match ends. Marks them as used."""
+        path, i = [], start
+        now = next(_clock)
+        while i < len(tokens):
+            child = node.children.get(tokens[i])
+            if child is None:
+                break
+            assert child.host_slots is not None, "a GPU node under the end of a GPU match"
+            n = common_length(child.key, tokens, i)
+            if n < len(child.key):
+                child = self._split(child, n)
+            child.last_access = now
+            path.append(child)
+            node, i = child, i + n
+        return path
+
+    def mark_loaded(self, node: Node, gpu_slots: list[int]) -> list[int]:
+        """A host-resident node's KV was queued for copying into `gpu_slots`: it lives on the
+        GPU from now on (readers wait for the copy on the device). Returns its host slots,
+        which the caller frees (later writes to them run on the same copy stream)."""
+        assert node.host_slots is not None and len(gpu_slots) == len(node.key)
+        host_slots, node.host_slots, node.slots = node.host_slots, None, gpu_slots
+        self.host_tokens -= len(node.key)
+        if node.lock_ref:
+            self.locked_tokens += len(node.key)
+        else:
+            self.evictable_tokens += len(node.key)
+        return host_slots
 
     def _nodes(self):
         stack = [self.root]
@@ -153,19 +278,28 @@ class RadixCache:
     def all_slots(self) -> set[int]:
         return {s for n in self._nodes() for s in n.slots}
 
+    def all_host_slots(self) -> set[int]:
+        return {s for n in self._nodes() if n.host_slots is not None for s in n.host_slots}
+
     def check(self, expected_locks: dict[int, int]) -> None:
         """Reference counts equal the locks the callers hold (`id(node) -> count` of paths
-        through it) and the token counters add up."""
-        evictable = locked = 0
+        through it), each node lives in exactly one tier, a GPU node's parent is on the GPU,
+        and the token counters add up."""
+        evictable = locked = host = 0
         for node in self._nodes():
             want = expected_locks.get(id(node), 0)
             assert node.lock_ref == want, f"prefix cache: node lock_ref {node.lock_ref}, expected {want}"
+            if node.host_slots is not None:
+                assert not node.slots and len(node.key) == len(node.host_slots) > 0
+                host += len(node.key)
+                continue
             assert len(node.key) == len(node.slots) > 0
+            assert node.parent is self.root or node.parent.slots, "prefix cache: GPU node under a host node"
             if node.lock_ref:
                 locked += len(node.key)
             else:
                 evictable += len(node.key)
-        assert (evictable, locked) == (self.evictable_tokens, self.locked_tokens), \
+        assert (evictable, locked, host) == (self.evictable_tokens, self.locked_tokens, self.host_tokens), \
             "prefix cache: token counters out of step with the tree"
 
 

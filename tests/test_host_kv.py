@@ -1,0 +1,184 @@
+"""The prefix cache's host tier: tree bookkeeping across tiers, the copies, and the engine
+(greedy outputs with a small pool + host tier equal an unbounded pool's; every GPU slot and
+host slot conserved)."""
+import random
+
+import pytest
+import torch
+
+from tandem.config import EngineConfig
+from tandem.engine import Engine
+from tandem.memory.allocator import SlotAllocator
+from tandem.memory.host_kv import HostKVPool, contiguous_runs
+from tandem.memory.kv_cache import KVCache
+from tandem.memory.radix_cache import HostTierHooks, RadixCache
+from tandem.overlap.kv_tier_copy import KVTierCopier
+from tandem.overlap.streams import StreamSet
+from tandem.sampling import SamplingParams
+from tiny_models import TEST_DEVICE
+from workload import Spec, assert_kv_conserved, run_workload
+
+
+# ---- the tree across tiers ----
+def _tiered_tree(gpu: int = 100, host: int = 50):
+    kv, host_pool, copies = SlotAllocator(gpu), SlotAllocator(host, first=0), []
+    tree = RadixCache(kv.free, HostTierHooks(host_pool, lambda g, h: copies.append((list(g), list(h)))))
+    return tree, kv, host_pool, copies
+
+
+def test_eviction_writes_back_and_a_match_continues_on_the_host():
+    tree, kv, host, copies = _tiered_tree()
+    a = kv.alloc(6)
+    tree.insert([1, 2, 3, 4, 5, 6], a)
+    tree.insert([1, 2, 3, 9], kv.alloc(4)[:3] + [kv.alloc(1)[0]])  # splits after [1, 2, 3]
+    assert tree.evict(3) == 3  # the LRU leaf [4, 5, 6] goes to the host
+    assert copies == [(a[3:], [0, 1, 2])] and tree.host_tokens == 3
+    slots, node = tree.match([1, 2, 3, 4, 5, 6, 7])
+    assert slots == a[:3]  # the GPU part
+    path = tree.host_continuation(node, [1, 2, 3, 4, 5], 3)  # ends inside [4, 5, 6]: split
+    assert [n.key for n in path] == [[4, 5]] and path[0].host_slots == [0, 1]
+    freed = tree.mark_loaded(path[0], [77, 78])
+    assert freed == [0, 1] and tree.host_tokens == 1
+    host.free(freed)
+    tree.check({})
+
+
+def test_host_tier_drops_its_coldest_leaves_and_too_big_nodes_are_dropped():
+    tree, kv, host, copies = _tiered_tree(host=4)
+    tree.insert([1, 2, 3], kv.alloc(3))
+    tree.insert([7, 8, 9], kv.alloc(3))
+    tree.evict(3)  # [1, 2, 3] is the older: to the host
+    tree.evict(3)  # [7, 8, 9] needs the host room: [1, 2, 3] is dropped
+    assert tree.match_length([1, 2, 3]) == 0 and tree.match_length([7, 8, 9]) == 3
+    tree.insert([5] * 6, kv.alloc(6))
+    tree.evict(6)  # larger than the whole host tier: dropped, nothing copied
+    assert len(copies) == 2 and tree.match_length([5] * 6) == 0
+    assert kv.num_free == 100 and host.num_free == 1
+    tree.check({})
+
+
+def test_insert_over_a_host_node_takes_the_callers_gpu_copy():
+    tree, kv, host, _ = _tiered_tree()
+    tree.insert([1, 2, 3, 4], kv.alloc(4))
+    tree.evict(4)
+    mine = kv.alloc(5)
+    present, node = tree.insert([1, 2, 3, 4, 5], mine)
+    assert present == 0  # nothing of the caller's is a duplicate: the tree took all five
+    assert tree.match([1, 2, 3, 4, 5])[0] == mine and tree.host_tokens == 0 and host.num_free == 50
+    tree.check({})
+
+
+def test_locked_host_nodes_are_not_dropped():
+    tree, kv, host, _ = _tiered_tree(host=3)
+    tree.insert([1, 2, 3], kv.alloc(3))
+    tree.evict(3)
+    _, root = tree.match([1])
+    (node,) = tree.host_continuation(root, [1, 2, 3], 0)
+    tree.lock(node)  # being loaded
+    tree.insert([4, 5, 6], kv.alloc(3))
+    tree.evict(3)  # no host room: dropped, the locked host node stays
+    assert tree.host_tokens == 3 and tree.match_length([4]) == 0
+    tree.unlock(node)
+    tree.check({})
+
+
+# ---- the copies ----
+def test_write_back_then_load_restores_the_kv():
+    kv = KVCache(3, 20, 2, 4, torch.float32, torch.device("cpu"))
+    for t in kv.k + kv.v:
+        t.copy_(torch.randn_like(t))
+    want = [t[[3, 7, 8]].clone() for t in kv.k + kv.v]
+    host = HostKVPool(kv, 10, pin=False)
+    copier = KVTierCopier(kv, host, StreamSet.create(torch.device("cpu")))
+    copier.chunk_tokens = 2  # several chunks
+    copier.write_back([3, 7, 8], [5, 6, 2])
+    for t in kv.k + kv.v:
+        t.zero_()
+    copier.load([5, 6, 2], [11, 12, 13])
+    assert copier.fence(StreamSet.create(torch.device("cpu")).forward)
+    copier.collect()
+    for got, expect in zip(kv.k + kv.v, want):
+        assert torch.equal(got[[11, 12, 13]], expect)
+    s = copier.stats
+    assert s.load_tokens == s.write_back_tokens == 3 and s.load_bytes == 3 * host.token_bytes
+
+
+def test_contiguous_runs():
+    assert contiguous_runs([4, 5, 6, 9, 2, 3]) == [(0, 4, 3), (3, 9, 1), (4, 2, 2)]
+    assert contiguous_runs([]) == []
+
+
+# ---- the engine ----
+def _engine(path, **kw) -> Engine:
+    return Engine(EngineConfig(model=str(path), device=TEST_DEVICE, dtype="float32", **kw))
+
+
+def chat_specs(conversations: int, turns: int, seed: int) -> list[list[Spec]]:
+    """Multi-turn chats: each turn's prompt is the previous prompt plus new user tokens (the
+    model's reply is not fed back, so the turns of one round can be built up front). Returns
+    one list of specs per round; the rounds run one after another, so a conversation's history
+    is evicted (and written back) between its turns. Some requests abort."""
+    rng = random.Random(seed)
+    system = [rng.randrange(3, 1000) for _ in range(30)]
+    history = [system + [rng.randrange(3, 1000) for _ in range(rng.randint(10, 40))]
+               for _ in range(conversations)]
+    rounds = []
+    for t in range(turns):
+        specs = []
+        for c in range(conversations):
+            history[c] = history[c] + [rng.randrange(3, 1000) for _ in range(rng.randint(5, 25))]
+            abort = rng.randint(0, 4) if rng.random() < 0.1 else None
+            specs.append(Spec(f"c{c}t{t}", list(history[c]),
+                              SamplingParams(max_tokens=rng.randint(2, 12), temperature=0.0, ignore_eos=True),
+                              abort))
+        rounds.append(specs)
+    return rounds
+
+
+def _run_chats(engine: Engine, rounds: list[list[Spec]]) -> dict:
+    results = {}
+    for specs in rounds:
+        results.update(run_workload(engine, specs, arrive_per_step=6))
+    return results
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("overlap", [True, False])
+def test_small_pool_with_host_tier_equals_unbounded_pool(tiny_text_model, overlap):
+    rounds = chat_specs(conversations=10, turns=4, seed=3)
+    unbounded = _engine(tiny_text_model, max_total_tokens=20000)
+    want = _run_chats(unbounded, rounds)
+    engine = _engine(tiny_text_model, max_total_tokens=400, chunked_prefill_size=48, max_prefill_tokens=96,
+                     disable_overlap=not overlap, host_kv_cache_gb=4096 * engine_bytes_per_token(unbounded) / 2**30)
+    got = _run_chats(engine, rounds)
+    assert got == want
+    s = engine.stats()
+    assert s["host_cache_hit_tokens"] > 500, s  # histories came back from the host tier
+    assert s["host_write_back_bytes"] > 0 and s["host_load_bytes"] == s["host_cache_hit_tokens"] * \
+        engine.kv_tier.host.token_bytes
+    assert s["num_preemptions"] > 0 or not overlap, "the pool must be small enough to preempt"
+    assert_kv_conserved(engine)
+    host = engine.kv_tier.host.host_slots
+    assert host.num_free + s["host_cache_tokens"] == host.count
+    engine.reset_prefix_cache()
+    assert engine.stats()["host_cache_tokens"] == 0 and host.num_free == host.count
+    engine.close()
+
+
+def engine_bytes_per_token(engine: Engine) -> int:
+    return HostKVPool.bytes_per_token(engine.kv)
+
+
+def test_zero_host_tier_is_todays_cache(tiny_text_model):
+    rounds = chat_specs(conversations=4, turns=2, seed=5)
+    engine = _engine(tiny_text_model, max_total_tokens=300, host_kv_cache_gb=0)
+    assert engine.kv_tier is None and engine.prefix_cache.host is None
+    _run_chats(engine, rounds)
+    s = engine.stats()
+    assert s["host_cache_hit_tokens"] == s["host_write_back_bytes"] == s["host_cache_capacity_tokens"] == 0
+    assert_kv_conserved(engine)
+
+
+def test_negative_host_tier_is_refused(tiny_text_model):
+    with pytest.raises(ValueError, match="host_kv_cache_gb must be >= 0"):
+        _engine(tiny_text_model, host_kv_cache_gb=-1)
