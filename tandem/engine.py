@@ -536,6 +536,8 @@ class Engine:
             return
         if self.timeline is not None:
             launched.record = _step_record(batch, t0, t1, perf_counter())
+            if self.kv_tier is not None:
+                launched.record.host_load_tokens, launched.record.host_write_back_tokens = self.kv_tier.fenced_tokens
         previous, self.pending = self.pending, launched  # in flight before anything else can fail
         try:
             if previous is not None:

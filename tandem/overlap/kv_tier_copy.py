@@ -56,17 +56,21 @@ class KVTierCopier:
         self.stats = TierCopyStats()
         self._in_flight: list[_InFlight] = []
         self._unfenced = False  # copies queued since the last fence
+        self.fenced_tokens = (0, 0)  # (loaded, written back) behind the last fence: the timeline's
+        self._unfenced_tokens = [0, 0]
 
     # ---- the two directions ----
     def write_back(self, gpu_slots: list[int], host_slots: list[int]) -> None:
         """Queue GPU slots -> host slots (same order)."""
         self._copy("write_back", gpu_slots, host_slots)
+        self._unfenced_tokens[1] += len(gpu_slots)
         self.stats.write_back_tokens += len(gpu_slots)
         self.stats.write_back_bytes += len(gpu_slots) * self.host.token_bytes
 
     def load(self, host_slots: list[int], gpu_slots: list[int]) -> None:
         """Queue host slots -> GPU slots (same order)."""
         self._copy("load", gpu_slots, host_slots)
+        self._unfenced_tokens[0] += len(gpu_slots)
         self.stats.load_tokens += len(gpu_slots)
         self.stats.load_bytes += len(gpu_slots) * self.host.token_bytes
 
@@ -118,6 +122,7 @@ class KVTierCopier:
         """Before a step's forward is queued: it waits (on the device) for every copy queued so
         far, the loads it reads and the write-backs of slots it may overwrite. Returns whether
         there was anything to wait for."""
+        self.fenced_tokens, self._unfenced_tokens = tuple(self._unfenced_tokens), [0, 0]
         if not self._unfenced:
             return False
         done = self.streams.event()
