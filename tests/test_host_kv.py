@@ -135,7 +135,7 @@ def chat_specs(conversations: int, turns: int, seed: int) -> list[list[Spec]]:
     return rounds
 
 
-def _run_chats(engine: Engine, rounds: list[list[Spec]]) -> dict:
+def run_chats(engine: Engine, rounds: list[list[Spec]]) -> dict:
     results = {}
     for specs in rounds:
         results.update(run_workload(engine, specs, arrive_per_step=6))
@@ -147,10 +147,10 @@ def _run_chats(engine: Engine, rounds: list[list[Spec]]) -> dict:
 def test_small_pool_with_host_tier_equals_unbounded_pool(tiny_text_model, overlap):
     rounds = chat_specs(conversations=10, turns=4, seed=3)
     unbounded = _engine(tiny_text_model, max_total_tokens=20000)
-    want = _run_chats(unbounded, rounds)
+    want = run_chats(unbounded, rounds)
     engine = _engine(tiny_text_model, max_total_tokens=400, chunked_prefill_size=48, max_prefill_tokens=96,
                      disable_overlap=not overlap, host_kv_cache_gb=4096 * engine_bytes_per_token(unbounded) / 2**30)
-    got = _run_chats(engine, rounds)
+    got = run_chats(engine, rounds)
     assert got == want
     s = engine.stats()
     assert s["host_cache_hit_tokens"] > 500, s  # histories came back from the host tier
@@ -173,7 +173,7 @@ def test_zero_host_tier_is_todays_cache(tiny_text_model):
     rounds = chat_specs(conversations=4, turns=2, seed=5)
     engine = _engine(tiny_text_model, max_total_tokens=300, host_kv_cache_gb=0)
     assert engine.kv_tier is None and engine.prefix_cache.host is None
-    _run_chats(engine, rounds)
+    run_chats(engine, rounds)
     s = engine.stats()
     assert s["host_cache_hit_tokens"] == s["host_write_back_bytes"] == s["host_cache_capacity_tokens"] == 0
     assert_kv_conserved(engine)
