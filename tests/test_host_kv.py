@@ -143,20 +143,24 @@ def run_chats(engine: Engine, rounds: list[list[Spec]]) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("overlap", [True, False])
-def test_small_pool_with_host_tier_equals_unbounded_pool(tiny_text_model, overlap):
+@pytest.mark.parametrize("overlap,host_tokens", [(True, 4096), (False, 4096), (True, 300)])
+def test_small_pool_with_host_tier_equals_unbounded_pool(tiny_text_model, overlap, host_tokens):
+    """300 host tokens: the host tier evicts too (less than the working set)."""
     rounds = chat_specs(conversations=10, turns=4, seed=3)
     unbounded = _engine(tiny_text_model, max_total_tokens=20000)
     want = run_chats(unbounded, rounds)
+    gb = host_tokens * engine_bytes_per_token(unbounded) / 2**30
     engine = _engine(tiny_text_model, max_total_tokens=400, chunked_prefill_size=48, max_prefill_tokens=96,
-                     disable_overlap=not overlap, host_kv_cache_gb=4096 * engine_bytes_per_token(unbounded) / 2**30)
+                     disable_overlap=not overlap, host_kv_cache_gb=gb, timeline=True)
     got = run_chats(engine, rounds)
     assert got == want
     s = engine.stats()
-    assert s["host_cache_hit_tokens"] > 500, s  # histories came back from the host tier
+    assert s["host_cache_hit_tokens"] > (500 if host_tokens > 1000 else 100), s  # histories came back
+    records = engine.timeline.records
+    assert sum(r.host_load_tokens for r in records) == s["host_cache_hit_tokens"]
     assert s["host_write_back_bytes"] > 0 and s["host_load_bytes"] == s["host_cache_hit_tokens"] * \
         engine.kv_tier.host.token_bytes
-    assert s["num_preemptions"] > 0 or not overlap, "the pool must be small enough to preempt"
+    assert s["num_preemptions"] > 0, "the pool must be small enough to preempt"
     assert_kv_conserved(engine)
     host = engine.kv_tier.host.host_slots
     assert host.num_free + s["host_cache_tokens"] == host.count
@@ -182,3 +186,40 @@ def test_zero_host_tier_is_todays_cache(tiny_text_model):
 def test_negative_host_tier_is_refused(tiny_text_model):
     with pytest.raises(ValueError, match="host_kv_cache_gb must be >= 0"):
         _engine(tiny_text_model, host_kv_cache_gb=-1)
+
+
+def test_abort_during_a_load_then_reuse_and_close(tiny_text_model):
+    """A request whose prefix is being loaded back is aborted after its first step: the loaded
+    prefix stays cached (on the GPU), every slot is accounted for, a later request reuses it
+    with exact outputs; reset empties both tiers; close() lets the host pool go."""
+    import gc
+    import weakref
+    greedy = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    prompt = [random.Random(7).randrange(3, 1000) for _ in range(150)]
+    follow_up = prompt + list(range(40, 60))
+    want = run_workload(_engine(tiny_text_model), [Spec("ref", follow_up, greedy)])["ref"]
+    engine = _engine(tiny_text_model, max_total_tokens=300, host_kv_cache_gb=0.01)
+    run_workload(engine, [Spec("first", prompt, greedy)])
+    tree = engine.prefix_cache.tree
+    tree.evict(tree.evictable_tokens)  # all of it to the host tier
+    assert tree.host_tokens >= 150 and engine.kv_slots.num_free == engine.kv_slots.count
+    engine.add_request(follow_up, greedy, request_id="aborted")
+    engine.step()  # admitted: the load and the forward reading it are queued
+    assert engine.stats()["host_cache_hit_tokens"] == 150
+    engine.abort("aborted")
+    while engine.has_unfinished():
+        engine.step()
+    engine.release("aborted")
+    assert_kv_conserved(engine)
+    again = run_workload(engine, [Spec("again", follow_up, greedy)])["again"]
+    assert again == want
+    assert engine.stats()["host_cache_hit_tokens"] == 150  # the second one hit the GPU copy
+    assert engine.stats()["prefix_cache_hit_tokens"] >= 300
+    engine.reset_prefix_cache()
+    host = engine.kv_tier.host
+    assert host.host_slots.num_free == host.host_slots.count and engine.stats()["host_cache_tokens"] == 0
+    pool = weakref.ref(host.data)
+    del host, tree  # the test's own references
+    engine.close()
+    gc.collect()
+    assert pool() is None, "close() must let the host pool's memory go"
