@@ -108,7 +108,8 @@ class Engine:
         self.parallel.connect(self.device)
         self._build_loop()
         # A worker's steps are rank 0's plan: the same step loop, fed by the step channel.
-        self.scheduler = self.parallel.plan_source(self.scheduler, self.runner.admit)
+        self.scheduler = self.parallel.plan_source(self.scheduler, self.runner.admit,
+                                                   self.kv_tier.replay if self.kv_tier is not None else None)
         self.parallel.ready()
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
@@ -234,12 +235,10 @@ class Engine:
             raise ValueError(f"host_kv_cache_gb must be >= 0; got {cfg.host_kv_cache_gb}")
         if cfg.host_kv_cache_gb == 0 or not cfg.enable_prefix_caching:
             return None
-        if cfg.tensor_parallel_size > 1:
-            raise ValueError("host_kv_cache_gb is not supported with tensor_parallel_size > 1 yet")
         if self.draft_kv is not None:
             raise ValueError("host_kv_cache_gb is not supported with a draft model yet")
         per_token = HostKVPool.bytes_per_token(self.kv)
-        num = HostKVPool.num_slots_for(cfg.host_kv_cache_gb, per_token)
+        num = self.parallel.agree_min("host_kv_tokens", HostKVPool.num_slots_for(cfg.host_kv_cache_gb, per_token))
         if num < 1:
             raise ValueError(f"host_kv_cache_gb={cfg.host_kv_cache_gb} holds no token ({per_token} bytes each)")
         host = HostKVPool(self.kv, num, pin=self.device.type == "cuda")
@@ -528,7 +527,9 @@ class Engine:
             self._drain(outputs)
         t1 = perf_counter()
         if self.kv_tier is not None:  # the forward waits on the device for this plan's tier copies
-            self.kv_tier.fence(self.streams.forward)
+            copies = self.kv_tier.fence(self.streams.forward)
+            if self.runner.mirror is not None:
+                self.runner.mirror.tier_copies(copies)  # each rank copies its own shard
         try:
             launched = self.runner.launch(batch, defer_sampling=masked)
         except BaseException as exc:

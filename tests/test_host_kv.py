@@ -223,3 +223,22 @@ def test_abort_during_a_load_then_reuse_and_close(tiny_text_model):
     engine.close()
     gc.collect()
     assert pool() is None, "close() must let the host pool's memory go"
+
+
+@pytest.mark.slow
+def test_tensor_parallel_ranks_replay_the_host_tier_copies(tmp_path):
+    """Two ranks (gloo): rank 0's plan carries its write-backs and loads, each rank moves its
+    own shard; outputs equal one rank with an unbounded pool."""
+    from tandem.entrypoints.ranks import build_engine
+    from tiny_models import make_tiny_model
+    path = make_tiny_model(tmp_path, "llama", vocab_size=1000)
+    rounds = chat_specs(conversations=6, turns=3, seed=8)
+    opts = dict(model=str(path), device="cpu", dtype="float32", max_running_requests=16)
+    want = run_chats(Engine(EngineConfig(**opts, max_total_tokens=20000)), rounds)
+    engine = build_engine(EngineConfig(**opts, tensor_parallel_size=2, max_total_tokens=300,
+                                       chunked_prefill_size=48, max_prefill_tokens=96, host_kv_cache_gb=0.01))
+    try:
+        assert run_chats(engine, rounds) == want
+        assert engine.stats()["host_cache_hit_tokens"] > 200
+    finally:
+        engine.close()

@@ -12,6 +12,11 @@ Ordering and lifetime rules (docs/async-model.md, "Host KV tier"):
   host slot freed and handed out again is overwritten only after earlier copies touched it.
 - Pinned index tensors and device staging stay alive until the copy's end event has passed
   (`collect`, polled in the processing window: no host waits).
+- Tensor parallelism: rank 0's plan carries its copies (`fence` returns them, the step message
+  sends them) and each rank queues the same ones on its own shard before that step's forward.
+  A worker's write-back reads slots whose last step rank 0 has seen complete; that step's
+  collectives could not complete before this rank's kernels ahead of them (its KV writes and
+  reads) had run, so the same rule holds on every rank.
 On the CPU the stream and events are no-ops and every copy completes in order.
 """
 from __future__ import annotations
@@ -55,24 +60,23 @@ class KVTierCopier:
         self.chunk_tokens = max(1, CHUNK_BYTES // host.token_bytes)
         self.stats = TierCopyStats()
         self._in_flight: list[_InFlight] = []
-        self._unfenced = False  # copies queued since the last fence
+        self._unfenced: list[tuple[str, list[int], list[int]]] = []  # (kind, gpu, host) since the last fence
         self.fenced_tokens = (0, 0)  # (loaded, written back) behind the last fence: the timeline's
-        self._unfenced_tokens = [0, 0]
 
     # ---- the two directions ----
     def write_back(self, gpu_slots: list[int], host_slots: list[int]) -> None:
         """Queue GPU slots -> host slots (same order)."""
         self._copy("write_back", gpu_slots, host_slots)
-        self._unfenced_tokens[1] += len(gpu_slots)
         self.stats.write_back_tokens += len(gpu_slots)
         self.stats.write_back_bytes += len(gpu_slots) * self.host.token_bytes
+        self._unfenced.append(("write_back", gpu_slots, host_slots))
 
     def load(self, host_slots: list[int], gpu_slots: list[int]) -> None:
         """Queue host slots -> GPU slots (same order)."""
         self._copy("load", gpu_slots, host_slots)
-        self._unfenced_tokens[0] += len(gpu_slots)
         self.stats.load_tokens += len(gpu_slots)
         self.stats.load_bytes += len(gpu_slots) * self.host.token_bytes
+        self._unfenced.append(("load", gpu_slots, host_slots))
 
     def _copy(self, kind: str, gpu_slots: list[int], host_slots: list[int]) -> None:
         assert len(gpu_slots) == len(host_slots)
@@ -90,7 +94,6 @@ class KVTierCopier:
             record.end.record(self.stream)
         record.host_seconds = perf_counter() - t0
         self._in_flight.append(record)
-        self._unfenced = True
 
     def _device_index(self, slots: list[int], keep_alive: list) -> torch.Tensor:
         src = torch.tensor(slots, dtype=torch.int64, pin_memory=self.streams.pin())
@@ -118,18 +121,25 @@ class KVTierCopier:
             v.index_copy_(0, idx, staging[:, layers + layer])
 
     # ---- ordering and bookkeeping ----
-    def fence(self, forward_stream) -> bool:
+    def fence(self, forward_stream) -> list[tuple[str, list[int], list[int]]]:
         """Before a step's forward is queued: it waits (on the device) for every copy queued so
-        far, the loads it reads and the write-backs of slots it may overwrite. Returns whether
-        there was anything to wait for."""
-        self.fenced_tokens, self._unfenced_tokens = tuple(self._unfenced_tokens), [0, 0]
-        if not self._unfenced:
-            return False
-        done = self.streams.event()
-        done.record(self.stream)
-        forward_stream.wait_event(done)  # device-side order: no host wait
-        self._unfenced = False
-        return True
+        far, the loads it reads and the write-backs of slots it may overwrite. Returns those
+        copies as (kind, gpu_slots, host_slots), in order (tensor-parallel ranks replay them)."""
+        copies, self._unfenced = self._unfenced, []
+        self.fenced_tokens = (sum(len(g) for k, g, _ in copies if k == "load"),
+                              sum(len(g) for k, g, _ in copies if k == "write_back"))
+        if copies:
+            done = self.streams.event()
+            done.record(self.stream)
+            forward_stream.wait_event(done)  # device-side order: no host wait
+        return copies
+
+    def replay(self, kind: str, gpu_slots: list[int], host_slots: list[int]) -> None:
+        """A copy rank 0 queued, on this rank's shard (tensor parallelism)."""
+        if kind == "load":
+            self.load(host_slots, gpu_slots)
+        else:
+            self.write_back(gpu_slots, host_slots)
 
     def collect(self) -> None:
         """In the processing window: account copies whose end event passed and drop what they
