@@ -121,6 +121,9 @@ class Experiments:
     # Split-K decode attention: each row picks its split count from its own length (on the
     # device); off spreads every row over the grid's splits, sized for the longest context.
     attention_split_by_context: bool = True
+    # Host KV tier: copy cold prefixes to the host ahead of GPU pressure (off: only when evicted,
+    # and the forward that reuses their slots waits for the copy).
+    host_kv_write_ahead: bool = True
 
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]

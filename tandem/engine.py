@@ -555,6 +555,9 @@ class Engine:
         self._count_launched(launched)
         if self.cfg.disable_overlap:
             self._drain(outputs)
+        if self.kv_tier is not None and self.cfg.experiments.host_kv_write_ahead:
+            # The window after the launch: copies queued now run beside the forward.
+            self.prefix_cache.write_ahead(self.cfg.max_prefill_tokens + len(self.scheduler.running))
         if self.prefix_cache.debug:
             self.prefix_cache.check(self.scheduler.kv_holders())
 

@@ -30,16 +30,36 @@ def test_eviction_writes_back_and_a_match_continues_on_the_host():
     tree, kv, host, copies = _tiered_tree()
     a = kv.alloc(6)
     tree.insert([1, 2, 3, 4, 5, 6], a)
-    tree.insert([1, 2, 3, 9], kv.alloc(4)[:3] + [kv.alloc(1)[0]])  # splits after [1, 2, 3]
+    b = kv.alloc(4)
+    present, _ = tree.insert([1, 2, 3, 9], b)  # splits after [1, 2, 3]
+    kv.free(b[:present])  # the caller's duplicates
     assert tree.evict(3) == 3  # the LRU leaf [4, 5, 6] goes to the host
     assert copies == [(a[3:], [0, 1, 2])] and tree.host_tokens == 3
     slots, node = tree.match([1, 2, 3, 4, 5, 6, 7])
     assert slots == a[:3]  # the GPU part
     path = tree.host_continuation(node, [1, 2, 3, 4, 5], 3)  # ends inside [4, 5, 6]: split
     assert [n.key for n in path] == [[4, 5]] and path[0].host_slots == [0, 1]
-    freed = tree.mark_loaded(path[0], [77, 78])
-    assert freed == [0, 1] and tree.host_tokens == 1
-    host.free(freed)
+    loaded = kv.alloc(2)
+    tree.mark_loaded(path[0], loaded)
+    assert tree.match([1, 2, 3, 4, 5])[0] == a[:3] + loaded and tree.host_tokens == 3  # in both tiers
+    tree.check({})
+    before = kv.num_free
+    tree.evict(100)  # everything: [4, 5] needs no copy (it is on the host already)
+    assert [c[0] for c in copies[1:]] == [b[3:], a[:3]]  # [9] and [1, 2, 3]; not [4, 5]
+    assert kv.num_free == before + 6 and tree.host_tokens == 7
+    tree.check({})
+
+
+def test_write_ahead_copies_cold_nodes_and_their_eviction_copies_nothing():
+    tree, kv, host, copies = _tiered_tree(host=8)
+    for first in (10, 20, 30):  # 30 is the warmest
+        tree.insert([first, first + 1, first + 2], kv.alloc(3))
+    assert tree.write_ahead(5) == 6  # the two coldest, whole nodes
+    assert [c[1] for c in copies] == [[0, 1, 2], [3, 4, 5]] and kv.num_free == 91
+    assert tree.write_ahead(5) == 0  # already covered
+    assert tree.evict(6) == 6 and len(copies) == 2  # no copy: they were written ahead
+    assert tree.write_ahead(9) == 3  # [30..] takes the room of the coldest host-only node
+    assert tree.match_length([10, 11, 12]) == 0 and tree.match_length([20, 21, 22]) == 3
     tree.check({})
 
 
@@ -143,15 +163,18 @@ def run_chats(engine: Engine, rounds: list[list[Spec]]) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("overlap,host_tokens", [(True, 4096), (False, 4096), (True, 300)])
-def test_small_pool_with_host_tier_equals_unbounded_pool(tiny_text_model, overlap, host_tokens):
+@pytest.mark.parametrize("overlap,host_tokens,write_ahead", [(True, 4096, True), (False, 4096, True),
+                                                            (True, 300, True), (True, 4096, False)])
+def test_small_pool_with_host_tier_equals_unbounded_pool(tiny_text_model, overlap, host_tokens, write_ahead):
     """300 host tokens: the host tier evicts too (less than the working set)."""
+    from tandem.config import Experiments
     rounds = chat_specs(conversations=10, turns=4, seed=3)
     unbounded = _engine(tiny_text_model, max_total_tokens=20000)
     want = run_chats(unbounded, rounds)
     gb = host_tokens * engine_bytes_per_token(unbounded) / 2**30
     engine = _engine(tiny_text_model, max_total_tokens=400, chunked_prefill_size=48, max_prefill_tokens=96,
-                     disable_overlap=not overlap, host_kv_cache_gb=gb, timeline=True)
+                     disable_overlap=not overlap, host_kv_cache_gb=gb, timeline=True,
+                     experiments=Experiments(host_kv_write_ahead=write_ahead))
     got = run_chats(engine, rounds)
     assert got == want
     s = engine.stats()

@@ -73,6 +73,15 @@ class PrefixCache:
         if self.host is not None:
             self._load_tokens_left = self.host.load_tokens_per_step
 
+    def write_ahead(self, next_need: int) -> int:
+        """In the processing window: when the next plan may need `next_need` slots and fewer are
+        free, copy cold cached prefixes to the host tier ahead of that pressure (their GPU
+        copies stay), so the plan's evictions copy nothing and its forward waits for nothing."""
+        short = next_need - self.kv_slots.num_free
+        if self.host is None or short <= 0:
+            return 0
+        return self.tree.write_ahead(short)
+
     # ---- a request's prefix ----
     def match_length(self, req: Request) -> int:
         """Tokens of the request's input that admission would reuse (no state changes)."""
@@ -122,8 +131,8 @@ class PrefixCache:
         host_slots = [h for n in take for h in n.host_slots]
         self.host.load(host_slots, gpu_slots)
         at = 0
-        for host_node in take:
-            self.host.host_slots.free(self.tree.mark_loaded(host_node, gpu_slots[at:at + len(host_node.key)]))
+        for host_node in take:  # they keep their host copies: evicting them again costs no copy
+            self.tree.mark_loaded(host_node, gpu_slots[at:at + len(host_node.key)])
             at += len(host_node.key)
         self.tree.unlock(take[-1])
         self.tree.unlock(node)

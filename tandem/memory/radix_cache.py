@@ -7,12 +7,14 @@ evicted, least recently used first. Host-only bookkeeping: it never touches devi
 
 The tree owns the slots of its nodes: whoever inserts hands them over, eviction frees them.
 
-With a host tier (`HostTierHooks`), a node lives on the GPU (`slots`) or on the host
-(`host_slots`, its `slots` empty). GPU eviction writes an unreferenced node with no GPU child
-back to the host instead of dropping it; the host tier's own eviction drops the coldest
-host-only leaves. A GPU node's parent is always on the GPU (the root counts), so a match is a
-GPU part followed by a host part, which the caller loads back (`host_continuation`,
-`mark_loaded`). LRU order is shared by both tiers (one clock).
+With a host tier (`HostTierHooks`), a node lives on the GPU (`slots`), on the host
+(`host_slots`, its `slots` empty), or in both (written ahead of pressure, or loaded back).
+GPU eviction moves an unreferenced node with no GPU child to the host (a copy unless it is
+there already) instead of dropping it; the host tier's own eviction drops the coldest host
+copies (a host-only leaf goes, a node in both tiers keeps its GPU copy). A GPU node's parent
+is always on the GPU (the root counts), so a match is a GPU part followed by a host part, which
+the caller loads back (`host_continuation`, `mark_loaded`). LRU order is shared by both tiers
+(one clock).
 """
 from __future__ import annotations
 
@@ -173,15 +175,16 @@ class RadixCache:
         freed = 0
         while freed < num_tokens and heap:
             node = heapq.heappop(heap)
+            if not self._gpu_evictable(node):
+                continue  # pushed twice
             gpu_slots, parent = node.slots, node.parent
             self.evictable_tokens -= len(node.key)
-            host_slots = self._host_room(len(gpu_slots)) if to_host and self.host is not None else None
-            if host_slots is None:
-                self._drop_subtree(node)
+            if to_host and self.host is not None and node.host_slots is None:
+                self._copy_to_host(node)
+            if to_host and node.host_slots is not None:
+                node.slots = []  # it lives on in the host tier
             else:
-                self.host.write_back(gpu_slots, host_slots)
-                node.slots, node.host_slots = [], host_slots
-                self.host_tokens += len(node.key)
+                self._drop_subtree(node)
             self.free_slots(gpu_slots)  # reuse is ordered after the write-back: KVTierCopier.fence
             freed += len(gpu_slots)
             if parent is not self.root and self._gpu_evictable(parent):
@@ -192,47 +195,85 @@ class RadixCache:
     def _gpu_evictable(node: Node) -> bool:
         return node.lock_ref == 0 and bool(node.slots) and not any(c.slots for c in node.children.values())
 
+    def _copy_to_host(self, node: Node, colder_than: int | None = None) -> bool:
+        """Queue a copy of a GPU node's KV to fresh host slots (it is then in both tiers).
+        False when the host tier has no room for it (dropping only host copies last used
+        before `colder_than`, if given)."""
+        host_slots = self._host_room(len(node.key), colder_than)
+        if host_slots is None:
+            return False
+        self.host.write_back(node.slots, host_slots)
+        node.host_slots = host_slots
+        self.host_tokens += len(node.key)
+        return True
+
     def _drop_subtree(self, node: Node) -> None:
-        """Unlink `node`; its descendants are host-resident (and unreferenced): their host
-        slots go back. The caller accounts for `node`'s own GPU slots."""
+        """Unlink `node`; its descendants are host-only (and unreferenced). Every host copy
+        among them goes back. The caller accounts for `node`'s own GPU slots."""
         del node.parent.children[node.key[0]]
-        stack = list(node.children.values())
+        stack = [node]
         while stack:
             below = stack.pop()
             stack.extend(below.children.values())
-            self.host.host_slots.free(below.host_slots)
-            self.host_tokens -= len(below.key)
+            if below.host_slots is not None:
+                self.host.host_slots.free(below.host_slots)
+                self.host_tokens -= len(below.key)
 
-    def _host_room(self, n: int) -> list[int] | None:
-        """n host slots, dropping the coldest host-only leaves for them; None if the host
-        tier cannot hold n (too small, or what it holds is in use)."""
+    def write_ahead(self, num_tokens: int) -> int:
+        """Make about `num_tokens` unreferenced GPU tokens evictable without a copy: copy the
+        coldest unreferenced GPU-only nodes to the host tier, keeping their GPU copies, until
+        that many have host copies. Takes host room only from colder host-only nodes. Returns
+        the tokens queued for copying."""
+        unreferenced = [n for n in self._nodes() if n.lock_ref == 0 and n.slots]
+        ready = sum(len(n.key) for n in unreferenced if n.host_slots is not None)
+        queued = 0
+        for node in sorted((n for n in unreferenced if n.host_slots is None), key=lambda n: n.last_access):
+            if ready + queued >= num_tokens or not self._copy_to_host(node, colder_than=node.last_access):
+                break
+            queued += len(node.key)
+        return queued
+
+    def _host_room(self, n: int, colder_than: int | None = None) -> list[int] | None:
+        """n host slots, dropping the coldest host copies for them; None if the host tier
+        cannot hold n (too small, or what it holds is in use or not colder than asked)."""
         pool = self.host.host_slots
         if n > pool.count:
             return None
         if n > pool.num_free:
-            self.evict_host(n - pool.num_free)
+            self.evict_host(n - pool.num_free, colder_than)
         return pool.alloc(n) if n <= pool.num_free else None
 
-    def evict_host(self, num_tokens: int) -> int:
-        """Drop at least `num_tokens` host-resident tokens, coldest leaves first. Returns how
-        many host slots were freed."""
+    def evict_host(self, num_tokens: int, colder_than: int | None = None) -> int:
+        """Drop at least `num_tokens` host copies, least recently used first: a host-only leaf
+        leaves the tree, a node in both tiers keeps its GPU copy. With `colder_than` (writing
+        ahead), only host-only nodes used before then. Returns how many host slots were freed."""
         heap = [n for n in self._nodes() if self._host_droppable(n)]
         heapq.heapify(heap)
         freed = 0
         while freed < num_tokens and heap:
-            leaf = heapq.heappop(heap)
-            parent = leaf.parent
-            del parent.children[leaf.key[0]]
-            self.host.host_slots.free(leaf.host_slots)  # later copies into them: same copy stream
-            self.host_tokens -= len(leaf.key)
-            freed += len(leaf.key)
+            node = heapq.heappop(heap)
+            if not self._host_droppable(node):
+                continue  # pushed twice
+            if colder_than is not None and (node.slots or node.last_access >= colder_than):
+                if node.last_access >= colder_than:
+                    break
+                continue
+            parent = node.parent
+            if not node.slots:
+                del parent.children[node.key[0]]
+            self.host.host_slots.free(node.host_slots)  # later copies into them: same copy stream
+            node.host_slots = None
+            self.host_tokens -= len(node.key)
+            freed += len(node.key)
             if parent is not self.root and self._host_droppable(parent):
                 heapq.heappush(heap, parent)
         return freed
 
     @staticmethod
     def _host_droppable(node: Node) -> bool:
-        return node.host_slots is not None and node.lock_ref == 0 and not node.children
+        if node.host_slots is None:
+            return False
+        return bool(node.slots) or (node.lock_ref == 0 and not node.children)
 
     # ---- load-back ----
     def host_continuation(self, node: Node, tokens: list[int], start: int) -> list[Node]:
@@ -244,7 +285,7 @@ class RadixCache:
             child = node.children.get(tokens[i])
             if child is None:
                 break
-            assert child.host_slots is not None, "a GPU node under the end of a GPU match"
+            assert not child.slots, "a GPU node under the end of a GPU match"
             n = common_length(child.key, tokens, i)
             if n < len(child.key):
                 child = self._split(child, n)
@@ -253,18 +294,16 @@ class RadixCache:
             node, i = child, i + n
         return path
 
-    def mark_loaded(self, node: Node, gpu_slots: list[int]) -> list[int]:
-        """A host-resident node's KV was queued for copying into `gpu_slots`: it lives on the
-        GPU from now on (readers wait for the copy on the device). Returns its host slots,
-        which the caller frees (later writes to them run on the same copy stream)."""
-        assert node.host_slots is not None and len(gpu_slots) == len(node.key)
-        host_slots, node.host_slots, node.slots = node.host_slots, None, gpu_slots
-        self.host_tokens -= len(node.key)
+    def mark_loaded(self, node: Node, gpu_slots: list[int]) -> None:
+        """A host-only node's KV was queued for copying into `gpu_slots`: it lives in both
+        tiers from now on (readers wait for the copy on the device; evicting it again needs
+        no copy)."""
+        assert node.host_slots is not None and not node.slots and len(gpu_slots) == len(node.key)
+        node.slots = gpu_slots
         if node.lock_ref:
             self.locked_tokens += len(node.key)
         else:
             self.evictable_tokens += len(node.key)
-        return host_slots
 
     def _nodes(self):
         stack = [self.root]
@@ -283,15 +322,17 @@ class RadixCache:
 
     def check(self, expected_locks: dict[int, int]) -> None:
         """Reference counts equal the locks the callers hold (`id(node) -> count` of paths
-        through it), each node lives in exactly one tier, a GPU node's parent is on the GPU,
+        through it), each node lives in a tier, a GPU node's parent is on the GPU,
         and the token counters add up."""
         evictable = locked = host = 0
         for node in self._nodes():
             want = expected_locks.get(id(node), 0)
             assert node.lock_ref == want, f"prefix cache: node lock_ref {node.lock_ref}, expected {want}"
             if node.host_slots is not None:
-                assert not node.slots and len(node.key) == len(node.host_slots) > 0
+                assert len(node.key) == len(node.host_slots) > 0
                 host += len(node.key)
+            if not node.slots:
+                assert node.host_slots is not None, "prefix cache: a node in neither tier"
                 continue
             assert len(node.key) == len(node.slots) > 0
             assert node.parent is self.root or node.parent.slots, "prefix cache: GPU node under a host node"
