@@ -265,3 +265,11 @@ def test_tensor_parallel_ranks_replay_the_host_tier_copies(tmp_path):
         assert engine.stats()["host_cache_hit_tokens"] > 200
     finally:
         engine.close()
+
+
+def test_warm_up_leaves_no_host_tier_figures(tiny_text_model):
+    engine = _engine(tiny_text_model, max_total_tokens=200, max_prefill_tokens=64, max_running_requests=8,
+                     host_kv_cache_gb=0.01, warm_up="on")
+    s = engine.stats()
+    assert s["host_cache_hit_tokens"] == s["host_load_bytes"] == s["host_write_back_bytes"] == 0
+    assert s["host_cache_tokens"] == 0 and s["prefix_cache_tokens"] == 0

@@ -157,6 +157,13 @@ class KVTierCopier:
                 self.stats.write_back_seconds += seconds
         self._in_flight = still
 
+    def reset_stats(self) -> None:
+        """Start the figures from zero (after the warm-up; waits for the copy stream: start-up
+        only, never in the loop)."""
+        self.stream.synchronize()
+        self.collect()
+        self.stats = TierCopyStats()
+
     def close(self) -> None:
         """Everything queued finished (the engine synchronized): drop the keep-alives."""
         self._in_flight = []
