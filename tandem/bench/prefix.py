@@ -120,7 +120,7 @@ class PrefixRow:
         return self.output_tokens / self.wall_s
 
     def to_dict(self) -> dict:
-        return {**asdict(self), "output_tok_s": self.output_tok_s}
+        return {**asdict(self), "output_tok_s": self.output_tok_s, "gpu_hit_rate": self.hit_rate - self.host_hit_rate}
 
 
 def drive(engine: Engine, workload, tag: str) -> tuple[int, int, float, list[float]]:
@@ -284,7 +284,7 @@ def _without_compare(argv: list[str]) -> list[str]:
 
 def format_table(rows: list[dict], compared: str = "cache") -> str:
     cols = ["workload", "cache", "host_kv_cache_gb", "requests", "output_tok_s", "ttft_p50_ms", "ttft_p99_ms",
-            "hit_rate", "host_hit_rate", "load_gb_s", "write_back_gb_s", "host_ms_per_step", "gpu_busy", "wall_s"]
+            "hit_rate", "gpu_hit_rate", "host_hit_rate", "load_gb_s", "write_back_gb_s", "host_ms_per_step", "gpu_busy", "wall_s"]
     lines = [" | ".join(cols)]
     for r in rows:
         lines.append(" | ".join(_fmt(r.get(c)) for c in cols))
