@@ -69,11 +69,11 @@ class HostTierOps:
                 self.host_tokens -= len(below.key)
 
     def write_ahead(self, num_tokens: int) -> int:
-        """Make about `num_tokens` unreferenced GPU tokens evictable without a copy: copy the
-        coldest unreferenced GPU-only nodes to the host tier, keeping their GPU copies, until
-        that many have host copies. Takes host room only from colder host-only nodes. Returns
-        the tokens queued for copying."""
-        unreferenced = [n for n in self._nodes() if n.lock_ref == 0 and n.slots]
+        """Make about `num_tokens` GPU tokens evictable without a copy: copy the nodes eviction
+        would take first (unreferenced, no GPU child, least recently used) to the host tier,
+        keeping their GPU copies, until that many have host copies. Takes host room only from
+        colder host-only nodes. Returns the tokens queued for copying."""
+        unreferenced = [n for n in self._nodes() if self._gpu_evictable(n)]
         ready = sum(len(n.key) for n in unreferenced if n.host_slots is not None)
         queued = 0
         for node in sorted((n for n in unreferenced if n.host_slots is None), key=lambda n: n.last_access):
