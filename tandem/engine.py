@@ -365,12 +365,15 @@ class Engine:
         if self.runner.verify_graphs is not None:
             self.runner.verify_graphs.close()
         self.grammar.shutdown()  # its compile threads end; queued compilations are cancelled
+        pinned = usable and self.kv_tier is not None and self.device.type == "cuda"
         # Drop every reference to device state; the scheduler's admit hook refers back to
         # the engine, so this also breaks the engine's reference cycles.
         for name in _DEVICE_STATE:
             vars(self).pop(name, None)
         self.requests, self._carried, self.pending = {}, [], None
         lifetime.release(self, self.device, usable)
+        if pinned:
+            _return_pinned_memory()  # the host tier's pool is gone: its pinned pages go back to the OS
 
     def _check_open(self) -> None:
         if self.closed:
@@ -827,6 +830,14 @@ class Engine:
                 "host_load_bytes": copies.load_bytes, "host_load_seconds": copies.load_seconds,
                 "host_write_back_bytes": copies.write_back_bytes,
                 "host_write_back_seconds": copies.write_back_seconds}
+
+
+def _return_pinned_memory() -> None:
+    """Pinned blocks freed by torch stay cached for reuse; give them back (newer torch names it
+    torch.accelerator.empty_host_cache; older releases have only the private call)."""
+    empty = getattr(torch.accelerator, "empty_host_cache", None) or getattr(torch._C, "_host_emptyCache", None)
+    if empty is not None:
+        empty()
 
 
 def _merged(outs: list[StepOutput]) -> StepOutput:
