@@ -68,6 +68,7 @@ def test_forward_waits_for_the_load_on_the_device(tiny_text_model):
     assert tree.host_tokens > 200 and engine.kv_slots.num_free == engine.kv_slots.count
     for t in engine.kv.k + engine.kv.v:
         t[1:].fill_(float("nan"))  # slot 0 is the padding rows' dummy
+    torch.cuda.synchronize()  # the fill (default stream) is not ordered with the copy stream
     tier, load = engine.kv_tier, engine.kv_tier.load
     sleep_s = 0.5  # at least: _sleep counts cycles, and the H200 clocks at most 1.98 GHz
 
