@@ -124,6 +124,9 @@ class Experiments:
     # Host KV tier: copy cold prefixes to the host ahead of GPU pressure (off: only when evicted,
     # and the forward that reuses their slots waits for the copy).
     host_kv_write_ahead: bool = True
+    # Host KV tier: load the host part of the first waiting requests' matches a step before their
+    # admission (off: at admission, and their first forward waits for the load).
+    host_kv_prefetch: bool = True
 
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]

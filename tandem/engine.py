@@ -558,11 +558,21 @@ class Engine:
         self._count_launched(launched)
         if self.cfg.disable_overlap:
             self._drain(outputs)
-        if self.kv_tier is not None and self.cfg.experiments.host_kv_write_ahead:
-            # The window after the launch: copies queued now run beside the forward.
-            self.prefix_cache.write_ahead(self.cfg.max_prefill_tokens + len(self.scheduler.running))
+        if self.kv_tier is not None:
+            self._move_between_tiers()
         if self.prefix_cache.debug:
             self.prefix_cache.check(self.scheduler.kv_holders())
+
+    def _move_between_tiers(self) -> None:
+        """The window after a launch: host-tier copies queued now run beside the forward, and
+        the next plan (which may need a prefill step's slots) finds them done."""
+        cfg, cache = self.cfg, self.prefix_cache
+        next_need = cfg.max_prefill_tokens + len(self.scheduler.running)
+        if cfg.experiments.host_kv_prefetch:
+            waiting = list(itertools.islice(self.scheduler.waiting, PREFETCH_REQUESTS))
+            cache.prefetch(waiting, keep=next_need, most=cfg.max_prefill_tokens)
+        if cfg.experiments.host_kv_write_ahead:
+            cache.write_ahead(next_need)
 
     def _count_launched(self, launched: PendingResult) -> None:
         """A step is numbered and recorded once it is fully queued (a step undone before that
@@ -862,6 +872,9 @@ def _step_record(batch: ScheduledBatch, t_start: float, t_launch: float, t_end: 
         num_sampled=len(batch.sample_rows),
         verify_k=sum(r.spec_k for r in rows) if batch.is_verify else None)
 
+
+# Waiting requests whose host-tier prefixes are loaded ahead of admission (the queue's head).
+PREFETCH_REQUESTS = 4
 
 NO_TOKEN_ERROR = "no token satisfies the request's constraints (its grammar allows only tokens it bans)"
 

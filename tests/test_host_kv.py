@@ -163,10 +163,11 @@ def run_chats(engine: Engine, rounds: list[list[Spec]]) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("overlap,host_tokens,write_ahead", [(True, 4096, True), (False, 4096, True),
-                                                            (True, 300, True), (True, 4096, False)])
-def test_small_pool_with_host_tier_equals_unbounded_pool(tiny_text_model, overlap, host_tokens, write_ahead):
-    """300 host tokens: the host tier evicts too (less than the working set)."""
+@pytest.mark.parametrize("overlap,host_tokens,ahead", [(True, 4096, True), (False, 4096, True),
+                                                      (True, 300, True), (True, 4096, False)])
+def test_small_pool_with_host_tier_equals_unbounded_pool(tiny_text_model, overlap, host_tokens, ahead):
+    """300 host tokens: the host tier evicts too (less than the working set). `ahead`: write-ahead
+    and prefetch on (the default) or both off (copies only at eviction and admission)."""
     from tandem.config import Experiments
     rounds = chat_specs(conversations=10, turns=4, seed=3)
     unbounded = _engine(tiny_text_model, max_total_tokens=20000)
@@ -174,8 +175,13 @@ def test_small_pool_with_host_tier_equals_unbounded_pool(tiny_text_model, overla
     gb = host_tokens * engine_bytes_per_token(unbounded) / 2**30
     engine = _engine(tiny_text_model, max_total_tokens=400, chunked_prefill_size=48, max_prefill_tokens=96,
                      disable_overlap=not overlap, host_kv_cache_gb=gb, timeline=True,
-                     experiments=Experiments(host_kv_write_ahead=write_ahead))
+                     experiments=Experiments(host_kv_write_ahead=ahead, host_kv_prefetch=ahead))
+    prefetched, prefetch = [], engine.prefix_cache.prefetch
+    engine.prefix_cache.prefetch = lambda *a, **k: prefetched.append(prefetch(*a, **k)) or prefetched[-1]
+    written_ahead, write_ahead = [], engine.prefix_cache.write_ahead
+    engine.prefix_cache.write_ahead = lambda *a: written_ahead.append(write_ahead(*a)) or written_ahead[-1]
     got = run_chats(engine, rounds)
+    assert (sum(prefetched) > 0 and sum(written_ahead) > 0) == ahead, (prefetched, written_ahead)
     assert got == want
     s = engine.stats()
     assert s["host_cache_hit_tokens"] > (500 if host_tokens > 1000 else 100), s  # histories came back

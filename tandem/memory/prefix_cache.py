@@ -100,7 +100,8 @@ class PrefixCache:
             return 0
         slots, node = self.tree.match(fill[:len(fill) - 1])
         if self.host is not None:
-            loaded, node = self._load_host_part(node, fill[:len(fill) - 1], len(slots))
+            loaded, node = self._load_host_part(node, fill[:len(fill) - 1], len(slots), self._load_tokens_left)
+            self._load_tokens_left -= len(loaded)
             slots = slots + loaded
         if slots:
             self.tree.lock(node)
@@ -108,37 +109,59 @@ class PrefixCache:
             self.hit_tokens += len(slots)
         return len(slots)
 
-    def _load_host_part(self, node: Node, tokens: list[int], start: int) -> tuple[list[int], Node]:
+    def _load_host_part(self, node: Node, tokens: list[int], start: int, most: int) -> tuple[list[int], Node]:
         """Load the host-resident continuation of a match (tokens[:start] ending at `node`)
-        into fresh GPU slots, as far as this step's budget and the GPU room allow. The loaded
-        nodes stay cached on the GPU even if admission then does not go ahead."""
+        into GPU slots (evicting colder prefixes for them), at most `most` tokens, whole nodes.
+        Returns the loaded slots and the node where the match now ends. The loaded nodes stay
+        cached (in both tiers) even if the admission they were loaded for does not go ahead."""
         path = self.tree.host_continuation(node, tokens, start)
         if not path:
             return [], node
         self.tree.lock(node)  # the GPU part of the match stays while eviction makes room
-        room = min(self._load_tokens_left, self.available())
-        take, total = [], 0
-        for host_node in path:
-            if total + len(host_node.key) > room:
-                break
-            take.append(host_node)
-            total += len(host_node.key)
-        if not take:
-            self.tree.unlock(node)
-            return [], node
-        self.tree.lock(take[-1])  # eviction's write-backs must not drop what is being loaded
+        take = self._fitting(path, min(most, self.available()))
+        gpu_slots = self._load(take) if take else []
+        self.tree.unlock(node)
+        return gpu_slots, (take[-1] if take else node)
+
+    def _load(self, nodes: list[Node]) -> list[int]:
+        """Queue the load of consecutive host-only nodes into fresh GPU slots; they are in both
+        tiers afterwards (evicting them again costs no copy)."""
+        total = sum(len(n.key) for n in nodes)
+        self.tree.lock(nodes[-1])  # eviction's write-backs must not drop what is being loaded
         gpu_slots = self.alloc(total)
-        host_slots = [h for n in take for h in n.host_slots]
-        self.host.load(host_slots, gpu_slots)
+        self.host.load([h for n in nodes for h in n.host_slots], gpu_slots)
         at = 0
-        for host_node in take:  # they keep their host copies: evicting them again costs no copy
+        for host_node in nodes:
             self.tree.mark_loaded(host_node, gpu_slots[at:at + len(host_node.key)])
             at += len(host_node.key)
-        self.tree.unlock(take[-1])
-        self.tree.unlock(node)
-        self._load_tokens_left -= total
+        self.tree.unlock(nodes[-1])
         self.host_hit_tokens += total
-        return gpu_slots, take[-1]
+        return gpu_slots
+
+    def prefetch(self, waiting: list[Request], keep: int, most: int) -> int:
+        """In the processing window: load the host part of waiting requests' matches, at most
+        `most` tokens, keeping `keep` slots available for the next plan, so that admission
+        finds them on the GPU and the forward reading them has had a step's head start.
+        Returns the tokens queued."""
+        queued = 0
+        for req in waiting if self.host is not None else ():
+            prefix = req.fill_ids[:len(req.fill_ids) - 1]
+            slots, node = self.tree.match(prefix)
+            loaded, _ = self._load_host_part(node, prefix, len(slots),
+                                             min(most - queued, self.available() - keep))
+            queued += len(loaded)
+        return queued
+
+    @staticmethod
+    def _fitting(path: list[Node], room: int) -> list[Node]:
+        """The leading nodes of `path` whose tokens fit in `room`."""
+        take, total = [], 0
+        for node in path:
+            if total + len(node.key) > room:
+                break
+            take.append(node)
+            total += len(node.key)
+        return take
 
     def undo_admit(self, req: Request) -> None:
         """Admission did not go ahead (no room): drop the lock, keep the tree as it was."""
