@@ -279,3 +279,17 @@ def test_warm_up_leaves_no_host_tier_figures(tiny_text_model):
     s = engine.stats()
     assert s["host_cache_hit_tokens"] == s["host_load_bytes"] == s["host_write_back_bytes"] == 0
     assert s["host_cache_tokens"] == 0 and s["prefix_cache_tokens"] == 0
+
+
+@pytest.mark.slow
+def test_ngram_speculation_and_lpm_with_host_tier(tiny_text_model):
+    """Verify steps reserve slots past the table and lpm orders by matches that reach the host
+    tier: outputs still equal an unbounded pool's."""
+    spec = {"method": "ngram", "num_speculative_tokens": 3}
+    rounds = chat_specs(conversations=8, turns=3, seed=9)
+    want = run_chats(_engine(tiny_text_model, max_total_tokens=20000, speculative_config=spec), rounds)
+    engine = _engine(tiny_text_model, max_total_tokens=400, chunked_prefill_size=48, max_prefill_tokens=96,
+                     host_kv_cache_gb=0.01, speculative_config=spec, schedule_policy="lpm")
+    assert run_chats(engine, rounds) == want
+    assert engine.stats()["host_cache_hit_tokens"] > 100
+    assert_kv_conserved(engine)
