@@ -133,20 +133,20 @@ def _engine(path, **kw) -> Engine:
     return Engine(EngineConfig(model=str(path), device=TEST_DEVICE, dtype="float32", **kw))
 
 
-def chat_specs(conversations: int, turns: int, seed: int) -> list[list[Spec]]:
+def chat_specs(conversations: int, turns: int, seed: int, vocab: int = 1000) -> list[list[Spec]]:
     """Multi-turn chats: each turn's prompt is the previous prompt plus new user tokens (the
     model's reply is not fed back, so the turns of one round can be built up front). Returns
     one list of specs per round; the rounds run one after another, so a conversation's history
     is evicted (and written back) between its turns. Some requests abort."""
     rng = random.Random(seed)
-    system = [rng.randrange(3, 1000) for _ in range(30)]
-    history = [system + [rng.randrange(3, 1000) for _ in range(rng.randint(10, 40))]
+    system = [rng.randrange(3, vocab) for _ in range(30)]
+    history = [system + [rng.randrange(3, vocab) for _ in range(rng.randint(10, 40))]
                for _ in range(conversations)]
     rounds = []
     for t in range(turns):
         specs = []
         for c in range(conversations):
-            history[c] = history[c] + [rng.randrange(3, 1000) for _ in range(rng.randint(5, 25))]
+            history[c] = history[c] + [rng.randrange(3, vocab) for _ in range(rng.randint(5, 25))]
             abort = rng.randint(0, 4) if rng.random() < 0.1 else None
             specs.append(Spec(f"c{c}t{t}", list(history[c]),
                               SamplingParams(max_tokens=rng.randint(2, 12), temperature=0.0, ignore_eos=True),
