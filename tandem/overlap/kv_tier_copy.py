@@ -36,7 +36,6 @@ CHUNK_BYTES = 128 << 20  # device staging per transfer: large enough for full PC
 @dataclass
 class _InFlight:
     kind: str  # "load" or "write_back"
-    num_bytes: int
     start: object
     end: object
     keep_alive: list = field(default_factory=list)  # pinned indices, device staging
@@ -80,8 +79,7 @@ class KVTierCopier:
 
     def _copy(self, kind: str, gpu_slots: list[int], host_slots: list[int]) -> None:
         assert len(gpu_slots) == len(host_slots)
-        record = _InFlight(kind, len(gpu_slots) * self.host.token_bytes,
-                           self.streams.event(timing=True), self.streams.event(timing=True))
+        record = _InFlight(kind, self.streams.event(timing=True), self.streams.event(timing=True))
         t0 = perf_counter()
         with self.streams.use(self.stream):
             record.start.record(self.stream)
