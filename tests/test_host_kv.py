@@ -238,6 +238,7 @@ def test_abort_during_a_load_then_reuse_and_close(tiny_text_model):
     engine.abort("aborted")
     while engine.has_unfinished():
         engine.step()
+    assert engine.output("aborted").num_cached_tokens == 150  # usage's cached_tokens counts host hits
     engine.release("aborted")
     assert_kv_conserved(engine)
     again = run_workload(engine, [Spec("again", follow_up, greedy)])["again"]
