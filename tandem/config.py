@@ -127,6 +127,9 @@ class Experiments:
     # Host KV tier: load the host part of the first waiting requests' matches a step before their
     # admission (off: at admission, and their first forward waits for the load).
     host_kv_prefetch: bool = True
+    # Cascade decode attention (rows sharing a cached prefix read it once per group): auto groups
+    # by `CascadeRule`'s cost thresholds, on groups every shared prefix (>= 2 rows), off never.
+    cascade_attention: str = "auto"
 
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]

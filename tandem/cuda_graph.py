@@ -17,6 +17,7 @@ from tandem.models.decoder import DecoderModel
 from tandem.overlap.future_map import FutureMap
 from tandem.overlap.staging import InputStager
 from tandem.overlap.streams import StreamSet
+from tandem.scheduler.cascade import CascadeRule, graph_inputs, graph_sizes
 
 log = logging.getLogger("tandem")
 
@@ -42,13 +43,14 @@ def warm_and_capture(run, pool, stream: torch.cuda.Stream) -> tuple[torch.cuda.C
     return graph, out
 
 
-def capture_all(streams: StreamSet, buckets: list[int], depth: int, views, capture_one) -> int:
+def capture_all(streams: StreamSet, buckets: list[int], depth: int, views, capture_one, pool=None) -> int:
     """The capture loop of every graph set: per bucket and staging ring slot, all-padding
     inputs (`views(ring, bucket)` zeroed), then `capture_one(ring, bucket, views, pool)`, on
-    the forward stream. Returns the device memory the graphs took."""
+    the forward stream. `pool`: share another set's memory pool (their replays are ordered on
+    the one forward stream). Returns the device memory the graphs took."""
     device = streams.device
     free_before = torch.cuda.mem_get_info(device)[0]
-    pool = torch.cuda.graph_pool_handle()
+    pool = torch.cuda.graph_pool_handle() if pool is None else pool
     forward = streams.forward
     forward.wait_stream(torch.cuda.current_stream(device))
     for bucket in reversed(buckets):  # largest first: smaller ones reuse its pool
@@ -65,14 +67,17 @@ def capture_all(streams: StreamSet, buckets: list[int], depth: int, views, captu
 class DecodeGraphs:
     def __init__(self, model: DecoderModel, kv: KVCache, table: ReqToTokenTable, backend,
                  future_map: FutureMap, streams: StreamSet, stager: InputStager,
-                 buckets: list[int], max_seq_len: int, draft=None):
+                 buckets: list[int], max_seq_len: int, draft=None, cascade: CascadeRule | None = None):
         self.model, self.kv, self.table, self.backend = model, kv, table, backend
         self.draft = draft  # speculative decoding's draft model: the graph writes its KV too
         self.future_map, self.streams, self.stager = future_map, streams, stager
         self.buckets = buckets
         # Decode kernels take their split count from this host int; fixed for every replay.
         self.max_seq_len = max_seq_len
-        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # Cascade attention: a second graph per (bucket >= 2, ring slot) reading the padded
+        # cascade layout after the decode fields (`tandem.scheduler.cascade.graph_sizes`).
+        self.cascade = cascade
+        self.graphs: dict[tuple[int, int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.memory_bytes = 0  # device memory the captured graphs took (measured at capture)
         # The debug FutureMap's device assert cannot be captured (its message is copied from
         # pageable host memory), so in debug mode the gather runs eagerly into a static buffer.
@@ -91,7 +96,15 @@ class DecodeGraphs:
     def bucket(self, batch_size: int) -> int:
         return next(b for b in self.buckets if b >= batch_size)
 
-    def forward(self, views: dict[str, torch.Tensor], bucket: int) -> torch.Tensor:
+    def has_cascade(self, bucket: int) -> bool:
+        return self.cascade is not None and bucket >= self.cascade.min_group_rows
+
+    def sizes(self, bucket: int, cascade: bool) -> dict[str, int]:
+        """The staged fields a graph reads, in staging order."""
+        sizes = decode_sizes(bucket)
+        return sizes | graph_sizes(bucket, self.cascade) if cascade else sizes
+
+    def forward(self, views: dict[str, torch.Tensor], bucket: int, cascade: bool = False) -> torch.Tensor:
         """The captured work; also what a replay recomputes. Returns logits [bucket, V]."""
         req_slots = views["req_slots"]
         input_ids = self.future_map.resolve(req_slots) if self.resolve_in_graph else self.input_ids[bucket]
@@ -101,7 +114,8 @@ class DecodeGraphs:
             req_slots=req_slots, seq_lens=views["seq_lens"], prefix_lens=views["seq_lens"],
             qo_indptr=views["seq_lens"], req_to_token=self.table.table,
             host_req_slots=[0] * bucket, host_seq_lens=[1] * bucket, host_extend_lens=[1] * bucket,
-            is_decode=True, max_seq_len=self.max_seq_len)
+            is_decode=True, max_seq_len=self.max_seq_len,
+            cascade=graph_inputs(views, self.cascade) if cascade else None)
         hidden = self.model(fb, self.kv, self.backend)
         if self.draft is not None:
             self.draft.mirror(fb)  # the draft's KV is valid wherever the target's is
@@ -109,13 +123,18 @@ class DecodeGraphs:
 
     @torch.no_grad()
     def capture(self) -> None:
-        def one(ring: int, bucket: int, views: dict[str, torch.Tensor], pool) -> None:
-            self.graphs[(bucket, ring)] = warm_and_capture(lambda: self.forward(views, bucket), pool,
-                                                           self.streams.forward)
-        self.memory_bytes = capture_all(self.streams, self.buckets, self.stager.depth,
-                                        lambda ring, bucket: self.stager.views(ring, decode_sizes(bucket)), one)
-        log.info("captured %d decode graphs (buckets up to %d) using %.0f MiB",
-                 len(self.graphs), self.max_batch, self.memory_bytes / 2**20)
+        pool = torch.cuda.graph_pool_handle()
+        for cascade in (False, True):
+            buckets = [b for b in self.buckets if not cascade or self.has_cascade(b)]
+
+            def one(ring: int, bucket: int, views: dict[str, torch.Tensor], pool, cascade=cascade) -> None:
+                self.graphs[(bucket, ring, cascade)] = warm_and_capture(
+                    lambda: self.forward(views, bucket, cascade), pool, self.streams.forward)
+            self.memory_bytes += capture_all(
+                self.streams, buckets, self.stager.depth,
+                lambda ring, bucket, cascade=cascade: self.stager.views(ring, self.sizes(bucket, cascade)), one, pool)
+        log.info("captured %d decode graphs (buckets up to %d, cascade %s) using %.0f MiB",
+                 len(self.graphs), self.max_batch, "on" if self.cascade else "off", self.memory_bytes / 2**20)
 
     def close(self) -> None:
         """Free the graphs; their private memory pool goes back once no graph uses it."""
@@ -125,10 +144,11 @@ class DecodeGraphs:
         self.input_ids.clear()
         self.logits = None
 
-    def replay(self, bucket: int, ring: int, req_slots: torch.Tensor) -> torch.Tensor:
+    def replay(self, bucket: int, ring: int, req_slots: torch.Tensor, cascade: bool = False) -> torch.Tensor:
         """Queue the graph on the current (forward) stream; returns its logits buffer.
-        `req_slots` are the staged slots the graph reads (used here only in debug mode)."""
-        graph, logits = self.graphs[(bucket, ring)]
+        `req_slots` are the staged slots the graph reads (used here only in debug mode);
+        `cascade`: the graph reading the cascade layout staged after the decode fields."""
+        graph, logits = self.graphs[(bucket, ring, cascade)]
         if not self.resolve_in_graph:
             self.input_ids[bucket].copy_(self.future_map.resolve(req_slots))
         graph.replay()

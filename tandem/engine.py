@@ -24,6 +24,7 @@ from tandem.diagnostics.timeline import StepRecord, Timeline
 from tandem.grammar import GrammarManager
 from tandem.limits import context_error
 from tandem.cuda_graph import DecodeGraphs, default_buckets
+from tandem.cascade_layout import max_group_rows
 from tandem.config import EngineConfig, ModelConfig, resolve_device, resolve_dtype
 from tandem.memory.allocator import SlotAllocator
 from tandem.memory.host_kv import HostKVPool
@@ -45,9 +46,11 @@ from tandem.overlap.streams import StreamSet
 from tandem.request import Request, Status
 from tandem.runner import ModelRunner, PendingResult
 from tandem.sampling import Sampler, SamplingParams
+from tandem.sampling.prompt_logprobs import PromptLogprobs
 from tandem.sampling.bias import BAN, BadWordsMask, min_tokens_bias, static_bias
 from tandem.sampling.params import check_unicode
 from tandem.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from tandem.scheduler.cascade import CascadeRule
 from tandem.speculative.config import SpeculativeConfig
 from tandem.speculative.draft import DraftProposer, check_draft
 from tandem.speculative.graphs import VerifyGraphs
@@ -289,7 +292,9 @@ class Engine:
         k = spec.num_speculative_tokens if spec is not None else 0
         # A verify step: 2 ints per query token, 4 per row, 3 per reserved slot (2 (k + 1) a row).
         verify = rows * (2 * (k + 1) + 5 + 6 * (k + 1)) if spec is not None else 0
-        self.stager = InputStager(self.streams, capacity=4 * max_tokens + reused + 10 * rows + 16 + verify,
+        # Per token: id, position, KV slot, request slot, and for prompt logprobs row and target.
+        cascade = 8 * rows + 4 * 512  # a cascade plan: 4 ints a row, <= rows / 2 + 1 offsets, 4 a work item
+        self.stager = InputStager(self.streams, capacity=6 * max_tokens + reused + 10 * rows + 16 + verify + cascade,
                                   coarse=cfg.experiments.coarse_war_barrier)
         # A verify row's result: accepted, proposed, then its k + 1 samples.
         self.copier = ResultCopier(self.streams, max_rows=rows * (k + 3) if spec is not None else rows)
@@ -301,11 +306,12 @@ class Engine:
         self.grammar = GrammarManager(self.tokenizer, self.model_config.vocab_size, sorted(self.eos_token_ids),
                                       self.streams, rows, cfg.grammar_threads, cfg.grammar_compile_timeout,
                                       enabled=self.parallel.tp.size == 1)
-        graphs = self._capture_graphs()
+        cascade = self._cascade_rule()
+        graphs = self._capture_graphs(cascade)
         self.runner = ModelRunner(self.model, self.kv, self.table, self.backend, self.sampler,
                                   self.future_map, self.streams, self.stager, self.copier, graphs,
                                   mirror=self.parallel.sender, spec=self.spec_state,
-                                  verify_graphs=self._capture_verify_graphs())
+                                  verify_graphs=self._capture_verify_graphs(), cascade=cascade)
         self.scheduler = Scheduler(
             SchedulerConfig(rows, cfg.max_prefill_tokens, cfg.chunked_prefill_size, cfg.enable_mixed_batch,
                             cfg.schedule_policy, max_reused_tokens_per_step=reused,
@@ -313,21 +319,41 @@ class Engine:
             self.prefix_cache, self.req_slots, on_admit=self.runner.admit,
             verify=VerifyPlanner(spec) if spec is not None else None)
 
+    def _cascade_rule(self) -> CascadeRule | None:
+        """The experiment's switch; off under tensor parallelism (workers' requests carry no
+        tree paths, and every rank must run the same attention) and speculative decoding (the
+        draft model's forward reads the same batch with its own head layout)."""
+        mode = self.cfg.experiments.cascade_attention
+        if mode not in ("auto", "on", "off"):
+            raise ValueError(f"experiments.cascade_attention must be auto, on or off; got {mode!r}")
+        if mode == "off" or self.parallel.tp.size > 1 or self.speculative is not None:
+            return None
+        cfg = self.model_config
+        rows = max_group_rows(cfg.num_heads, cfg.num_kv_heads)
+        if rows < 2:  # a group's queries would not fit one tile: nothing to share
+            return None
+        sms = torch.cuda.get_device_properties(self.device).multi_processor_count if self.device.type == "cuda" else 4
+        items = -(-2 * sms // cfg.num_kv_heads)  # prefix chunks for ~2 waves of (chunk, KV head) programs
+        if mode == "on":
+            return CascadeRule.forced(rows, items)
+        kv_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * self.dtype.itemsize
+        return CascadeRule.for_model(rows, items, kv_bytes)
+
     def _spec_state(self, k: int) -> SpecState:
         spec, rows = self.speculative, self.cfg.max_running_requests
         if spec.method == "ngram":
             return SpecState.ngram(rows, self.max_model_len, k, spec.prompt_lookup_min, spec.prompt_lookup_max,
-                                   self.device)
+                                   self.device, fused=self.device.type == "cuda" and self.backend.name == "triton")
         draft = DraftProposer(self.draft_model, self.draft_kv, self.backend, self.table, k, self.sampler.token_hash,
                               rows, self.device)
         return SpecState(rows, self.max_model_len, k, self.device, draft)
 
-    def _capture_graphs(self) -> DecodeGraphs | None:
+    def _capture_graphs(self, cascade: CascadeRule | None) -> DecodeGraphs | None:
         if not self._graphs_usable():
             return None
         draft = self.spec_state.draft if self.spec_state is not None else None
         graphs = DecodeGraphs(self.model, self.kv, self.table, self.backend, self.future_map, self.streams,
-                              self.stager, self._graph_buckets(), self.max_model_len, draft)
+                              self.stager, self._graph_buckets(), self.max_model_len, draft, cascade)
         graphs.capture()
         return graphs
 
@@ -467,7 +493,8 @@ class Engine:
         seq = CompletionOutput(0, req.text.text if req.text else "", list(req.output_token_ids),
                                sum(lp.logprob for lp in lps) if lps is not None else None, lps,
                                req.finish_reason, req.stop_reason)
-        return RequestOutput(request_id, req.prompt, req.prompt_token_ids, [seq],
+        prompt_lps = self._prompt_logprobs(req) if req.params.prompt_logprobs is not None else None
+        return RequestOutput(request_id, req.prompt, req.prompt_token_ids, [seq], prompt_lps,
                              num_preemptions=req.num_preemptions, num_cached_tokens=req.num_cached_tokens)
 
     def cancel(self, request_ids: list[str]) -> None:
@@ -687,6 +714,10 @@ class Engine:
         top_ids = host.top_ids.tolist() if host.top_ids is not None else None
         top_lps = host.top_logprobs.tolist() if host.top_logprobs is not None else None
         self.completed_step = pending.batch.step
+        # Before the tokens: a first token carries them all. Rank 0's are the ones reported (a
+        # worker re-admits a preempted request afresh: it keeps no books of them).
+        if host.prompt is not None and self.parallel.tp.rank == 0:
+            self._read_prompt_logprobs(pending.batch, host.prompt)
         if pending.batch.is_verify:
             outputs = self._read_verify(pending.batch, pending.verify_queries, tokens, logprobs, top_ids, top_lps,
                                         pending.record)
@@ -705,9 +736,40 @@ class Engine:
                                   if n and top_ids is not None else [])
             if req.spec_pause:
                 note_plain(req)
-            outputs.append(self._append_token_or_fail(req, tokens[i], lp))
+            out = self._append_token_or_fail(req, tokens[i], lp)
+            if row.sample_index == 0 and req.params.prompt_logprobs is not None:
+                out.prompt_logprobs = self._prompt_logprobs(req)  # with the first output
+            outputs.append(out)
         self.scheduler.on_step_completed(self.completed_step)
         return outputs
+
+    def _read_prompt_logprobs(self, batch: ScheduledBatch, host: PromptLogprobs) -> None:
+        """Each scored row's logprob, rank and top k, appended in prompt order (pinned memory,
+        complete: no device sync)."""
+        logprobs, ranks = host.logprobs.tolist(), host.ranks.tolist()
+        top_ids = host.top_ids.tolist() if host.top_ids is not None else None
+        top_lps = host.top_logprobs.tolist() if host.top_logprobs is not None else None
+        at = 0
+        for row in batch.rows:
+            if row.prompt_logprobs is None:
+                continue
+            req, (a, b) = row.req, row.prompt_logprobs
+            first, at = at, at + b - a
+            if req.finished:
+                continue  # aborted while the step ran: nothing more is reported
+            assert len(req.prompt_logprobs) == a, "prompt logprobs out of order"
+            k = req.params.prompt_logprobs
+            for j, q in enumerate(range(first, at)):
+                top = list(zip(top_ids[q][:k], top_lps[q][:k])) if k else []
+                req.prompt_logprobs.append(TokenLogprob(req.prompt_token_ids[a + j + 1], logprobs[q], top, ranks[q]))
+
+    @staticmethod
+    def _prompt_logprobs(req: Request) -> list[TokenLogprob | None] | None:
+        """vLLM's order, None for the first token (nothing scores it); None while incomplete
+        (a request aborted during its prefill)."""
+        if req.prompt_logprobs_owed:
+            return None
+        return [None, *req.prompt_logprobs]
 
     def _read_verify(self, batch: ScheduledBatch, queries: list[int], flat: list[int], logprobs, top_ids,
                      top_lps, record: StepRecord | None) -> list[StepOutput]:
@@ -825,6 +887,8 @@ class Engine:
                 "cuda_graph_memory_mib": sum(g.memory_bytes for g in (self.runner.graphs, self.runner.verify_graphs)
                                              if g is not None) / 2**20,
                 "num_preemptions": self.scheduler.num_preemptions,
+                "cascade_steps": self.runner.cascade_steps,  # decode steps with shared-prefix groups
+                "cascade_rows": self.runner.cascade_rows,  # rows those steps grouped, summed
                 "memory": self.memory.as_dict() if self.memory is not None else None,
                 "steps": self.step_id, **(self.spec_counters.as_dict() if self.speculative is not None else {})}
 

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tandem.cascade_layout import CascadeInputs
+
 
 @dataclass
 class ForwardBatch:
@@ -26,6 +28,7 @@ class ForwardBatch:
     host_extend_lens: list[int]
     is_decode: bool  # every request has exactly one new token
     max_seq_len: int
+    cascade: CascadeInputs | None = None  # decode only: two-level attention over shared prefixes
 
 
 def query_rows_batch(input_ids: torch.Tensor, positions: torch.Tensor, locs: torch.Tensor,

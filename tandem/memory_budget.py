@@ -22,7 +22,8 @@ import torch
 from tandem.forward_batch import ForwardBatch
 from tandem.memory.kv_cache import KVCache
 from tandem.memory.req_to_token import ReqToTokenTable
-from tandem.sampling import Sampler, SamplingInputs, SamplingParams
+from tandem.sampling import MAX_LOGPROBS, Sampler, SamplingInputs, SamplingParams
+from tandem.sampling.prompt_logprobs import chunk_rows, compute_prompt_logprobs
 
 log = logging.getLogger("tandem")
 
@@ -120,6 +121,9 @@ def profile_forward(model, backend, num_layers: int, num_kv_heads: int, head_dim
     hidden = model(fb, kv, backend)
     rows = i64([(e - 1) % num_tokens for e in ends] * (num_samples // len(lens) + 1))[:num_samples]
     logits = model.compute_logits(hidden[rows])
+    # Prompt logprobs: one chunk of scored rows is the most their LM head holds at once.
+    scored = torch.arange(min(num_tokens, chunk_rows(vocab_size)), device=device)
+    compute_prompt_logprobs(hidden, scored, scored % vocab_size, MAX_LOGPROBS, model.compute_logits, vocab_size)
     del hidden, kv, table
     params = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, min_p=0.01, logprobs=20,
                             repetition_penalty=1.1)

@@ -11,6 +11,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]] = field(default_factory=list)  # best first
+    rank: int | None = None  # 1-based over the whole vocabulary, where computed (prompt logprobs)
 
 
 @dataclass
@@ -25,6 +26,7 @@ class Logprob:
 
 
 SampleLogprobs = list[dict[int, Logprob]]  # vLLM's name: one dict per generated token
+PromptLogprobs = list[dict[int, Logprob] | None]  # vLLM's name: None for the first prompt token
 
 
 def sample_logprobs(lps: list[TokenLogprob], decode: Callable[[int], str]) -> SampleLogprobs:
@@ -33,9 +35,16 @@ def sample_logprobs(lps: list[TokenLogprob], decode: Callable[[int], str]) -> Sa
     return [_position(lp, decode) for lp in lps]
 
 
+def prompt_logprobs(lps: list[TokenLogprob | None], decode: Callable[[int], str]) -> PromptLogprobs:
+    """The engine's prompt logprobs in vLLM's shape: per prompt position None (the first) or
+    the actual token with its rank, then the top ones by rank."""
+    return [None if lp is None else _position(lp, decode) for lp in lps]
+
+
 def _position(lp: TokenLogprob, decode: Callable[[int], str]) -> dict[int, Logprob]:
     ranks = {token: i + 1 for i, (token, _) in enumerate(lp.top)}
-    out = {lp.token_id: Logprob(lp.logprob, ranks.get(lp.token_id), decode(lp.token_id))}
+    rank = lp.rank if lp.rank is not None else ranks.get(lp.token_id)
+    out = {lp.token_id: Logprob(lp.logprob, rank, decode(lp.token_id))}
     for token, value in lp.top:
         if token not in out:
             out[token] = Logprob(value, ranks[token], decode(token))
@@ -59,6 +68,9 @@ class StepOutput:
     # too long to compile).
     error_status: int = 500
     error_code: str | None = None  # the API's error code for it (e.g. "invalid_grammar"); None: generic
+    # On a request's first output, when it asked: its prompt logprobs (None first, then one per
+    # prompt token), computed by the steps that ran its prefill.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass
@@ -83,6 +95,7 @@ class RequestOutput:
     prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
+    # vLLM's PromptLogprobs from LLM; the engine's list[TokenLogprob | None] from Engine.output.
     prompt_logprobs: list | None = None
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache

@@ -34,6 +34,9 @@ class Request:
     status: Status = Status.WAITING
     output_token_ids: list[int] = field(default_factory=list)  # processed (known to the host)
     output_logprobs: list = field(default_factory=list)
+    # prompt_logprobs: the engine's TokenLogprob of prompt tokens 1, 2, ... in order, as the
+    # steps that computed their rows are processed (row p's logits score token p + 1).
+    prompt_logprobs: list = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     # Placement, owned by the scheduler:
@@ -83,6 +86,30 @@ class Request:
             h = hash((h, tuple(ids[start:start + PROMPT_HASH_BLOCK])))
             hashes.append(h)
         return hashes
+
+    @property
+    def prompt_logprobs_owed(self) -> bool:
+        """It asked for prompt logprobs and some are not processed yet."""
+        return (self.params.prompt_logprobs is not None
+                and len(self.prompt_logprobs) < len(self.prompt_token_ids) - 1)
+
+    @property
+    def max_cached_prefix(self) -> int:
+        """Leading input tokens whose KV admission may take from the prefix cache: all but the
+        last (its logits are sampled), and none whose logits still owe a prompt logprob: those
+        rows are recomputed (row p scores token p + 1, and prompt_logprobs[p - 1] is owed)."""
+        most = len(self.prompt_token_ids) + len(self.output_token_ids) - 1  # len(fill_ids) - 1, no copy
+        return min(most, len(self.prompt_logprobs)) if self.prompt_logprobs_owed else most
+
+    def prompt_logprob_span(self, start: int, n: int) -> tuple[int, int] | None:
+        """The positions [a, b) of a prefill row over [start, start + n) whose logits give
+        prompt logprobs still owed (position p scores prompt token p + 1). Processed entries
+        lie below every row of this admission that is still to be planned, so the row's own
+        start bounds the span too; the last prompt position scores no prompt token."""
+        if not self.prompt_logprobs_owed:
+            return None
+        a, b = max(start, len(self.prompt_logprobs)), min(start + n, len(self.prompt_token_ids) - 1)
+        return (a, b) if a < b else None
 
     @property
     def prefill_done(self) -> bool:

@@ -22,7 +22,10 @@ from tandem.sampling import Sampler, SamplingInputs, SamplingParams
 from tandem.sampling.inputs import SampleOutput
 from tandem.sampling.inputs import seed_to_int64
 from tandem.sampling.noise import row_keys
+from tandem.sampling.prompt_logprobs import PromptLogprobs, compute_prompt_logprobs
 from tandem.scheduler.batch import ScheduledBatch
+from tandem.scheduler.cascade import FIELDS as CASCADE_FIELDS
+from tandem.scheduler.cascade import CascadePlan, CascadeRule, plan_cascade, staged_inputs
 from tandem.speculative.graphs import VERIFY_FIELDS, VerifyGraphs, settle
 from tandem.speculative.state import SpecState, SpecStep
 from tandem.speculative.verify import Verdict, accept_rejection
@@ -50,6 +53,9 @@ class PendingResult:
     verify_queries: list[int] | None = None  # a verify step: query tokens per row (their logprobs' layout)
     # Speculative decoding, plain steps: the positions of the tokens sampled (history appends).
     sampled_positions: torch.Tensor | None = None
+    # Prompt logprobs of the step's scored prefill rows (forward stream), until `sample` hands
+    # them to the result copy with the step's tokens.
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class ModelRunner:
@@ -57,7 +63,7 @@ class ModelRunner:
                  sampler: Sampler, future_map: FutureMap, streams: StreamSet,
                  stager: InputStager, copier: ResultCopier, graphs: DecodeGraphs | None = None,
                  timing: bool = False, mirror=None, spec: SpecState | None = None,
-                 verify_graphs: VerifyGraphs | None = None):
+                 verify_graphs: VerifyGraphs | None = None, cascade: CascadeRule | None = None):
         self.model, self.kv, self.table, self.backend = model, kv, table, backend
         self.spec = spec  # speculative decoding's device state; None: off
         self.verify_graphs = verify_graphs
@@ -65,6 +71,9 @@ class ModelRunner:
         self.stager, self.copier, self.graphs, self.timing = stager, copier, graphs, timing
         # Tensor parallelism, rank 0: the same admits and steps go to the workers (StepSender).
         self.mirror = mirror
+        self.cascade = cascade  # decode steps group rows by shared prefix (cascade attention); None: off
+        self.cascade_steps = self.cascade_rows = 0  # planned so far (stats)
+        self.cascade_paths: dict = {}  # the planner's memo of the rows' tree paths
 
     def launch(self, batch: ScheduledBatch, defer_sampling: bool = False) -> PendingResult:
         """Queue the step. With `defer_sampling` only the forward is queued; `sample` queues the
@@ -75,11 +84,15 @@ class ModelRunner:
             assert not defer_sampling, "token masks under tensor parallelism"
             self.mirror.launch(batch)  # first: the workers start while this rank stages
         verify = batch.is_verify
-        bucket = self._verify_bucket(batch, defer_sampling) if verify else self._graph_bucket(batch)
+        cascade = self._cascade_plan(batch)
+        bucket = self._verify_bucket(batch, defer_sampling) if verify else self._graph_bucket(batch, cascade)
         if verify:
             fields = _verify_metadata(batch, bucket)
         else:
             fields = _metadata(batch) if bucket is None else _decode_metadata(batch, bucket)
+        if cascade is not None:  # staged in the same copy as the rest of the step's inputs
+            fields.update(cascade.fields() if bucket is None else
+                          cascade.padded_fields(bucket, *self.cascade.graph_capacity(bucket)))
         dev = self.stager.stage(batch.step, fields)
         try:
             if verify:
@@ -112,13 +125,13 @@ class ModelRunner:
                 pending.forward_start = self.streams.event(timing=True)
                 pending.forward_start.record(forward)
             if bucket is None:
-                logits = self._eager_logits(batch, fields, dev)
+                logits, pending.prompt_logprobs = self._eager_logits(batch, fields, dev)
                 sample_slots = dev["sample_slots"]
                 if self.spec is not None:  # a sampled token follows its row's last input
                     pending.sampled_positions = dev["positions"][dev["sample_token_idx"]] + 1
             else:
-                logits = self.graphs.replay(bucket, batch.step % self.stager.depth,
-                                            dev["req_slots"])[:len(rows)]
+                logits = self.graphs.replay(bucket, batch.step % self.stager.depth, dev["req_slots"],
+                                            cascade=CASCADE_FIELDS[0] in fields)[:len(rows)]
                 sample_slots = dev["req_slots"][:len(rows)]
                 if self.spec is not None:
                     pending.sampled_positions = dev["positions"][:len(rows)] + 1
@@ -159,7 +172,8 @@ class ModelRunner:
                 pending.forward_end.record(forward)
             sampled = self.streams.event()
             sampled.record(forward)
-        pending.host = self.copier.copy(batch.step, *result, sampled)
+        prompt, pending.prompt_logprobs = pending.prompt_logprobs, None
+        pending.host = self.copier.copy(batch.step, *result, sampled, prompt)
 
     def _queue_verify(self, batch: ScheduledBatch, fields: dict[str, list[int]], dev: dict[str, torch.Tensor],
                       bucket: int | None, defer_sampling: bool) -> PendingResult:
@@ -272,13 +286,26 @@ class ModelRunner:
         emitted = verdict.tokens[step.token_row, step.token_offset]
         return verdict, self.sampler.with_logprobs(raw, emitted, sampling)
 
-    def _graph_bucket(self, batch: ScheduledBatch) -> int | None:
+    def _cascade_plan(self, batch: ScheduledBatch) -> CascadePlan | None:
+        """Groups for a plain decode step (host facts only: the rows' tree paths and slots)."""
+        if self.cascade is None or not batch.is_decode or batch.is_verify:
+            return None
+        plan = plan_cascade(batch.rows, self.cascade, self.cascade_paths)
+        if plan is not None:
+            self.cascade_steps += 1
+            self.cascade_rows += len(plan.group_rows)
+        return plan
+
+    def _graph_bucket(self, batch: ScheduledBatch, cascade: CascadePlan | None) -> int | None:
         if self.graphs is None or not batch.is_decode or len(batch.rows) > self.graphs.max_batch:
+            return None
+        if cascade is not None and not self.graphs.has_cascade(self.graphs.bucket(len(batch.rows))):
             return None
         return self.graphs.bucket(len(batch.rows))
 
-    def _eager_logits(self, batch: ScheduledBatch, fields: dict[str, list[int]],
-                      dev: dict[str, torch.Tensor]) -> torch.Tensor | None:
+    def _eager_logits(self, batch: ScheduledBatch, fields: dict[str, list[int]], dev: dict[str, torch.Tensor]
+                      ) -> tuple[torch.Tensor | None, PromptLogprobs | None]:
+        """The sampled rows' logits, and the prompt logprobs of the scored prefill rows."""
         input_ids = self._input_ids(batch, dev)
         if fields["cached_locs"]:  # rows reusing cached prefixes: their table rows first
             self.table.write_prefixes_on_device(dev["cached_req_slots"], dev["cached_lens"],
@@ -290,13 +317,18 @@ class ModelRunner:
             qo_indptr=dev["qo_indptr"], req_to_token=self.table.table,
             host_req_slots=fields["req_slots"], host_seq_lens=fields["seq_lens"],
             host_extend_lens=[r.num_new for r in batch.rows], is_decode=batch.is_decode,
-            max_seq_len=max(fields["seq_lens"]))
+            max_seq_len=max(fields["seq_lens"]), cascade=staged_inputs(fields, dev, self.cascade))
         hidden = self.model(fb, self.kv, self.backend)
         if self.spec is not None and self.spec.draft is not None:
             self.spec.draft.mirror(fb)  # the draft's KV is valid wherever the target's is
+        prompt = None
+        if fields["prompt_lp_token_idx"]:
+            k = max(r.req.params.prompt_logprobs for r in batch.rows if r.prompt_logprobs is not None)
+            prompt = compute_prompt_logprobs(hidden, dev["prompt_lp_token_idx"], dev["prompt_lp_targets"], k,
+                                             self.model.compute_logits, self.sampler.vocab_size)
         if not batch.sample_rows:
-            return None
-        return self.model.compute_logits(hidden[dev["sample_token_idx"]])
+            return None, prompt
+        return self.model.compute_logits(hidden[dev["sample_token_idx"]]), prompt
 
     def _input_ids(self, batch: ScheduledBatch, dev: dict[str, torch.Tensor]) -> torch.Tensor:
         """Prefill ids come staged from the host; decode ids from the FutureMap."""
@@ -344,6 +376,7 @@ def _metadata(batch: ScheduledBatch) -> dict[str, list[int]]:
     req_slots, seq_lens, prefix_lens, qo_indptr = [], [], [], [0]
     decode_idx, decode_slots, sample_idx, sample_slots = [], [], [], []
     cached_locs, cached_req_slots, cached_lens = [], [], []
+    lp_idx, lp_targets = [], []  # prompt logprobs: scored rows (flat token index) and their tokens
     for row in batch.rows:
         slot, start, n = row.req.slot, row.start, len(row.kv_slots)
         if row.prefill_ids is None:
@@ -353,6 +386,10 @@ def _metadata(batch: ScheduledBatch) -> dict[str, list[int]]:
             positions.append(start)
             token_req.append(slot)
         else:
+            if row.prompt_logprobs is not None:
+                a, b = row.prompt_logprobs
+                lp_idx += range(len(input_ids) + a - start, len(input_ids) + b - start)
+                lp_targets += row.req.prompt_token_ids[a + 1:b + 1]
             input_ids += row.prefill_ids
             positions += range(start, start + n)
             token_req += [slot] * n
@@ -372,7 +409,8 @@ def _metadata(batch: ScheduledBatch) -> dict[str, list[int]]:
             "token_req_slots": token_req, "req_slots": req_slots, "seq_lens": seq_lens,
             "prefix_lens": prefix_lens, "qo_indptr": qo_indptr, "decode_token_idx": decode_idx,
             "decode_slots": decode_slots, "sample_token_idx": sample_idx, "sample_slots": sample_slots,
-            "cached_locs": cached_locs, "cached_req_slots": cached_req_slots, "cached_lens": cached_lens}
+            "cached_locs": cached_locs, "cached_req_slots": cached_req_slots, "cached_lens": cached_lens,
+            "prompt_lp_token_idx": lp_idx, "prompt_lp_targets": lp_targets}
 
 
 def _decode_metadata(batch: ScheduledBatch, bucket: int) -> dict[str, list[int]]:

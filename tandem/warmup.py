@@ -6,7 +6,7 @@ Left to the first requests, that is seconds of TTFT for whoever comes first (see
 1.7 s against a 27 ms p50 at 16 req/s from a cold server). So the engine runs, once at start,
 the shape classes serving hits: prefills of assorted lengths alone and together (chunked where
 long), a mixed step when mixed batches are on, decode at every CUDA-graph bucket and eagerly
-above them, and each sampling path (greedy, top-k/top-p/min-p, penalties, logprobs). Then it
+above them (a cascade step too, when cascade attention is on), and each sampling path (greedy, top-k/top-p/min-p, penalties, logprobs). Then it
 forgets them: the prefix cache and its counters are reset.
 """
 from __future__ import annotations
@@ -50,6 +50,12 @@ def warm_up(engine) -> float:
         b = min(b, cfg.max_running_requests)
         _run(engine, [(prompt(3), SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
                       for _ in range(b)])
+    rule = engine.runner.cascade
+    if rule is not None:  # an eager cascade step (graphs compiled theirs at capture): one shared prompt
+        rows = min(decode_batches[-1], cfg.max_running_requests)
+        enough = max(rule.min_shared_len, rule.min_saved_tokens // max(rows - 1, 1)) + 16  # the rule groups it
+        shared = prompt(min(enough, engine.max_model_len - 8))
+        _run(engine, [(shared, SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))] * rows)
     engine.reset_prefix_cache()
     engine.prefix_cache.hit_tokens = engine.prefix_cache.queried_tokens = engine.prefix_cache.host_hit_tokens = 0
     if engine.kv_tier is not None:  # the warm-up's host-tier copies are not news either

@@ -240,3 +240,30 @@ def test_backend_never_syncs(prefix_lens, extend_lens):
         backend.forward(q, k, v, k_cache, v_cache, batch, 0.125)
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+# ---- prompt lookup in one launch ------------------------------------------------------------
+@pytest.mark.parametrize("seed", [pytest.param(s, marks=[pytest.mark.gpu] if HAS_CUDA else []) for s in range(4)])
+def test_ngram_match_kernel_is_the_proposer_rule(seed):
+    """The fused n-gram search equals the rule (propose_ngram_reference) over each row's last
+    `window` tokens: rows read by slot from a wider history, garbage past each length, rows
+    shorter than the window and longer, padding rows of length 0."""
+    import random
+
+    from tandem.kernels.ngram_match import ngram_match
+    from tandem.speculative.ngram import propose_ngram_reference
+    rng = random.Random(seed)
+    k, min_n, max_n, window = rng.randint(1, 5), rng.randint(1, 2), rng.randint(2, 4), rng.choice([8, 24, 64])
+    rows = [[rng.randrange(4) for _ in range(rng.randint(0, 90))] for _ in range(9)] + [[]]
+    history = torch.full((len(rows) + 3, 100), 3, dtype=torch.int32)  # 3 past each length: must not match
+    slots = torch.randperm(len(rows) + 3)[:len(rows)]
+    for slot, r in zip(slots.tolist(), rows):
+        history[slot, :len(r)] = torch.tensor(r, dtype=torch.int32)
+    lengths = torch.tensor([len(r) for r in rows])
+    tokens, count = ngram_match(history.to(DEVICE), slots.to(DEVICE), lengths.to(DEVICE), k, min_n, max_n, window)
+    tokens, count = tokens.cpu(), count.cpu()
+    for i, r in enumerate(rows):
+        want = propose_ngram_reference(r[max(0, len(r) - window):], k, min_n, max_n)
+        n = int(count[i])
+        assert tokens[i, :n].tolist() == want, (r, k, min_n, max_n, window)
+        assert tokens[i, n:].eq(0).all()

@@ -143,7 +143,7 @@ def test_sampling_params_validation():
     for kw, field in [({"n": 0}, "n"), ({"n": 2, "best_of": 1}, "best_of"), ({"min_tokens": -1}, "min_tokens"),
                       ({"max_tokens": 2, "min_tokens": 3}, "min_tokens"), ({"logit_bias": {"x": 1}}, "logit_bias"),
                       ({"bad_words": [""]}, "bad_words"), ({"skip_special_tokens": 1}, "skip_special_tokens"),
-                      ({"prompt_logprobs": 1}, "prompt_logprobs")]:
+                      ({"prompt_logprobs": 21}, "prompt_logprobs")]:
         with pytest.raises(ValueError, match=field):
             SamplingParams(**kw)
     assert SamplingParams(logit_bias={"5": 2}).logit_bias == {5: 2.0}

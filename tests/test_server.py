@@ -163,7 +163,7 @@ BAD_INPUTS = [
     ("completions", {"prompt": "hi", "logprobs": 50}, 400, "logprobs", ["logprobs"]),
     ("completions", {"prompt": "hi", "stop": [""]}, 400, "stop", ["stop"]),
     ("completions", {"prompt": "hi", "seed": 2**70}, 400, "seed", ["seed"]),
-    ("completions", {"prompt": "hi", "echo": True, "logprobs": 1}, 400, "echo", ["prompt logprobs"]),
+    ("completions", {"prompt": "hi", "stream": True, "prompt_logprobs": 1}, 400, "prompt_logprobs", ["stream"]),
     ("completions", {"prompt": "hi", "best_of": 3, "stream": True}, 400, "best_of", ["streamed"]),
     ("completions", {"prompt": "hi", "logit_bias": {"5": 500}}, 400, "logit_bias", ["[-100, 100]"]),
     ("completions", {"prompt": "hi", "logit_bias": {"999999": 1}}, 400, "logit_bias", ["token ids"]),

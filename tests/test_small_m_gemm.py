@@ -176,3 +176,45 @@ def test_linear_reduce_hook_applies_to_the_output():
         layer.weight.normal_()
     x = torch.randn(3, 8)
     torch.testing.assert_close(layer(x), 2 * torch.nn.functional.linear(x, layer.weight))
+
+
+def test_the_mlp_down_projection_is_gated_and_only_it():
+    from tandem.models.layers import GatedMLP
+    mlp = GatedMLP(16, 24)
+    assert mlp.down_proj.gated and not mlp.gate_up_proj.gated
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+def test_the_fused_silu_mul_input_runs_only_from_its_own_plan():
+    """A gated layer's unfused plan does not stand for its fused input (at 8 and 16 rows that
+    kernel was 4-6x slower than the two launches): without a silu_plan entry the caller runs
+    SiLU-mul, then the layer; with one, the fused kernel, same result."""
+    from tandem.models.layers import GatedMLP, silu_mul_torch
+    mlp = GatedMLP(64, 96).to(DEVICE, torch.bfloat16)
+    for p in mlp.parameters():
+        torch.nn.init.normal_(p, std=0.05)
+    x = torch.randn(8, 64, device=DEVICE, dtype=torch.bfloat16)
+    expected = mlp.down_proj.weight.float() @ silu_mul_torch(mlp.gate_up_proj(x)).float().t()
+    mlp.down_proj.plan = {8: GemmConfig(16, 32, 1)}
+    assert mlp.down_proj.silu_mul_forward(mlp.gate_up_proj(x)) is None
+    _close(mlp(x), expected.t(), torch.bfloat16)
+    mlp.down_proj.silu_plan = {8: GemmConfig(16, 32, 1)}
+    assert mlp.down_proj.silu_mul_forward(mlp.gate_up_proj(x)) is not None
+    _close(mlp(x), expected.t(), torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+def test_the_tuner_times_the_fused_input_against_the_two_launches():
+    """tune_model fills a gated layer's silu_plan only with configs it timed faster than
+    SiLU-mul + the layer's own plan, and tunes no other layer's fused input."""
+    from tandem.kernels.gemm_tuner import tune_model
+    from tandem.models.layers import GatedMLP
+    mlp = GatedMLP(256, 512).to(DEVICE, torch.bfloat16)
+    results = tune_model(mlp, torch.bfloat16, max_m=8)
+    gated = {key: r for key, r in results.items() if key[4]}
+    assert {key[:2] for key in gated} == {(256, 512)}  # down: N = hidden, K = intermediate
+    for (n, k, _, m, _), (cfg, ms, base_ms) in gated.items():
+        assert mlp.down_proj.silu_plan.get(m) == cfg
+        assert cfg is None or ms < base_ms

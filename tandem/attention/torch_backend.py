@@ -35,6 +35,43 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     return out.squeeze(2)
 
 
+def cascade_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      req_to_token: torch.Tensor, req_slots: torch.Tensor, seq_lens: torch.Tensor,
+                      shared_lens: torch.Tensor, shared_src: torch.Tensor, scale: float,
+                      max_seq_len: int) -> torch.Tensor:
+    """Two-level decode attention, q [B, H, D] -> [B, H, D]: row b's keys [0, shared_lens[b])
+    are read from table row `shared_src[b]` (its group's leader), the rest from its own row;
+    the two partial softmaxes merge by their log-sum-exps. Equals `decode_attention` when
+    the leader's slots below the shared length are the row's own (the grouping's promise)."""
+    positions = torch.arange(max_seq_len, device=q.device)
+    shared = positions[None, :] < shared_lens[:, None]  # [B, L]
+    own = req_to_token[req_slots, :max_seq_len].long()
+    lead = req_to_token[shared_src, :max_seq_len].long()
+    parts = []
+    for idx, mask in ((lead, shared), (own, ~shared & (positions[None, :] < seq_lens[:, None]))):
+        parts.append(_partial_attention(q, k_cache[idx], v_cache[idx], mask, scale))
+    (o1, lse1), (o2, lse2) = parts
+    m = torch.maximum(lse1, lse2)
+    m = torch.where(torch.isinf(m), torch.zeros_like(m), m)  # both parts empty: padding row
+    w1, w2 = torch.exp(lse1 - m), torch.exp(lse2 - m)
+    denom = (w1 + w2).clamp_min(torch.finfo(w1.dtype).tiny)
+    return ((w1[..., None] * o1 + w2[..., None] * o2) / denom[..., None]).to(q.dtype)
+
+
+def _partial_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                       scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention over the masked keys, k/v [B, L, KVH, D], mask [B, L]: the normalised
+    output [B, H, D] and natural log-sum-exp [B, H] (-inf, zeros where no key is unmasked)."""
+    group = q.shape[1] // k.shape[2]
+    k = k.repeat_interleave(group, dim=2).float()  # [B, L, H, D]
+    v = v.repeat_interleave(group, dim=2).float()
+    scores = torch.einsum("bhd,blhd->bhl", q.float(), k) * scale
+    scores = scores.masked_fill(~mask[:, None, :], float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # [B, H]
+    p = torch.exp(scores - torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)[..., None])
+    return torch.einsum("bhl,blhd->bhd", p, v), lse
+
+
 def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      req_to_token: torch.Tensor, host_req_slots: list[int],
                      host_seq_lens: list[int], host_extend_lens: list[int],
@@ -69,6 +106,10 @@ class TorchAttention:
                 k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch,
                 scale: float) -> torch.Tensor:
         write_kv(k_cache, v_cache, batch.out_cache_loc, k, v)
+        if batch.is_decode and batch.cascade is not None:
+            c = batch.cascade
+            return cascade_attention(q, k_cache, v_cache, batch.req_to_token, batch.req_slots, batch.seq_lens,
+                                     c.shared_lens, c.shared_src, scale, batch.max_seq_len)
         if batch.is_decode:
             return decode_attention(q, k_cache, v_cache, batch.req_to_token, batch.req_slots,
                                     batch.seq_lens, scale, batch.max_seq_len)

@@ -7,6 +7,7 @@ import torch
 
 from tandem.forward_batch import ForwardBatch
 from tandem.kernels import decode_attention, extend_attention, write_kv
+from tandem.kernels.cascade_attention import cascade_attention
 from tandem.kernels.decode_attention import MIN_ROW_SPLIT_TOKENS
 
 
@@ -25,6 +26,9 @@ class TritonAttention:
                 k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch,
                 scale: float) -> torch.Tensor:
         write_kv(k_cache, v_cache, batch.out_cache_loc, k, v)
+        if batch.is_decode and batch.cascade is not None:
+            return cascade_attention(q, k_cache, v_cache, batch.req_to_token, batch.req_slots, batch.seq_lens,
+                                     batch.cascade, scale, batch.max_seq_len, min_split_tokens=self.min_split_tokens)
         if batch.is_decode:
             return decode_attention(q, k_cache, v_cache, batch.req_to_token, batch.req_slots,
                                     batch.seq_lens, scale, batch.max_seq_len,

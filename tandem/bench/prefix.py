@@ -9,14 +9,19 @@ Workloads (random token ids, EOS ignored, fixed seed; greedy):
   its conversation finished (closed loop).
 - standard: DESIGN.md's offline workload (N requests, input and output U[100, 1024]), no
   sharing: what the cache costs when it cannot help.
+- samples: n samples of each of P prompts (P x n requests, prompt length S, O output tokens,
+  temperature 1, one seed per sample), all at once: n > 1 shares its prompt through the cache.
+
+Cascade attention (decode rows sharing a cached prefix read it once per group) is the
+`--cascade` experiment: auto (its cost rule), on (every shared prefix), off.
 
 Each configuration runs in its own process (an engine does not give GPU memory back to a
 second one in the same process); `--compare` runs cache on and off and prints both with their
-ratios; `--compare-host-tier` runs the cache with the host tier (`--host-kv-cache-gb`) and
-without. Per run: wall time, output tok/s, TTFT p50/p99 (arrival to first token seen by the
-host), prefix hit rate (cached / looked-up prompt tokens) and its GPU and host-tier parts,
-host-tier copy bandwidth each way (bytes / device time of the copies), host ms per step, GPU
-busy.
+ratios; `--compare-cascade` runs cache off, cache on without cascade and cache on with it;
+`--compare-host-tier` runs the cache with the host tier (`--host-kv-cache-gb`) and without. Per
+run: wall time, output tok/s, TTFT p50/p99 (arrival to first token seen by the host), prefix
+hit rate (cached / looked-up prompt tokens) and its GPU and host-tier parts, host-tier copy
+bandwidth each way (bytes / device time of the copies), host ms per step, GPU busy.
 """
 from __future__ import annotations
 
@@ -31,7 +36,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from tandem.bench.presets import preset_dir
-from tandem.config import EngineConfig
+from tandem.config import EngineConfig, Experiments
 from tandem.engine import Engine
 from tandem.sampling import SamplingParams
 
@@ -43,6 +48,8 @@ class Turn:
     prompt: list[int]
     output_len: int
     conversation: int | None = None
+    temperature: float = 0.0
+    seed: int | None = None
 
 
 class SharedPrefix:
@@ -83,6 +90,20 @@ class MultiTurn:
         return Turn(turn.prompt + output_ids + self._tokens(self.question_len), self.output_len, c)
 
 
+class Samples:
+    def __init__(self, prompts: int, n: int, prompt_len: int, output_len: int, vocab: int, seed: int):
+        rng = random.Random(seed)
+        texts = [[rng.randrange(vocab) for _ in range(prompt_len)] for _ in range(prompts)]
+        self.turns = [Turn(text, output_len, temperature=1.0, seed=rng.randrange(1 << 30))
+                      for text in texts for _ in range(n)]
+
+    def initial(self) -> list[Turn]:
+        return self.turns
+
+    def follow_up(self, turn: Turn, output_ids: list[int]) -> Turn | None:
+        return None
+
+
 class Standard:
     def __init__(self, num_requests: int, vocab: int, seed: int, min_len: int = 100, max_len: int = 1024):
         rng = random.Random(seed)
@@ -100,6 +121,7 @@ class Standard:
 class PrefixRow:
     workload: str
     cache: bool
+    cascade: str
     requests: int
     input_tokens: int
     output_tokens: int
@@ -110,6 +132,7 @@ class PrefixRow:
     steps: int
     host_ms_per_step: float
     gpu_busy: float | None
+    cascade_steps: int  # decode steps that grouped rows by shared prefix
     host_kv_cache_gb: float = 0.0
     host_hit_rate: float = 0.0  # the part of hit_rate loaded back from the host tier
     load_gb_s: float | None = None  # host -> GPU, per second of copy device time
@@ -136,8 +159,8 @@ def drive(engine: Engine, workload, tag: str) -> tuple[int, int, float, list[flo
     def send(turn: Turn) -> None:
         nonlocal inputs
         rid = f"{tag}-{next(ids)}"
-        engine.add_request(turn.prompt, SamplingParams(max_tokens=turn.output_len, temperature=0.0,
-                                                       ignore_eos=True), request_id=rid)
+        engine.add_request(turn.prompt, SamplingParams(max_tokens=turn.output_len, temperature=turn.temperature,
+                                                       seed=turn.seed, ignore_eos=True), request_id=rid)
         arrival[rid], turns[rid] = time.perf_counter(), turn
         inputs += len(turn.prompt)
 
@@ -175,6 +198,8 @@ def make_workload(args: argparse.Namespace, vocab: int, seed: int):
     if args.workload == "shared":
         return SharedPrefix(args.groups, args.per_group, args.system_len, args.question_len,
                             args.output_len, vocab, seed)
+    if args.workload == "samples":
+        return Samples(args.prompts, args.n, args.system_len, args.output_len, vocab, seed)
     if args.workload == "multiturn":
         return MultiTurn(args.conversations, args.turns, args.system_len, args.question_len,
                          args.output_len, vocab, seed)
@@ -189,11 +214,13 @@ def run_one(args: argparse.Namespace) -> PrefixRow:
                                  max_running_requests=args.max_running_requests,
                                  cuda_graph_max_batch=min(args.max_running_requests, 512),
                                  host_kv_cache_gb=args.host_kv_cache_gb,
-                                 timeline=True, seed=0, warm_up="off"))  # drive() below warms up
+                                 timeline=True, seed=0, warm_up="off",  # drive() below warms up
+                                 experiments=Experiments(cascade_attention=args.cascade)))
     vocab = engine.model_config.vocab_size
     small = argparse.Namespace(**{**vars(args), "groups": min(args.groups, 2), "per_group": min(args.per_group, 2),
                                   "conversations": min(args.conversations, 2), "turns": min(args.turns, 2),
-                                  "num_requests": min(args.num_requests, 8)})
+                                  "num_requests": min(args.num_requests, 8), "prompts": min(args.prompts, 2),
+                                  "n": min(args.n, 2)})
     drive(engine, make_workload(small, vocab, seed=1_000 + args.seed), "warm")  # compile kernels
     engine.reset_prefix_cache()
     s0, first = engine.stats(), len(engine.timeline.records)
@@ -201,15 +228,15 @@ def run_one(args: argparse.Namespace) -> PrefixRow:
     if engine.kv_tier is not None:
         engine.kv_tier.collect()  # drive() synchronized: every copy's time is known
     s1 = engine.stats()
-    delta = {k: s1[k] - s0[k] for k in ("prefix_cache_queried_tokens", "prefix_cache_hit_tokens",
+    delta = {k: s1[k] - s0[k] for k in ("prefix_cache_queried_tokens", "prefix_cache_hit_tokens", "cascade_steps",
                                         "host_cache_hit_tokens", "host_load_bytes", "host_load_seconds",
                                         "host_write_back_bytes", "host_write_back_seconds")}
     queried = max(delta["prefix_cache_queried_tokens"], 1)
     summary = engine.timeline.summary(skip=first)
-    return PrefixRow(args.workload, args.cache == "on", len(ttft), inputs, outputs, wall,
+    return PrefixRow(args.workload, args.cache == "on", args.cascade, len(ttft), inputs, outputs, wall,
                      _percentile(ttft, 50), _percentile(ttft, 99), delta["prefix_cache_hit_tokens"] / queried,
                      summary["steps"], summary["mean_host_ms"], summary.get("gpu_busy_fraction"),
-                     args.host_kv_cache_gb, delta["host_cache_hit_tokens"] / queried,
+                     delta["cascade_steps"], args.host_kv_cache_gb, delta["host_cache_hit_tokens"] / queried,
                      _gb_s(delta["host_load_bytes"], delta["host_load_seconds"]),
                      _gb_s(delta["host_write_back_bytes"], delta["host_write_back_seconds"]))
 
@@ -221,13 +248,17 @@ def _gb_s(num_bytes: int, seconds: float) -> float | None:
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="tandem bench prefix", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--workload", choices=["shared", "multiturn", "standard"], default="shared")
+    ap.add_argument("--workload", choices=["shared", "multiturn", "standard", "samples"], default="shared")
     ap.add_argument("--preset", help="model shape with dummy weights (qwen3-0.6b, llama-3.1-8b, tiny)")
     ap.add_argument("--model", help="a model path instead of a preset (default: the built-in model)")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--cache", choices=["on", "off"], default="on")
+    ap.add_argument("--cascade", choices=["auto", "on", "off"], default="auto",
+                    help="cascade attention experiment (shared prefixes read once per group)")
     ap.add_argument("--compare", action="store_true", help="run cache on and off, each in its own process")
+    ap.add_argument("--compare-cascade", action="store_true",
+                    help="run cache off, cache on + cascade off, cache on + --cascade (default auto)")
     ap.add_argument("--host-kv-cache-gb", type=float, default=0.0, help="the prefix cache's host tier (0: off)")
     ap.add_argument("--compare-host-tier", action="store_true",
                     help="run the cache with --host-kv-cache-gb and without, each in its own process")
@@ -239,6 +270,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--conversations", type=int, default=64)
     ap.add_argument("--turns", type=int, default=6)
     ap.add_argument("--num-requests", type=int, default=256, help="standard workload size")
+    ap.add_argument("--prompts", type=int, default=64, help="samples workload: distinct prompts")
+    ap.add_argument("--n", type=int, default=16, help="samples workload: samples per prompt")
     ap.add_argument("--max-total-tokens", type=int)
     ap.add_argument("--max-running-requests", type=int, default=256,
                     help="concurrency cap (shared KV lets more requests fit: try 512 for shared)")
@@ -250,15 +283,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
-    if not (args.compare or args.compare_host_tier):
+    if not (args.compare or args.compare_cascade or args.compare_host_tier):
         row = run_one(args)
         print(json.dumps(row.to_dict()))
         return 0
-    variants = ([["--host-kv-cache-gb", str(args.host_kv_cache_gb)], ["--host-kv-cache-gb", "0"]]
-                if args.compare_host_tier else [["--cache", "on"], ["--cache", "off"]])
+    gb = str(args.host_kv_cache_gb)
+    if args.compare_cascade:
+        configs = [("off", "off", gb), ("on", "off", gb), ("on", "on" if args.cascade == "off" else args.cascade, gb)]
+    elif args.compare_host_tier:
+        configs = [("on", args.cascade, gb), ("on", args.cascade, "0")]
+    else:
+        configs = [("on", args.cascade, gb), ("off", args.cascade, gb)]
     rows = []
-    for variant in variants:
-        cmd = [sys.executable, "-m", "tandem.bench.prefix", *_without_compare(argv), *variant]
+    for cache, cascade, host_gb in configs:
+        cmd = [sys.executable, "-m", "tandem.bench.prefix", *_without_compare(argv), "--cache", cache,
+               "--cascade", cascade, "--host-kv-cache-gb", host_gb]
         out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
         rows.append(json.loads(out.strip().splitlines()[-1]))
     print(format_table(rows, "host tier" if args.compare_host_tier else "cache"))
@@ -273,21 +312,27 @@ def _without_compare(argv: list[str]) -> list[str]:
     for a in argv:
         if skip:
             skip = False
-        elif a in ("--compare", "--compare-host-tier"):
+        elif a in ("--compare", "--compare-cascade", "--compare-host-tier"):
             continue
-        elif a in ("--cache", "--json", "--host-kv-cache-gb"):
+        elif a in ("--cache", "--json", "--cascade", "--host-kv-cache-gb"):
             skip = True
-        elif not a.startswith(("--cache=", "--json=", "--host-kv-cache-gb=")):
+        elif not a.startswith(("--cache=", "--json=", "--cascade=", "--host-kv-cache-gb=")):
             out.append(a)
     return out
 
 
 def format_table(rows: list[dict], compared: str = "cache") -> str:
-    cols = ["workload", "cache", "host_kv_cache_gb", "requests", "output_tok_s", "ttft_p50_ms", "ttft_p99_ms",
-            "hit_rate", "gpu_hit_rate", "host_hit_rate", "load_gb_s", "write_back_gb_s", "host_ms_per_step", "gpu_busy", "wall_s"]
+    cols = ["workload", "cache", "cascade", "host_kv_cache_gb", "requests", "output_tok_s", "ttft_p50_ms",
+            "ttft_p99_ms", "hit_rate", "gpu_hit_rate", "host_hit_rate", "load_gb_s", "write_back_gb_s",
+            "host_ms_per_step", "gpu_busy", "cascade_steps", "wall_s"]
     lines = [" | ".join(cols)]
     for r in rows:
         lines.append(" | ".join(_fmt(r.get(c)) for c in cols))
+    if len(rows) == 3:  # --compare-cascade: cache off, cache on, cache on + cascade
+        off, on, cascade = rows
+        lines.append(f"cascade: throughput x{cascade['output_tok_s'] / off['output_tok_s']:.2f} of cache off, "
+                     f"x{cascade['output_tok_s'] / on['output_tok_s']:.2f} of cache on without cascade")
+        return "\n".join(lines)
     on, off = rows[0], rows[1]
     lines.append(f"{compared} on/off: throughput x{on['output_tok_s'] / off['output_tok_s']:.2f}, "
                  f"TTFT p50 x{off['ttft_p50_ms'] / on['ttft_p50_ms']:.2f} lower, "

@@ -44,7 +44,7 @@ def profile(model: str | None, spec: dict | None, task: str, batch: int, max_tok
         kw["model"] = model
     llm = LLM(**kw)
     try:
-        _, _, first = timed_chat(llm, TASKS[task], batch, max_tokens)
+        _, _, first = timed_chat(llm, task, batch, max_tokens)
         records = list(llm.engine.timeline.records)[first:]
         out: dict = {"kinds": "".join(_kind_letter(r) for r in records), "groups": {}}
         for name, select in KINDS.items():
@@ -57,7 +57,7 @@ def profile(model: str | None, spec: dict | None, task: str, batch: int, max_tok
         if kernels:
             import torch
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-                timed_chat(llm, TASKS[task], batch, max_tokens, warm=False)
+                timed_chat(llm, task, batch, max_tokens, warm=False)
                 torch.cuda.synchronize()
             out["kernel_table"] = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=30,
                                                             max_name_column_width=60)

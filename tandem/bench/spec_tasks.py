@@ -5,7 +5,7 @@ Tasks (the issue's figures): three prompt-grounded ones, where the answer repeat
 prompt holds (copy a passage, summarize it, edit code given in full), and free-form chat,
 where it does not. Each runs at batch sizes B (B copies of the task's prompt, greedy,
 `--max-tokens` each) after an untimed warm-up of the same shape; tok/s is output tokens over
-wall time. Reported: plain and speculative tok/s and their ratio, the mean acceptance length
+the median wall time of `--repeat` timed runs. Reported: plain and speculative tok/s and their ratio, the mean acceptance length
 (tokens a verify row emits), verify steps, and GPU busy from the step timeline (CUDA). Real
 weights are what make acceptance meaningful: the default model is the built-in one.
 """
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 from dataclasses import asdict, dataclass
 
@@ -61,10 +62,24 @@ TASKS = {
     "copy": f"Repeat the following passage exactly, word for word:\n\n{PASSAGE}",
     "summarize": f"Summarize the following passage in a few sentences, reusing its wording:\n\n{PASSAGE}",
     "edit_code": f"Rename the function moving_average to rolling_mean everywhere in this code and "
-                 f"return the whole code:\n\n{CODE}",
+                 f"return the whole code:\n\n```python\n{CODE}```",
     "chat": "Write a short story about a robot who learns to paint. Be creative.",
 }
 GROUNDED = ("copy", "summarize", "edit_code")
+# The answer's first words, given as the start of the assistant's turn (continue_final_message).
+# Asked to edit plainly, the built-in 135M model echoed the instruction and went on to free
+# chat (no code at all, 35 of 234 steps verified on the H200): opened as a code block, its
+# answer is the edited code.
+ANSWER_STARTS = {"edit_code": "```python\n"}
+
+
+def task_chat(task: str) -> tuple[list[dict], dict]:
+    """The task's messages and LLM.chat keywords."""
+    messages = [{"role": "user", "content": TASKS[task]}]
+    if task not in ANSWER_STARTS:
+        return messages, {}
+    messages.append({"role": "assistant", "content": ANSWER_STARTS[task]})
+    return messages, {"add_generation_prompt": False, "continue_final_message": True}
 
 
 @dataclass
@@ -89,36 +104,44 @@ def add_model_args(ap: argparse.ArgumentParser) -> None:
                                                     '"prompt_lookup_max": 3}')
 
 
-def timed_chat(llm: LLM, prompt: str, batch: int, max_tokens: int, warm: bool = True) -> tuple[float, list, int]:
-    """`batch` copies of the task's prompt, greedy, after an untimed warm-up of the same shape
+def timed_chat(llm: LLM, task: str, batch: int, max_tokens: int, warm: bool = True) -> tuple[float, list, int]:
+    """`batch` copies of the task's chat, greedy, after an untimed warm-up of the same shape
     (`warm`): (wall seconds, the outputs, the index of the timed run's first timeline record)."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-    messages = [[{"role": "user", "content": prompt}]] * batch
+    one, chat_kw = task_chat(task)
+    messages = [one] * batch
     if warm:
-        llm.chat(messages, params, use_tqdm=False)
+        llm.chat(messages, params, use_tqdm=False, **chat_kw)
     timeline = llm.engine.timeline
     first = len(timeline.records) if timeline is not None else 0
     start = time.perf_counter()
-    outs = llm.chat(messages, params, use_tqdm=False)
+    outs = llm.chat(messages, params, use_tqdm=False, **chat_kw)
     return time.perf_counter() - start, outs, first
 
 
-def _timed(llm: LLM, prompt: str, batch: int, max_tokens: int) -> tuple[float, list[list[int]], dict]:
+def _timed(llm: LLM, task: str, batch: int, max_tokens: int, repeat: int) -> tuple[float, list[list[int]], dict]:
+    """The median wall time of `repeat` timed runs (these runs last ~0.3 s at batch 8: one run's
+    figure moved 15 % between device calls), the outputs, and per-run step counters."""
     engine = llm.engine
     before = engine.stats()
-    wall, outs, first = timed_chat(llm, prompt, batch, max_tokens)
+    walls, first = [], None
+    for i in range(repeat):
+        wall, outs, start = timed_chat(llm, task, batch, max_tokens, warm=i == 0)
+        walls.append(wall)
+        first = start if first is None else first
     after = engine.stats()
     delta = {k: after[k] - before[k] for k in after if k.startswith("spec_decode_num") and
              isinstance(after[k], int)}
-    delta["steps"] = after["steps"] - before["steps"]
-    delta["verify_steps"] = after.get("spec_decode_verify_steps", 0) - before.get("spec_decode_verify_steps", 0)
+    delta["steps"] = (after["steps"] - before["steps"]) // (repeat + 1)  # the warm-up ran too
+    delta["verify_steps"] = (after.get("spec_decode_verify_steps", 0)
+                             - before.get("spec_decode_verify_steps", 0)) // (repeat + 1)
     if engine.timeline is not None:
         delta["gpu_busy"] = engine.timeline.summary(skip=first).get("gpu_busy_fraction")
-    return wall, [o.outputs[0].token_ids for o in outs], delta
+    return statistics.median(walls), [o.outputs[0].token_ids for o in outs], delta
 
 
 def run(model: str | None, spec: dict, tasks: list[str], batches: list[int], max_tokens: int,
-        device: str, dtype: str) -> list[TaskRow]:
+        device: str, dtype: str, repeat: int = 3) -> list[TaskRow]:
     kw = {"device": device, "dtype": dtype, "timeline": device != "cpu"}
     if model is not None:
         kw["model"] = model
@@ -127,7 +150,7 @@ def run(model: str | None, spec: dict, tasks: list[str], batches: list[int], max
         llm = LLM(**kw, speculative_config=config)
         for task in tasks:
             for b in batches:
-                results.setdefault((task, b), []).append(_timed(llm, TASKS[task], b, max_tokens))
+                results.setdefault((task, b), []).append(_timed(llm, task, b, max_tokens, repeat))
         llm.close()
     rows = []
     for (task, b), ((plain_s, plain_ids, _), (spec_s, spec_ids, d)) in results.items():
@@ -148,6 +171,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--repeat", type=int, default=3, help="timed runs per row (the median is reported)")
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args(argv)
     tasks = [t for t in args.tasks.split(",") if t]
@@ -155,7 +179,7 @@ def main(argv: list[str] | None = None) -> None:
     if unknown:
         ap.error(f"unknown task(s) {unknown}; known: {', '.join(TASKS)}")
     rows = run(args.model, json.loads(args.speculative_config), tasks,
-               [int(b) for b in args.batch_sizes.split(",")], args.max_tokens, args.device, args.dtype)
+               [int(b) for b in args.batch_sizes.split(",")], args.max_tokens, args.device, args.dtype, args.repeat)
     print(f"{'task':10} {'batch':>5} {'plain tok/s':>12} {'spec tok/s':>11} {'x':>6} {'accept len':>10} "
           f"{'verify/steps':>13} {'gpu busy':>8} same")
     for r in rows:
@@ -166,6 +190,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"speculative_config": json.loads(args.speculative_config), "max_tokens": args.max_tokens,
+                       "repeat": args.repeat,
                        "rows": [asdict(r) for r in rows]}, f, indent=1)
 
 

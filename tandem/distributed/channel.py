@@ -80,11 +80,11 @@ class StepSender:
 
     def admit(self, slot: int, prompt_ids: list[int], params: SamplingParams, outputs: list[int],
               seed: int = 0) -> None:
-        # Workers need a slot's params for sampling, its prompt only when penalties or
-        # speculation (the device token history, the prompt length of the noise keys) read it,
-        # and its outputs (none but after a preemption): their step loop checks each row's
-        # sample index.
-        send_prompt = params.uses_penalties or self.speculative
+        # Workers need a slot's params for sampling, its prompt only when penalties, prompt
+        # logprobs (the scored tokens) or speculation (the device token history, the prompt
+        # length of the noise keys) read it, and its outputs (none but after a preemption):
+        # their step loop checks each row's sample index.
+        send_prompt = params.uses_penalties or params.prompt_logprobs is not None or self.speculative
         self.admits.append(Admit(slot, prompt_ids if send_prompt else [], params, list(outputs), seed))
 
     def tier_copies(self, copies: list[tuple[str, list[int], list[int]]]) -> None:

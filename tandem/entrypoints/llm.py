@@ -16,7 +16,7 @@ from tandem.engine import Engine
 from tandem.entrypoints.ranks import build_engine
 from tandem.entrypoints.interrupts import interrupts_between_steps
 from tandem.options import llm_config
-from tandem.outputs import RequestOutput, SampleLogprobs, TokenLogprob, sample_logprobs
+from tandem.outputs import RequestOutput, SampleLogprobs, TokenLogprob, prompt_logprobs, sample_logprobs
 from tandem.sampling import SamplingParams
 from tandem.text import TokenNames
 
@@ -123,10 +123,11 @@ class LLM:
             seqs = sorted(seqs, key=lambda s: s.cumulative_logprob, reverse=True)[:sp.n]
         seqs = [dataclasses.replace(s, index=i, logprobs=self._logprobs(s.logprobs, sp))
                 for i, s in enumerate(seqs)]
-        first = outs[0]
+        first = outs[0]  # the sequence that computed the prompt logprobs (SamplingParams.samples)
+        prompt_lps = prompt_logprobs(first.prompt_logprobs, self._names) if first.prompt_logprobs else None
         # Summed over the sequences: with the prefix cache, n samples prefill their prompt once.
         return RequestOutput(first.request_id, prompt.text if prompt.text is not None else first.prompt,
-                             first.prompt_token_ids, seqs, num_preemptions=sum(o.num_preemptions for o in outs),
+                             first.prompt_token_ids, seqs, prompt_lps, num_preemptions=sum(o.num_preemptions for o in outs),
                              num_cached_tokens=sum(o.num_cached_tokens for o in outs))
 
     def _logprobs(self, lps: list[TokenLogprob] | None, sp: SamplingParams) -> SampleLogprobs | None:

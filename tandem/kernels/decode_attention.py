@@ -40,13 +40,13 @@ def _split_len(seq_len, num_splits, min_split_tokens, BLOCK_N: tl.constexpr):
 
 @triton.jit
 def _decode_split_kernel(
-    Q, K, V, ReqToToken, ReqSlots, SeqLens, MidO, MidLse, Out,
+    Q, K, V, ReqToToken, ReqSlots, SeqLens, StartLens, MidO, MidLse, Out,
     stride_qb, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_r2t,
     stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, stride_ob, stride_oh,
     qk_scale, num_splits, min_split_tokens,
     GROUP: tl.constexpr, HEAD_BLOCKS: tl.constexpr, HEAD_DIM: tl.constexpr,
     SPLIT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_START: tl.constexpr,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1) // HEAD_BLOCKS
@@ -58,8 +58,13 @@ def _decode_split_kernel(
     split = tl.program_id(2)
 
     seq_len = tl.load(SeqLens + b)
-    split_len = _split_len(seq_len, num_splits, min_split_tokens, BLOCK_N)
-    start = split * split_len
+    # HAS_START (cascade's suffix part): the row attends keys [StartLens[b], seq_len) only.
+    if HAS_START:
+        first = tl.load(StartLens + b)
+    else:
+        first = 0
+    split_len = _split_len(seq_len - first, num_splits, min_split_tokens, BLOCK_N)
+    start = first + split * split_len
     end = tl.minimum(start + split_len, seq_len)
     slot_row = ReqToToken + tl.load(ReqSlots + b).to(tl.int64) * stride_r2t
 
@@ -145,6 +150,11 @@ def _head_block(group: int) -> tuple[int, int]:
     return block_h, triton.cdiv(group, block_h)
 
 
+def default_block_n(head_dim: int) -> int:
+    """Keys per tile: 64, or 32 for head dims above 128 (register pressure)."""
+    return 64 if head_dim <= 128 else 32
+
+
 def decode_num_splits(batch_size: int, num_kv_heads: int, group: int, max_seq_len: int,
                       device: torch.device) -> int:
     """Splits per sequence from host ints only: enough programs for ~2 waves of SMs,
@@ -177,37 +187,63 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         return out
     if min_split_tokens < 1:
         raise ValueError(f"min_split_tokens must be >= 1, got {min_split_tokens}")
-    group = num_heads // num_kv_heads
-    block_h, head_blocks = _head_block(group)
     if num_splits is None:
-        num_splits = decode_num_splits(batch, num_kv_heads, group, max_seq_len, q.device)
+        num_splits = decode_num_splits(batch, num_kv_heads, num_heads // num_kv_heads, max_seq_len,
+                                       q.device)
     if block_n is None:
-        block_n = 64 if head_dim <= 128 else 32
+        block_n = default_block_n(head_dim)
     if num_splits > 1:
         mid_o = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32,
                             device=q.device)
         mid_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
     else:  # stage 1 writes `out` directly; the mid buffers are never touched
         mid_o, mid_lse = out, out
-    block_d = triton.next_power_of_2(head_dim)
-    precision = "ieee" if k_cache.dtype == torch.float32 else "tf32"
-    _decode_split_kernel[(batch, num_kv_heads * head_blocks, num_splits)](
-        q, k_cache, v_cache, req_to_token, req_slots, seq_lens, mid_o, mid_lse, out,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
-        v_cache.stride(0), v_cache.stride(1), req_to_token.stride(0),
-        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2) if num_splits > 1 else 0,
-        mid_lse.stride(0), mid_lse.stride(1), out.stride(0), out.stride(1),
-        scale * LOG2E, num_splits, min_split_tokens,
-        GROUP=group, HEAD_BLOCKS=head_blocks, HEAD_DIM=head_dim, SPLIT=num_splits > 1,
-        BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=block_d, DOT_PRECISION=precision,
-        num_warps=4, num_stages=2,
-    )
+    _launch_split(q, k_cache, v_cache, req_to_token, req_slots, seq_lens, None, mid_o, mid_lse, out,
+                  scale, num_splits, min_split_tokens, block_n)
     if num_splits > 1:
         _decode_merge_kernel[(batch, num_heads)](
             mid_o, mid_lse, out, seq_lens,
             mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0),
             mid_lse.stride(1), out.stride(0), out.stride(1), num_splits, min_split_tokens,
-            HEAD_DIM=head_dim, BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
+            HEAD_DIM=head_dim, BLOCK_S=triton.next_power_of_2(num_splits),
+            BLOCK_D=triton.next_power_of_2(head_dim),
             BLOCK_N=block_n, num_warps=4,
         )
     return out
+
+
+def decode_suffix_partials(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           req_to_token: torch.Tensor, req_slots: torch.Tensor, seq_lens: torch.Tensor,
+                           start_lens: torch.Tensor, scale: float, mid_o: torch.Tensor,
+                           mid_lse: torch.Tensor, num_splits: int, min_split_tokens: int,
+                           block_n: int) -> None:
+    """Cascade attention's per-row part: row b attends keys [start_lens[b], seq_lens[b]) and
+    writes its normalised partial outputs and base-2 log-sum-exps into splits
+    [0, num_splits) of `mid_o` [B, H, S, D] / `mid_lse` [B, H, S] (S >= num_splits).
+    Splits a row does not use are left unwritten (`cascade_merge` reads only used ones)."""
+    _launch_split(q, k_cache, v_cache, req_to_token, req_slots, seq_lens, start_lens, mid_o, mid_lse,
+                  mid_o, scale, num_splits, min_split_tokens, block_n, force_split=True)
+
+
+def _launch_split(q, k_cache, v_cache, req_to_token, req_slots, seq_lens, start_lens, mid_o, mid_lse,
+                  out, scale: float, num_splits: int, min_split_tokens: int, block_n: int,
+                  force_split: bool = False) -> None:
+    """Stage 1 of the decode kernel. `start_lens` None: each row from key 0."""
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[1]
+    group = num_heads // num_kv_heads
+    block_h, head_blocks = _head_block(group)
+    split = force_split or num_splits > 1
+    precision = "ieee" if k_cache.dtype == torch.float32 else "tf32"
+    _decode_split_kernel[(batch, num_kv_heads * head_blocks, num_splits)](
+        q, k_cache, v_cache, req_to_token, req_slots, seq_lens,
+        start_lens if start_lens is not None else seq_lens, mid_o, mid_lse, out,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+        v_cache.stride(0), v_cache.stride(1), req_to_token.stride(0),
+        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2) if split else 0,
+        mid_lse.stride(0), mid_lse.stride(1), out.stride(0), out.stride(1),
+        scale * LOG2E, num_splits, min_split_tokens,
+        GROUP=group, HEAD_BLOCKS=head_blocks, HEAD_DIM=head_dim, SPLIT=split,
+        BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(head_dim),
+        DOT_PRECISION=precision, HAS_START=start_lens is not None, num_warps=4, num_stages=2,
+    )

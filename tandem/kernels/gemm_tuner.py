@@ -2,8 +2,10 @@
 weight-streaming configs and cuBLAS, measured on the device.
 
 It runs once, before CUDA-graph capture (it synchronizes; the serving loop never tunes).
-Results are written into each layer's `plan`; layers of the same shape share one
-measurement. Each candidate is timed the way decode runs it: back-to-back launches inside
+Results are written into each layer's `plan`, and into a gated layer's `silu_plan` (an MLP's
+down projection fed packed gate/up rows: the fused SiLU-mul input is timed against the two
+launches it replaces; judged by the unfused timing it ran 4-6x slower at 8 and 16 rows);
+layers of the same shape share one measurement. Each candidate is timed the way decode runs it: back-to-back launches inside
 a CUDA graph, each on a different copy of the weight so the copies together exceed L2
 (a decode step streams ~1 GB of weights; a layer's weight is never cache-resident).
 Timing launches from Python instead measures the host, not the kernel.
@@ -15,7 +17,7 @@ import torch
 import triton
 
 from tandem.kernels.small_m_gemm import GemmConfig, k_per_split, small_m_gemm
-from tandem.models.linear import MAX_SMALL_M, Linear, linear
+from tandem.models.linear import MAX_SMALL_M, Linear, linear, m_bucket
 
 log = logging.getLogger("tandem")
 
@@ -77,40 +79,78 @@ def tune_shape(weight: torch.Tensor, scale: torch.Tensor | None, x_dtype: torch.
                m: int) -> tuple[GemmConfig | None, float, float]:
     """(best config or None for cuBLAS, its ms, cuBLAS ms) for one shape and M."""
     n, k = weight.shape
-    copies = max(2, min(64, STREAM_BYTES // (weight.numel() * weight.element_size())))
-    weights = [weight] + [weight.clone() for _ in range(copies - 1)]
+    weights = _weight_copies(weight)
     x = torch.randn(m, k, device=weight.device, dtype=x_dtype)
     try:  # cuBLAS (or its scaled FP8 GEMM) is the baseline to beat
-        cublas_ms = graph_time_ms(lambda i: linear(x, weights[i], None, scale, None), copies)
+        cublas_ms = graph_time_ms(lambda i: linear(x, weights[i], None, scale, None), len(weights))
     except RuntimeError as e:  # e.g. a shape cuBLASLt's FP8 kernels refuse
         log.warning("cuBLAS failed for N=%d K=%d M=%d: %s", n, k, m, e)
         cublas_ms = float("inf")
-    best, best_ms = None, cublas_ms
-    sms = torch.cuda.get_device_properties(weight.device).multi_processor_count
-    for cfg in candidates(n, k, m, sms):
-        ms = graph_time_ms(lambda i: small_m_gemm(x, weights[i], None, scale, cfg), copies)
-        if ms < best_ms:
-            best, best_ms = cfg, ms
+    best, best_ms = _fastest(lambda cfg: lambda i: small_m_gemm(x, weights[i], None, scale, cfg),
+                             len(weights), n, k, m, cublas_ms)
     return best, best_ms, cublas_ms
 
 
+@torch.no_grad()
+def tune_gated_shape(weight: torch.Tensor, scale: torch.Tensor | None, x_dtype: torch.dtype, m: int,
+                     unfused: GemmConfig | None) -> tuple[GemmConfig | None, float, float]:
+    """The same for a gated layer's fused input (packed gate, up rows [m, 2K]; the kernel forms
+    silu(gate) * up while loading them). The baseline is what the caller runs otherwise: the
+    SiLU-mul kernel, then the layer's unfused plan (`unfused`, or cuBLAS)."""
+    from tandem.kernels.activation import silu_mul
+    n, k = weight.shape
+    weights = _weight_copies(weight)
+    gate_up = torch.randn(m, 2 * k, device=weight.device, dtype=x_dtype)
+    plan = {m_bucket(m): unfused} if unfused is not None else None
+    two_step_ms = graph_time_ms(lambda i: linear(silu_mul(gate_up), weights[i], None, scale, plan), len(weights))
+    best, best_ms = _fastest(
+        lambda cfg: lambda i: small_m_gemm(gate_up, weights[i], None, scale, cfg, silu_mul=True),
+        len(weights), n, k, m, two_step_ms)
+    return best, best_ms, two_step_ms
+
+
+def _weight_copies(weight: torch.Tensor) -> list[torch.Tensor]:
+    """Enough copies of the weight that one timing streams them from HBM, not L2."""
+    copies = max(2, min(64, STREAM_BYTES // (weight.numel() * weight.element_size())))
+    return [weight] + [weight.clone() for _ in range(copies - 1)]
+
+
+def _fastest(launcher, copies: int, n: int, k: int, m: int, baseline_ms: float) -> tuple[GemmConfig | None, float]:
+    """The candidate whose `launcher(cfg)` (a function of the weight copy's index) beats the
+    baseline, and its ms; (None, baseline_ms) when none does."""
+    best, best_ms = None, baseline_ms
+    sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    for cfg in candidates(n, k, m, sms):
+        ms = graph_time_ms(launcher(cfg), copies)
+        if ms < best_ms:
+            best, best_ms = cfg, ms
+    return best, best_ms
+
+
 def tune_model(model: torch.nn.Module, dtype: torch.dtype, max_m: int = MAX_SMALL_M) -> dict:
-    """Fill every `Linear`'s plan for M buckets up to `max_m`; returns the results by shape
-    {(N, K, weight dtype, M): (config, ms, cuBLAS ms)} for logging and benchmarks."""
+    """Fill every `Linear`'s plan (and a gated layer's `silu_plan`) for M buckets up to `max_m`;
+    returns the results by shape {(N, K, weight dtype, M, fused input): (config, ms, baseline
+    ms)} for logging and benchmarks (the baseline: cuBLAS, or the two launches it replaces)."""
     started = time.monotonic()
     results: dict = {}
     layers = [mod for mod in model.modules() if isinstance(mod, Linear)]
     for layer in layers:
         w = layer.weight
         for m in (b for b in M_BUCKETS if b <= max_m):
-            key = (w.shape[0], w.shape[1], w.dtype, m)
+            key = (w.shape[0], w.shape[1], w.dtype, m, False)
             if key not in results:
                 results[key] = tune_shape(w, layer.weight_scale, dtype, m)
             if results[key][0] is not None:
                 layer.plan[m] = results[key][0]
+            if layer.gated:
+                fused = key[:4] + (True,)
+                if fused not in results:
+                    results[fused] = tune_gated_shape(w, layer.weight_scale, dtype, m, results[key][0])
+                if results[fused][0] is not None:
+                    layer.silu_plan[m] = results[fused][0]
     torch.cuda.empty_cache()  # the timing copies
     log.info("small-M GEMM tuning: %d shapes in %.1fs", len(results), time.monotonic() - started)
-    for (n, k, wdt, m), (cfg, ms, cublas_ms) in results.items():
-        log.debug("N=%d K=%d %s M=%d: %s %.1f us (cuBLAS %.1f us)", n, k, wdt, m, cfg,
-                  ms * 1e3, cublas_ms * 1e3)
+    for (n, k, wdt, m, gated), (cfg, ms, base_ms) in results.items():
+        log.debug("N=%d K=%d %s M=%d%s: %s %.1f us (baseline %.1f us)", n, k, wdt, m,
+                  " silu_mul input" if gated else "", cfg, ms * 1e3, base_ms * 1e3)
     return results

@@ -87,20 +87,23 @@ class PrefixCache:
         """Tokens of the request's input that admission would reuse (no state changes)."""
         if not self.enabled:
             return 0
-        return min(self.tree.match_length(req.fill_ids), len(req.fill_ids) - 1)
+        return min(self.tree.match_length(req.fill_ids), req.max_cached_prefix)
 
     def admit(self, req: Request) -> int:
         """Give a newly (re)admitted request the longest cached prefix of its input and lock
-        it. At least the last input token is always recomputed: its logits are needed.
-        Returns the matched length."""
+        it. At least the last input token is always recomputed: its logits are needed; so is
+        every row whose logits owe a prompt logprob (`Request.max_cached_prefix`: a request
+        asking for prompt logprobs takes no hit on its first admission). Returns the matched
+        length."""
         fill = req.fill_ids
         req.kv_slots, req.cached_len, req.cache_node, req.duplicate_slots = [], 0, None, []
         self.queried_tokens += len(fill)
         if not self.enabled:
             return 0
-        slots, node = self.tree.match(fill[:len(fill) - 1])
+        prefix = fill[:req.max_cached_prefix]
+        slots, node = self.tree.match(prefix)
         if self.host is not None:
-            loaded, node = self._load_host_part(node, fill[:len(fill) - 1], len(slots), self._load_tokens_left)
+            loaded, node = self._load_host_part(node, prefix, len(slots), self._load_tokens_left)
             self._load_tokens_left -= len(loaded)
             slots = slots + loaded
         if slots:
@@ -145,7 +148,7 @@ class PrefixCache:
         Returns the tokens queued."""
         queued = 0
         for req in waiting if self.host is not None else ():
-            prefix = req.fill_ids[:len(req.fill_ids) - 1]
+            prefix = req.fill_ids[:req.max_cached_prefix]
             slots, node = self.tree.match(prefix)
             loaded, _ = self._load_host_part(node, prefix, len(slots),
                                              min(most - queued, self.available() - keep))

@@ -124,7 +124,7 @@ class GatedMLP(nn.Module):
     def __init__(self, hidden: int, intermediate: int, tp: TPGroup = SINGLE):
         super().__init__()
         self.gate_up_proj = Linear(hidden, 2 * intermediate)
-        self.down_proj = Linear(intermediate, hidden, reduce=tp.all_reduce if tp.size > 1 else None)
+        self.down_proj = Linear(intermediate, hidden, reduce=tp.all_reduce if tp.size > 1 else None, gated=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda:

@@ -74,16 +74,21 @@ def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 class Linear(nn.Module):
     """A projection: weight [out, in] (16-bit, or FP8 after `quantize_fp8_`), optional bias,
     and its small-M kernel plan (filled by the startup tuner; empty means cuBLAS).
-    `reduce` is applied to the output: a row-parallel layer passes its all-reduce."""
+    `reduce` is applied to the output: a row-parallel layer passes its all-reduce. A `gated`
+    layer (an MLP's down projection) is also called on packed (gate, up) rows through
+    `silu_mul_forward`, with a plan of its own (`silu_plan`): the fused input is tuned apart,
+    since it was measured 4-6x slower than the two launches at 8 and 16 rows (docs/benchmarks.md)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False,
-                 reduce: Callable[[torch.Tensor], torch.Tensor] | None = None):
+                 reduce: Callable[[torch.Tensor], torch.Tensor] | None = None, gated: bool = False):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
         self.register_buffer("weight_scale", None)
         self.plan: dict = {}
+        self.gated = gated
+        self.silu_plan: dict = {}  # gated layers: M bucket -> the fused kernel's config
         self.reduce = reduce
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -91,9 +96,9 @@ class Linear(nn.Module):
         return out if self.reduce is None else self.reduce(out)
 
     def silu_mul_forward(self, gate_up: torch.Tensor) -> torch.Tensor | None:
-        """self(silu(gate) * up) in one launch when a small-M kernel is tuned for these rows
-        (CUDA); None otherwise, and the caller runs the two steps."""
-        cfg = _small_m_config(gate_up, self.plan)
+        """self(silu(gate) * up) in one launch when the fused kernel was tuned faster for these
+        rows (CUDA); None otherwise, and the caller runs the two steps."""
+        cfg = _small_m_config(gate_up, self.silu_plan)
         if cfg is None:
             return None
         from tandem.kernels.small_m_gemm import small_m_gemm
@@ -105,7 +110,7 @@ class Linear(nn.Module):
         q, scale = quantize_fp8(self.weight)
         self.weight = nn.Parameter(q, requires_grad=False)
         self.weight_scale = scale
-        self.plan = {}  # tuned for the 16-bit weight; retune after quantizing
+        self.plan, self.silu_plan = {}, {}  # tuned for the 16-bit weight; retune after quantizing
 
 
 def quantize_model_fp8(model: nn.Module) -> int:

@@ -43,7 +43,10 @@ def _is_real(x: object) -> bool:
 class SamplingParams:
     """vLLM's field names and meanings. `max_tokens=None` generates up to the context's end;
     `n` / `best_of` are expanded into separate engine requests by the caller (`LLM.generate`,
-    the server): the engine itself runs one sequence per request."""
+    the server): the engine itself runs one sequence per request. `prompt_logprobs=k` scores the
+    prompt (each token after the first: its logprob, rank and the top k); a request asking for
+    them takes no prefix-cache hit on the positions it still owes (the cached part is
+    recomputed, see `Request.max_cached_prefix`)."""
 
     max_tokens: int | None = 16
     temperature: float = 1.0
@@ -111,8 +114,11 @@ class SamplingParams:
             raise ValueError(f"min_tokens must be an int >= 0, got {self.min_tokens!r}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
-        if self.prompt_logprobs is not None:
-            raise ValueError("prompt_logprobs is not supported yet (tandem computes logits only where it samples)")
+        if self.prompt_logprobs is not None and (
+            not _is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS
+        ):
+            raise ValueError(f"prompt_logprobs must be None or an int in [0, {MAX_LOGPROBS}], "
+                             f"got {self.prompt_logprobs!r}")
         for name in ("include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
@@ -250,12 +256,14 @@ class SamplingParams:
     def samples(self) -> list["SamplingParams"]:
         """One params per sequence to run (n, or best_of): sequence i uses seed + i, so a
         seeded request is reproducible and its sequences differ. best_of > n needs each
-        sequence's cumulative logprob to rank them, so those compute the chosen token's logprob."""
+        sequence's cumulative logprob to rank them, so those compute the chosen token's logprob.
+        Prompt logprobs are the same for every sequence: only the first computes them."""
         if self.num_samples == 1:
             return [self]
         ranked = self.best_of is not None and self.best_of > self.n
         logprobs = 0 if ranked and self.logprobs is None else self.logprobs
         return [self.clone(n=1, best_of=None, logprobs=logprobs,
+                           prompt_logprobs=self.prompt_logprobs if i == 0 else None,
                            seed=self.seed if self.seed is None or i == 0 else (self.seed + i) % 2**63)
                 for i in range(self.num_samples)]
 

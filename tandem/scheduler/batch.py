@@ -24,6 +24,9 @@ class Row:
     # Verify rows: the table position of kv_slots[0] (the request's slots before this step's
     # reservations). A row field, not the request's, so tensor-parallel workers get it.
     reserved_from: int = 0
+    # Prompt logprobs: the positions [a, b) of this prefill row whose logits score prompt
+    # tokens a + 1 .. b (Request.prompt_logprob_span); None: none asked or owed.
+    prompt_logprobs: tuple[int, int] | None = None
 
     @property
     def num_new(self) -> int:

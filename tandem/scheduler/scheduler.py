@@ -343,7 +343,7 @@ class Scheduler:
                 break
             if self.req_slots.num_free == 0:
                 break
-            if pending and self._shares_pending_prefill(req, pending):
+            if pending and req.max_cached_prefix and self._shares_pending_prefill(req, pending):
                 continue  # reuse that prefill once it is cached, a step or two from now
             matched = self.cache.admit(req)
             new = len(req.fill_ids) - matched
@@ -417,7 +417,8 @@ class Scheduler:
         ids = fill[req.num_computed:req.num_computed + n]
         sample = req.num_scheduled_samples if req.num_computed + n == req.prefill_target else None
         cached = req.kv_slots[:req.table_pending] if req.table_pending else None
-        return Row(req, req.num_computed, self._alloc(n), ids, sample, cached)
+        return Row(req, req.num_computed, self._alloc(n), ids, sample, cached,
+                   prompt_logprobs=req.prompt_logprob_span(req.num_computed, n))
 
     def _alloc(self, n: int) -> list[int]:
         slots = self.cache.alloc(n)

@@ -21,14 +21,15 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from tandem import __version__
 from tandem.server import protocol as P
 from tandem.server.errors import APIError, EngineDead, error_body
+from tandem.server.echo import Echo, EchoGate
 from tandem.server.errors_http import (DEFAULT_MAX_REQUEST_BYTES, ApiKeyMiddleware, BodyShapeCheck,
                                        BodySizeLimit, install_error_handlers)
 from tandem.server.generation import Generation
 from tandem.server.inputs import EngineInputs, chat_inputs, completion_inputs
 from tandem.server.openai_schemas import ChatCompletionRequest, CompletionRequest, StreamOptions
 from tandem.server.reasoning import ReasoningSplitter, Split, thinking_requested
-from tandem.server.responses import (Choice, Envelope, TokenNames, best_choices, chat_logprobs, usage,
-                                     with_reasoning)
+from tandem.server.responses import (Choice, Envelope, TokenNames, best_choices, chat_logprobs,
+                                     share_prompt_logprobs, usage, with_reasoning)
 from tandem.server.responses_api import RouteKit, add_responses_routes
 from tandem.server.structured import ToolCalls, ToolMode, tool_mode, with_response_format
 from tandem.server.state import ServerState
@@ -137,13 +138,13 @@ def _reasoning_tokens(splitters: list[ReasoningSplitter] | None) -> int | None:
     return None if splitters is None else sum(s.reasoning_tokens for s in splitters)
 
 
-def _echo_texts(body: CompletionRequest, inputs: EngineInputs, tokenizer: Any) -> list[str]:
-    """The text of each prompt, to put in front of its choices (echo)."""
+def _echo(body: CompletionRequest, inputs: EngineInputs, tokenizer: Any) -> Echo:
+    """Each prompt's text and ids, to put in front of its choices."""
     prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
     if prompts and isinstance(prompts[0], int):
         prompts = [prompts]
-    return [p if isinstance(p, str) else tokenizer.decode(p) if tokenizer is not None else ""
-            for p in prompts]
+    texts = [p if isinstance(p, str) else tokenizer.decode(p) if tokenizer is not None else "" for p in prompts]
+    return Echo(texts, inputs.prompts[::inputs.samples], inputs.n, inputs.with_logprobs, inputs.echo_only)
 
 
 def create_app(state: ServerState, api_key: str | None = None,
@@ -168,6 +169,7 @@ def create_app(state: ServerState, api_key: str | None = None,
         """The answered choices (best_of keeps the n likeliest), the tokens generated for all,
         and the prompt tokens the prefix cache served (once per prompt, like the prompt)."""
         choices = await _collect(gen, splitters)
+        share_prompt_logprobs(choices, inputs.samples)
         return (best_choices(choices, inputs.samples, inputs.n), sum(c.num_tokens for c in choices),
                 sum(c.cached_tokens for c in choices[::inputs.samples]))
 
@@ -178,19 +180,19 @@ def create_app(state: ServerState, api_key: str | None = None,
         # Tokenizing runs in a worker thread: a long prompt must not stall every other stream.
         inputs = await asyncio.to_thread(completion_inputs, body, state.tokenizer, state.max_model_len,
                                          state.client.ready.vocab_size)
-        echo = _echo_texts(body, inputs, state.tokenizer) if body.echo else None
+        echo = _echo(body, inputs, state.tokenizer) if body.echo else None
         gen = await start(inputs, "cmpl")
         env, stream_usage = Envelope(gen.request_id, state.model_name), _StreamUsage.of(
             body.stream_options, inputs)
         if body.stream:
-            return _AbortingStream(_completion_stream(gen, env, state.names, stream_usage, echo, inputs.n), gen)
+            return _AbortingStream(_completion_stream(gen, env, state.names, stream_usage, echo), gen)
 
         async def work() -> Response:
             choices, tokens, cached = await finished(gen, inputs)
-            for i, c in enumerate(choices if echo else ()):
-                c.text.insert(0, echo[i // inputs.n])
+            echoed = echo.finish(choices) if echo else None
             return _json(env.completion(choices, state.names, inputs.with_logprobs, inputs.prompt_tokens,
-                                        tokens, cached))
+                                        0 if inputs.echo_only else tokens, cached, echoed,
+                                        inputs.with_prompt_logprobs))
         return await _unless_disconnected(request, gen, work())
 
     @app.post("/v1/chat/completions")
@@ -216,7 +218,7 @@ def create_app(state: ServerState, api_key: str | None = None,
         async def work() -> Response:
             choices, tokens, cached = await finished(gen, inputs, splitters)
             out = env.chat(choices, state.names, inputs.with_logprobs, inputs.prompt_tokens, tokens, cached,
-                           _reasoning_tokens(splitters))
+                           _reasoning_tokens(splitters), inputs.with_prompt_logprobs)
             if tools is not None:  # the model's text (after its reasoning) as tool calls
                 for c, item in zip(choices, out["choices"]):
                     text = c.reasoning.content if c.reasoning else "".join(c.text)
@@ -274,17 +276,26 @@ def _stream_error(exc: EngineDead | APIError) -> dict:
 
 
 async def _completion_stream(gen: Generation, env: Envelope, names: TokenNames, usage: _StreamUsage,
-                             echo: list[str] | None, n: int) -> AsyncIterator[bytes]:
+                             echo: Echo | None) -> AsyncIterator[bytes]:
+    """Each engine delta as a chunk; with echo, a choice's prompt first (EchoGate)."""
     offsets = [0] * len(gen.rids)
-    for index in range(len(gen.rids) if echo else 0):  # the prompt first (echo)
-        text = echo[index // n]
-        yield _sse(usage.add(env.completion_chunk(index, P.Delta("", [], text, False, None, None), names, 0)))
-        offsets[index] = len(text)
+    gate = EchoGate(echo) if echo is not None else None
     try:
         async for index, d in gen.deltas():
-            usage.count(index, d)
-            yield _sse(usage.add(env.completion_chunk(index, d, names, offsets[index])))
-            offsets[index] += len(d.text)
+            for i, echoed, delta in gate.feed(index, d) if gate else [(index, None, d)]:
+                if echoed is not None:  # the prompt, and with logprobs its tokens' logprobs
+                    text = echo.texts[i // echo.n]
+                    lps = [] if echo.with_logprobs else None
+                    chunk = env.completion_chunk(i, P.Delta("", [], text, False, None, lps), names, 0, echoed)
+                    yield _sse(usage.add(chunk))
+                    offsets[i] = len(text)
+                    continue
+                delta = echo.generated(delta) if echo is not None else delta
+                if delta is None:
+                    continue
+                usage.count(i, delta)
+                yield _sse(usage.add(env.completion_chunk(i, delta, names, offsets[i])))
+                offsets[i] += len(delta.text)
     except (EngineDead, APIError) as exc:  # headers are sent: the error is the stream's last event
         yield _sse(_stream_error(exc))
         return

@@ -160,8 +160,12 @@ def _delta(out: StepOutput) -> P.Delta:
     lps = None
     if out.new_logprobs is not None:
         lps = [P.Logprob(lp.token_id, lp.logprob, lp.top) for lp in out.new_logprobs]
+    prompt = None
+    if out.prompt_logprobs is not None:
+        prompt = [None if lp is None else P.Logprob(lp.token_id, lp.logprob, lp.top, lp.rank)
+                  for lp in out.prompt_logprobs]
     return P.Delta(out.request_id, out.new_token_ids, out.new_text, out.finished, out.finish_reason, lps,
-                   out.num_cached_tokens, out.error, out.error_status, out.error_code)
+                   out.num_cached_tokens, out.error, out.error_status, out.error_code, prompt)
 
 
 def _stats(engine) -> P.Stats:

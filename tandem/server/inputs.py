@@ -41,6 +41,8 @@ class EngineInputs:
     n: int  # choices answered per prompt
     samples: int  # sequences run per prompt: best_of, else n (best_of > n keeps the n likeliest)
     with_logprobs: bool  # the caller asked for logprobs (best_of computes them regardless)
+    with_prompt_logprobs: bool = False  # prompt_logprobs (or echo with logprobs) asked for them
+    echo_only: bool = False  # completions echo with max_tokens 0: the prompt alone is answered
 
     @property
     def prompt_tokens(self) -> int:
@@ -49,17 +51,24 @@ class EngineInputs:
 
 def completion_inputs(body: CompletionRequest, tokenizer: Any, max_model_len: int,
                       vocab_size: int) -> EngineInputs:
+    """vLLM's echo: with logprobs, the prompt tokens' logprobs come first (prompt_logprobs
+    defaults to logprobs); with max_tokens 0, only the prompt is answered (scoring): the engine
+    samples one token (its smallest max_tokens), which is dropped."""
     _refuse(body.suffix is not None, "suffix", "suffix is not supported")
-    _refuse(bool(body.echo) and body.logprobs is not None, "echo",
-            "echo with logprobs needs prompt logprobs, which tandem does not compute yet")
+    _refuse_streamed_prompt_logprobs(body)
     raw = _prompt_list(body.prompt)
     constrained, source = constraint(body)
-    sp = _sampling_params(body, len(raw), body.max_tokens, "max_tokens", body.logprobs, tokenizer, vocab_size,
+    echo_only = bool(body.echo) and body.max_tokens == 0
+    max_tokens = 1 if echo_only else body.max_tokens
+    sp = _sampling_params(body, len(raw), max_tokens, "max_tokens", body.logprobs, tokenizer, vocab_size,
                           constrained, source)
+    if body.echo and body.logprobs is not None and sp.prompt_logprobs is None:
+        sp = sp.clone(prompt_logprobs=body.logprobs)
     prompts = [_prompt_ids(p, tokenizer, vocab_size, max_model_len) for p in raw]  # the costly part: last
     explicit = "max_tokens" in body.model_fields_set and body.max_tokens is not None
-    return _choices(prompts, sp, body.max_tokens, explicit, "max_tokens", "prompt", body.logprobs,
-                    max_model_len)
+    inputs = _choices(prompts, sp, max_tokens, explicit, "max_tokens", "prompt", body.logprobs, max_model_len)
+    inputs.echo_only = echo_only
+    return inputs
 
 
 def chat_inputs(body: ChatCompletionRequest, tokenizer: Any, max_model_len: int, vocab_size: int,
@@ -68,6 +77,7 @@ def chat_inputs(body: ChatCompletionRequest, tokenizer: Any, max_model_len: int,
     (structured output, tools) then applies after the reasoning, from `</think>` on."""
     _refuse(bool(body.functions), "functions", "functions are not supported; use tools")
     _refuse(bool(body.echo), "echo", "echo is supported on /v1/completions only")
+    _refuse_streamed_prompt_logprobs(body)
     _refuse(body.audio is not None or "audio" in (body.modalities or ()), "modalities",
             "this model accepts and produces text only")
     if body.top_logprobs is not None and not body.logprobs:
@@ -165,7 +175,8 @@ def _choices(prompts: list[list[int]], sp: SamplingParams, max_tokens: int | Non
                 wire["json_schema"] = json.dumps(seq.json_schema)
             out_params.append(P.Params(**{**wire, "max_tokens": min(limit, max_model_len - len(ids))}))
             out_prompts.append(ids)
-    return EngineInputs(out_prompts, out_params, sp.n, sp.num_samples, logprobs is not None)
+    return EngineInputs(out_prompts, out_params, sp.n, sp.num_samples, logprobs is not None,
+                        sp.prompt_logprobs is not None)
 
 
 def _validate(fields: dict, max_tokens: int | None, logprobs: int | None, max_name: str,
@@ -267,6 +278,13 @@ def _check_texts(value: Any, param: str) -> None:
     elif isinstance(value, list):
         for v in value:
             _check_texts(v, param)
+
+
+def _refuse_streamed_prompt_logprobs(body) -> None:
+    """vLLM's rule: the prompt_logprobs field is not answered in streams (completions' echo with
+    logprobs streams the prompt's logprobs in its first chunk instead)."""
+    _refuse(bool(body.stream) and body.prompt_logprobs is not None, "prompt_logprobs",
+            "prompt_logprobs are not available when stream is true")
 
 
 def _refuse(condition: bool, param: str, message: str) -> None:

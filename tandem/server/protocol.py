@@ -34,6 +34,7 @@ class Params(msgspec.Struct, frozen=True):
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None
     bad_words: list[str] | None = None
+    prompt_logprobs: int | None = None
 
 
 # ---- front end -> engine ----
@@ -63,6 +64,7 @@ class Logprob(msgspec.Struct, array_like=True):
     token_id: int
     logprob: float
     top: list[tuple[int, float]]
+    rank: int | None = None  # prompt logprobs: 1-based over the whole vocabulary
 
 
 class Delta(msgspec.Struct, array_like=True):
@@ -78,6 +80,9 @@ class Delta(msgspec.Struct, array_like=True):
     error: str | None = None  # finish_reason "error": the engine could not run the request
     error_status: int = 500  # 400 when the request itself cannot be served (StepOutput.error_status)
     error_code: str | None = None  # StepOutput.error_code: the error body's code
+    # On a choice's first delta when its params asked: None (the first prompt token), then one
+    # per prompt token (StepOutput.prompt_logprobs).
+    prompt_logprobs: list[Logprob | None] | None = None
 
 
 class Rejection(msgspec.Struct):

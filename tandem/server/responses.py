@@ -21,8 +21,11 @@ class Choice:
     finish_reason: str | None = None
     cached_tokens: int = 0
     reasoning: ReasoningSplitter | None = None  # the reply split into reasoning and content
+    prompt_logprobs: list[P.Logprob | None] | None = None  # from the first delta, when asked
 
     def add(self, d: P.Delta) -> None:
+        if d.prompt_logprobs is not None:
+            self.prompt_logprobs = d.prompt_logprobs
         self.text.append(d.text)
         if self.reasoning is not None:
             self.reasoning.feed(d.text, d.token_ids, d.finished)
@@ -31,6 +34,14 @@ class Choice:
             self.logprobs.extend(d.logprobs)
         if d.finished:
             self.finish_reason, self.cached_tokens = d.finish_reason, d.cached_tokens
+
+
+def share_prompt_logprobs(choices: list[Choice], samples: int) -> None:
+    """A prompt's first sequence computed its prompt logprobs (SamplingParams.samples): every
+    choice of the prompt answers them."""
+    for start in range(0, len(choices), samples):
+        for c in choices[start + 1:start + samples]:
+            c.prompt_logprobs = choices[start].prompt_logprobs
 
 
 def best_choices(choices: list[Choice], samples: int, n: int) -> list[Choice]:
@@ -74,15 +85,56 @@ def _lp(x: float) -> float:
     return max(x, _MIN_LOGPROB)
 
 
-def completion_logprobs(lps: list[P.Logprob], names: TokenNames, offset: int = 0) -> dict:
-    tokens = [names(lp.token_id) for lp in lps]
+def completion_logprobs(lps: list[P.Logprob], names: TokenNames, offset: int = 0,
+                        prompt: "EchoedPrompt | None" = None) -> dict:
+    """OpenAI's completions logprobs; with `prompt` (echo), the prompt's tokens come first as
+    vLLM answers them: the first with null logprobs, each other with its actual token and the
+    top ones, and text offsets running on through the generated tokens."""
+    rows = [(lp.token_id, _lp(lp.logprob), {names(t): _lp(v) for t, v in lp.top}) for lp in lps]
+    if prompt is not None:
+        rows = prompt.rows(names) + rows
     offsets, at = [], offset
-    for t in tokens:
+    for token_id, _, _ in rows:
         offsets.append(at)
-        at += len(t)
-    return {"tokens": tokens, "token_logprobs": [_lp(lp.logprob) for lp in lps],
-            "top_logprobs": [{names(t): _lp(v) for t, v in lp.top} for lp in lps],
-            "text_offset": offsets}
+        at += len(names(token_id))
+    return {"tokens": [names(t) for t, _, _ in rows], "token_logprobs": [lp for _, lp, _ in rows],
+            "top_logprobs": [top for _, _, top in rows], "text_offset": offsets}
+
+
+@dataclass
+class EchoedPrompt:
+    """A prompt's tokens and their logprobs (None for the first), as echo answers them."""
+
+    token_ids: list[int]
+    logprobs: list[P.Logprob | None]
+
+    def rows(self, names: TokenNames) -> list[tuple[int, float | None, dict | None]]:
+        out = []
+        for token_id, lp in zip(self.token_ids, self.logprobs):
+            if lp is None:
+                out.append((token_id, None, None))
+                continue
+            top = {names(lp.token_id): _lp(lp.logprob)}  # the actual token first, as vLLM's
+            top.update((names(t), _lp(v)) for t, v in lp.top if names(t) not in top)
+            out.append((token_id, _lp(lp.logprob), top))
+        return out
+
+
+def prompt_logprobs_json(lps: list[P.Logprob | None] | None, names: TokenNames) -> list | None:
+    """vLLM's `prompt_logprobs` field: per prompt token null (the first) or token id ->
+    {logprob, rank, decoded_token}, the actual token first, then the top ones by rank."""
+    if lps is None:
+        return None
+    out: list[dict | None] = []
+    for lp in lps:
+        if lp is None:
+            out.append(None)
+            continue
+        entry = {str(lp.token_id): {"logprob": _lp(lp.logprob), "rank": lp.rank, "decoded_token": names(lp.token_id)}}
+        for i, (t, v) in enumerate(lp.top):
+            entry.setdefault(str(t), {"logprob": _lp(v), "rank": i + 1, "decoded_token": names(t)})
+        out.append(entry)
+    return out
 
 
 def chat_logprobs(lps: list[P.Logprob], names: TokenNames) -> dict:
@@ -102,24 +154,34 @@ class Envelope:
     created: int = field(default_factory=lambda: int(time.time()))
 
     def completion(self, choices: list[Choice], names: TokenNames, with_logprobs: bool,
-                   prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+                   prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0,
+                   echoed: list[EchoedPrompt] | None = None, with_prompt_logprobs: bool = False) -> dict:
+        """`echoed`: per choice, its prompt, whose tokens lead its logprobs (echo)."""
+        out = []
+        for i, c in enumerate(choices):
+            lps = completion_logprobs(c.logprobs, names, prompt=echoed[i] if echoed else None) if with_logprobs else None
+            item = {"index": i, "text": "".join(c.text), "finish_reason": c.finish_reason, "logprobs": lps}
+            if with_prompt_logprobs:
+                item["prompt_logprobs"] = prompt_logprobs_json(c.prompt_logprobs, names)
+            out.append(item)
         return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
-                "choices": [{"index": i, "text": "".join(c.text), "finish_reason": c.finish_reason,
-                             "logprobs": completion_logprobs(c.logprobs, names) if with_logprobs else None}
-                            for i, c in enumerate(choices)],
-                "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}
+                "choices": out, "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}
 
     def chat(self, choices: list[Choice], names: TokenNames, with_logprobs: bool,
              prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0,
-             reasoning_tokens: int | None = None) -> dict:
-        return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
-                "choices": [{"index": i, "message": chat_message(c), "finish_reason": c.finish_reason,
-                             "logprobs": chat_logprobs(c.logprobs, names) if with_logprobs else None}
-                            for i, c in enumerate(choices)],
-                "usage": usage(prompt_tokens, completion_tokens, cached_tokens, reasoning_tokens)}
+             reasoning_tokens: int | None = None, with_prompt_logprobs: bool = False) -> dict:
+        out = {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
+               "choices": [{"index": i, "message": chat_message(c), "finish_reason": c.finish_reason,
+                            "logprobs": chat_logprobs(c.logprobs, names) if with_logprobs else None}
+                           for i, c in enumerate(choices)],
+               "usage": usage(prompt_tokens, completion_tokens, cached_tokens, reasoning_tokens)}
+        if with_prompt_logprobs:  # vLLM's extension: one conversation, so on the response
+            out["prompt_logprobs"] = prompt_logprobs_json(choices[0].prompt_logprobs, names)
+        return out
 
-    def completion_chunk(self, index: int, d: P.Delta, names: TokenNames, offset: int) -> dict:
-        lps = completion_logprobs(d.logprobs, names, offset) if d.logprobs is not None else None
+    def completion_chunk(self, index: int, d: P.Delta, names: TokenNames, offset: int,
+                         echoed: EchoedPrompt | None = None) -> dict:
+        lps = completion_logprobs(d.logprobs, names, offset, echoed) if d.logprobs is not None else None
         return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
                 "choices": [{"index": index, "text": d.text, "logprobs": lps,
                              "finish_reason": d.finish_reason if d.finished else None}]}

@@ -67,14 +67,19 @@ def propose_ngram(history: Tensor, lengths: Tensor, k: int, min_n: int, max_n: i
 
 class NgramProposer:
     """Prompt lookup for the rows of a verify step, each over the last `window` tokens of its
-    own device history: fixed shapes, no host value (graph-capturable)."""
+    own device history: fixed shapes, no host value (graph-capturable). `fused`: one Triton
+    launch (`tandem.kernels.ngram_match`) instead of the torch form's ~10 kernels per n-gram
+    size; the engine fuses wherever its attention runs on Triton."""
 
-    def __init__(self, k: int, min_n: int, max_n: int, window: int) -> None:
-        self.k, self.min_n, self.max_n, self.window = k, min_n, max_n, window
+    def __init__(self, k: int, min_n: int, max_n: int, window: int, fused: bool = False) -> None:
+        self.k, self.min_n, self.max_n, self.window, self.fused = k, min_n, max_n, window, fused
 
     def propose(self, history: Tensor, lengths: Tensor, slots: Tensor, last: Tensor, k_rows: Tensor,
                 max_seq_len: int) -> Proposal:
         """Up to k proposals a row (`last` and `max_seq_len` are the draft model's inputs)."""
+        if self.fused:
+            from tandem.kernels.ngram_match import ngram_match  # triton is optional: imported where it runs
+            return Proposal(*ngram_match(history, slots, lengths, self.k, self.min_n, self.max_n, self.window))
         start = (lengths - self.window).clamp(min=0)
         cols = start[:, None] + torch.arange(self.window, device=slots.device)[None, :]
         recent = history[slots[:, None], cols].to(torch.int64)

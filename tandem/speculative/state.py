@@ -44,9 +44,9 @@ class SpecState:
 
     @staticmethod
     def ngram(max_slots: int, max_model_len: int, k: int, min_n: int, max_n: int,
-              device: torch.device) -> "SpecState":
+              device: torch.device, fused: bool = False) -> "SpecState":
         return SpecState(max_slots, max_model_len, k, device,
-                         NgramProposer(k, min_n, max_n, min(NGRAM_WINDOW, max_model_len)))
+                         NgramProposer(k, min_n, max_n, min(NGRAM_WINDOW, max_model_len), fused))
 
     @property
     def draft(self) -> DraftProposer | None:

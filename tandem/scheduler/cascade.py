@@ -1,0 +1,186 @@
+"""Which decode rows attend a shared prefix once per group (cascade attention), from host facts.
+
+A request reads the radix-tree nodes on its path root..`cache_node` up to the first node whose
+slots are not its own table's (it computed a duplicate copy there; `PrefixCache._insert`).
+Duplicate runs begin and end at node boundaries (the tree splits edges where a match or an
+insert stops), so comparing each node's first slot decides the whole node. Rows reading the
+same node read the same KV slots below its end: that is a group's shared prefix.
+
+Lifetime: every node on a request's path is locked by it until it is released, and release
+waits for the request's last launched step (the one-step lag), so the shared slots cannot be
+freed or reused while a queued step reads them.
+"""
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+
+from tandem.cascade_layout import MAX_PARTS, WORK_INTS, CascadeInputs, split_prefixes
+from tandem.scheduler.batch import Row
+
+STEP_COST_BYTES = 1 << 30  # a cascade step's two extra kernels a layer, as KV streamed meanwhile (CascadeRule)
+
+# Staged in this order; CascadeInputs takes the tensors in the same order.
+FIELDS = ("cascade_shared_lens", "cascade_shared_parts", "cascade_shared_src", "cascade_group_rows",
+          "cascade_group_indptr", "cascade_work")
+
+
+@dataclass(frozen=True)
+class CascadeRule:
+    """When grouping pays, per group and per step.
+
+    A cascade step runs two more kernels a layer than a plain one (the shared part and the
+    merge, the suffix part replacing the plain decode kernel): ~2 x 28 layers x a few us,
+    0.15-0.3 ms a step on the H200 even inside a graph, the time to stream ~0.6-1.2 GB at
+    ~4 TB/s (STEP_COST_BYTES), i.e. ~5-10k tokens of Qwen3-0.6B's KV (112 KiB a token over its
+    28 layers; Llama-3.1-8B: 128 KiB; a model with one KV head: 8x more tokens). So a step
+    groups only when its groups save >= `min_saved_tokens` token reads ((rows - 1) x prefix
+    length, summed), STEP_COST_BYTES in the model's KV bytes a token (`for_model`). Per group, the merge's partial outputs
+    cost ~32 KiB a row a layer against 4 KiB a shared token a layer saved, and FlashInfer's
+    cascade loses on 128-token prefixes: `min_shared_len` 256. All three numbers come from
+    this arithmetic, not from a measurement yet: the H200 sweep
+    (`python -m tandem.bench.cascade_kernels`) measures the crossover. `forced()` groups any
+    shared prefix (tests, A/B).
+    """
+
+    min_shared_len: int = 256
+    min_group_rows: int = 2
+    min_saved_tokens: int = 8192
+    max_group_rows: int = 16  # the kernel's M tile: set from the model's heads per KV head
+    work_items: int = 32  # prefix chunks a step aims for: ~2 waves of SMs per KV head (the engine sets it)
+
+    @classmethod
+    def for_model(cls, max_group_rows: int, work_items: int, kv_bytes_per_token: int) -> "CascadeRule":
+        """The cost rule for a model whose KV takes `kv_bytes_per_token` over all layers."""
+        return cls(min_saved_tokens=-(-STEP_COST_BYTES // kv_bytes_per_token), max_group_rows=max_group_rows,
+                   work_items=work_items)
+
+    @classmethod
+    def forced(cls, max_group_rows: int, work_items: int = 32) -> "CascadeRule":
+        return cls(min_shared_len=1, min_group_rows=2, min_saved_tokens=0, max_group_rows=max_group_rows,
+                   work_items=work_items)
+
+    def graph_capacity(self, bucket: int) -> tuple[int, int]:
+        """(groups, work items) a `bucket`-row step can need: groups have >= min_group_rows
+        rows; chunks are >= total / work_items tokens, so items <= work_items + groups."""
+        groups = bucket // self.min_group_rows
+        return groups, groups + self.work_items
+
+    def worth(self, shared_len: int, rows: int) -> bool:
+        return shared_len >= self.min_shared_len and rows >= self.min_group_rows
+
+
+@dataclass
+class CascadePlan:
+    """Host lists staged with the step's metadata (`fields`); see `CascadeInputs`."""
+
+    shared_lens: list[int]  # per row: tokens read from its group's prefix (0: no group)
+    shared_parts: list[int]  # per row: work items of its group (0: no group)
+    shared_src: list[int]  # per row: request slot whose table row holds the prefix (own slot if none)
+    group_rows: list[int]  # batch rows of each group, groups back to back
+    group_indptr: list[int]  # [groups + 1] offsets into group_rows
+    work: list[int]  # WORK_INTS per item: group, first key, end key, part
+
+    def fields(self) -> dict[str, list[int]]:
+        return dict(zip(FIELDS, (self.shared_lens, self.shared_parts, self.shared_src, self.group_rows,
+                                 self.group_indptr, self.work)))
+
+    def padded_fields(self, bucket: int, groups: int, items: int) -> dict[str, list[int]]:
+        """The CUDA-graph layout: fixed sizes for a `bucket`-row graph. Padding rows have no
+        group, padding groups no rows, padding work items no keys."""
+        rows = bucket - len(self.shared_lens)
+        assert len(self.group_indptr) - 1 <= groups and len(self.work) <= WORK_INTS * items
+        return dict(zip(FIELDS, (
+            self.shared_lens + [0] * rows, self.shared_parts + [0] * rows, self.shared_src + [0] * rows,
+            self.group_rows + [0] * (bucket - len(self.group_rows)),
+            self.group_indptr + [self.group_indptr[-1]] * (groups + 1 - len(self.group_indptr)),
+            self.work + [0] * (WORK_INTS * items - len(self.work)))))
+
+
+def plan_cascade(rows: list[Row], rule: CascadeRule, memo: dict | None = None) -> CascadePlan | None:
+    """Groups of decode rows sharing a prefix the rule finds worth it; None when there are none.
+    Each row joins the node on its read path that saves most (prefix length x (1 - 1/rows)).
+    `memo` (the caller's, kept between steps) holds each row's read path; it is left holding
+    only this step's rows."""
+    paths = _read_paths(rows, memo if memo is not None else {})
+    counts = Counter(node for path in paths for node, _ in path)
+    if not counts or max(counts.values()) < rule.min_group_rows:
+        return None  # nothing shared (the common case without sharing): no per-row choice
+    ends = {node: end for path in paths for node, end in path}
+    score = {node: ends[node] * (1 - 1 / n) for node, n in counts.items() if rule.worth(ends[node], n)}
+    chosen: dict[int, list[int]] = {}  # node -> rows
+    for b, path in enumerate(paths):
+        best = max(((score[node], node) for node, _ in path if node in score), default=None)
+        if best is not None:
+            chosen.setdefault(best[1], []).append(b)
+    groups = [(ends[node], members[i:i + rule.max_group_rows]) for node, members in chosen.items()
+              for i in range(0, len(members), rule.max_group_rows)]
+    groups = [(end, members) for end, members in groups if rule.worth(end, len(members))]
+    if not groups or sum((len(members) - 1) * end for end, members in groups) < rule.min_saved_tokens:
+        return None
+    work, parts = split_prefixes([end for end, _ in groups], rule.work_items)
+    shared_lens, shared_parts = [0] * len(rows), [0] * len(rows)
+    shared_src = [row.req.slot for row in rows]
+    group_rows, indptr = [], [0]
+    for (end, members), k in zip(groups, parts):
+        for b in members:
+            shared_lens[b], shared_parts[b], shared_src[b] = end, k, rows[members[0]].req.slot
+        group_rows += members
+        indptr.append(len(group_rows))
+    return CascadePlan(shared_lens, shared_parts, shared_src, group_rows, indptr, work)
+
+
+def _read_paths(rows: list[Row], memo: dict) -> list[list[tuple[int, int]]]:
+    """Each row's read path, reused from `memo` while its request keeps the same `cache_node`.
+    A reused path stays true: the request's slots below a node it read change only through
+    release, and a readmission at the same node reads the whole path. (A node split since then
+    is missing from it: a missed grouping, never a wrong one. Its node ids stay unique: the
+    entry holds `cache_node`, whose parent links keep every node of the path alive.)"""
+    old, paths = dict(memo), []
+    memo.clear()
+    for row in rows:
+        req = row.req
+        hit = old.get(id(req))
+        if hit is None or hit[0] is not req or hit[1] is not req.cache_node:
+            hit = (req, req.cache_node, _read_path(req))
+        memo[id(req)] = hit
+        paths.append(hit[2])
+    return paths
+
+
+def _read_path(req) -> list[tuple[int, int]]:
+    """(id of the node, its end position) for each tree node, from the root, whose slots the
+    request reads."""
+    nodes, node = [], req.cache_node
+    while node is not None and node.parent is not None:  # the root has no parent and no tokens
+        nodes.append(node)
+        node = node.parent
+    path, end = [], 0
+    for node in reversed(nodes):
+        if end >= len(req.kv_slots) or req.kv_slots[end] != node.slots[0]:
+            break  # the request computed its own copy from here on
+        end += len(node.slots)
+        path.append((id(node), end))
+    return path
+
+
+def staged_inputs(fields: dict[str, list[int]], dev: dict[str, torch.Tensor],
+                  rule: CascadeRule) -> CascadeInputs | None:
+    """The eager forward's view of a plan staged with the step's metadata; None: it has none.
+    The M tile is the rule's bound, as in graphs: one kernel specialization, compiled at
+    warm-up, not one per group size met while serving."""
+    if FIELDS[0] not in fields:
+        return None
+    return CascadeInputs(*(dev[name] for name in FIELDS), max_group_size=rule.max_group_rows,
+                         max_parts=max(fields["cascade_shared_parts"]))
+
+
+def graph_inputs(views: dict[str, torch.Tensor], rule: CascadeRule) -> CascadeInputs:
+    """A CUDA graph's view of its padded layout: fixed host bounds for every replay."""
+    return CascadeInputs(*(views[name] for name in FIELDS), max_group_size=rule.max_group_rows,
+                         max_parts=MAX_PARTS)
+
+
+def graph_sizes(bucket: int, rule: CascadeRule) -> dict[str, int]:
+    groups, items = rule.graph_capacity(bucket)
+    return dict(zip(FIELDS, (bucket, bucket, bucket, bucket, groups + 1, WORK_INTS * items)))
