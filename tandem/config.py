@@ -121,6 +121,12 @@ class Experiments:
     # Split-K decode attention: each row picks its split count from its own length (on the
     # device); off spreads every row over the grid's splits, sized for the longest context.
     attention_split_by_context: bool = True
+    # Host KV tier: copy cold prefixes to the host ahead of GPU pressure (off: only when evicted,
+    # and the forward that reuses their slots waits for the copy).
+    host_kv_write_ahead: bool = True
+    # Host KV tier: load the host part of the first waiting requests' matches a step before their
+    # admission (off: at admission, and their first forward waits for the load).
+    host_kv_prefetch: bool = True
     # Cascade decode attention (rows sharing a cached prefix read it once per group): auto groups
     # by `CascadeRule`'s cost thresholds, on groups every shared prefix (>= 2 rows), off never.
     cascade_attention: str = "auto"
@@ -158,6 +164,10 @@ class EngineConfig:
         None, "mixed batches: prefill tokens a step carries beside its decodes (None: one chunk less the decodes)")
     enable_prefix_caching: bool = knob(True, "reuse the KV of cached prompt prefixes (radix tree)",
                                        aliases=("--prefix-caching",))
+    # Off by default: pinned memory is taken from the OS up front (it cannot be swapped), and a
+    # safe size depends on what else the host runs; the user knows, the engine cannot.
+    host_kv_cache_gb: float = knob(0.0, "GiB of pinned host memory per rank for prefixes evicted from the "
+                                        "KV pool (a second prefix-cache tier; 0: off)")
     schedule_policy: Literal["fcfs", "lpm"] = knob(
         "fcfs", "admission order: first come first served, or longest cached prefix first")
     attention_backend: Literal["auto", "torch", "triton"] = knob(

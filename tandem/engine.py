@@ -27,8 +27,9 @@ from tandem.cuda_graph import DecodeGraphs, default_buckets
 from tandem.cascade_layout import max_group_rows
 from tandem.config import EngineConfig, ModelConfig, resolve_device, resolve_dtype
 from tandem.memory.allocator import SlotAllocator
+from tandem.memory.host_kv import HostKVPool
 from tandem.memory.kv_cache import KVCache
-from tandem.memory.prefix_cache import PrefixCache
+from tandem.memory.prefix_cache import HostTier, PrefixCache
 from tandem.memory_budget import (MemoryBudget, graph_reserve, measure_activations, plan_kv_pool,
                                   profile_forward, request_buffers)
 from tandem.memory.req_to_token import ReqToTokenTable
@@ -38,6 +39,7 @@ from tandem.models.decoder import DecoderModel
 from tandem.models.loader import load_model
 from tandem.outputs import CompletionOutput, RequestOutput, StepOutput, TokenLogprob
 from tandem.overlap.future_map import FutureMap
+from tandem.overlap.kv_tier_copy import KVTierCopier, TierCopyStats
 from tandem.overlap.results import ResultCopier
 from tandem.overlap.staging import InputStager
 from tandem.overlap.streams import StreamSet
@@ -109,7 +111,8 @@ class Engine:
         self.parallel.connect(self.device)
         self._build_loop()
         # A worker's steps are rank 0's plan: the same step loop, fed by the step channel.
-        self.scheduler = self.parallel.plan_source(self.scheduler, self.runner.admit)
+        self.scheduler = self.parallel.plan_source(self.scheduler, self.runner.admit,
+                                                   self.kv_tier.replay if self.kv_tier is not None else None)
         self.parallel.ready()
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
@@ -218,11 +221,32 @@ class Engine:
         self.draft_kv = (KVCache(draft.num_layers, num_tokens + 1, draft.num_kv_heads, draft.head_dim, self.dtype,
                                  self.device) if draft is not None else None)
         self.kv_slots = SlotAllocator(num_tokens)  # slot 0 is the dummy slot
+        self.streams = StreamSet.create(self.device)
+        self.kv_tier = self._build_host_tier()
+        host = (HostTier(self.kv_tier.host.host_slots, self.kv_tier.write_back, self.kv_tier.load,
+                         load_tokens_per_step=cfg.max_prefill_tokens) if self.kv_tier is not None else None)
         self.prefix_cache = PrefixCache(self.kv_slots, enabled=cfg.enable_prefix_caching,
-                                        debug=self.debug.prefix_cache)
+                                        debug=self.debug.prefix_cache, host=host)
         self.req_slots = SlotAllocator(cfg.max_running_requests)  # row 0 is the padding row
         self.table = ReqToTokenTable(cfg.max_running_requests, self.max_model_len, self.device)
         log.info("KV pool: %d tokens (%.1f MiB)", num_tokens, num_tokens * per_token / 2**20)
+
+    def _build_host_tier(self) -> KVTierCopier | None:
+        """The prefix cache's host tier (host_kv_cache_gb > 0): pinned on CUDA."""
+        cfg = self.cfg
+        if cfg.host_kv_cache_gb < 0:
+            raise ValueError(f"host_kv_cache_gb must be >= 0; got {cfg.host_kv_cache_gb}")
+        if cfg.host_kv_cache_gb == 0 or not cfg.enable_prefix_caching:
+            return None
+        if self.draft_kv is not None:
+            raise ValueError("host_kv_cache_gb is not supported with a draft model yet")
+        per_token = HostKVPool.bytes_per_token(self.kv)
+        num = self.parallel.agree_min("host_kv_tokens", HostKVPool.num_slots_for(cfg.host_kv_cache_gb, per_token))
+        if num < 1:
+            raise ValueError(f"host_kv_cache_gb={cfg.host_kv_cache_gb} holds no token ({per_token} bytes each)")
+        host = HostKVPool(self.kv, num, pin=self.device.type == "cuda")
+        log.info("host KV tier: %d tokens (%.1f GiB pinned)", num, num * per_token / 2**30)
+        return KVTierCopier(self.kv, host, self.streams)
 
     def _plan_device_memory(self, per_token: int) -> MemoryBudget:
         """Profile the largest step, then give the pool what is left of total x utilization."""
@@ -263,7 +287,6 @@ class Engine:
 
     def _build_loop(self) -> None:
         cfg, rows, spec = self.cfg, self.cfg.max_running_requests, self.speculative
-        self.streams = StreamSet.create(self.device)
         max_tokens = max(cfg.max_prefill_tokens, self.max_model_len) + rows
         reused = 4 * max(cfg.max_prefill_tokens, self.max_model_len)  # reused-prefix table entries
         k = spec.num_speculative_tokens if spec is not None else 0
@@ -361,17 +384,22 @@ class Engine:
             torch.cuda.synchronize(self.device)  # nothing queued may still touch the pool
         if self.timeline is not None:
             self.timeline.close()
+        if self.kv_tier is not None:
+            self.kv_tier.close()  # the pinned pool itself goes with _DEVICE_STATE below
         if self.runner.graphs is not None:
             self.runner.graphs.close()
         if self.runner.verify_graphs is not None:
             self.runner.verify_graphs.close()
         self.grammar.shutdown()  # its compile threads end; queued compilations are cancelled
+        pinned = usable and self.kv_tier is not None and self.device.type == "cuda"
         # Drop every reference to device state; the scheduler's admit hook refers back to
         # the engine, so this also breaks the engine's reference cycles.
         for name in _DEVICE_STATE:
             vars(self).pop(name, None)
         self.requests, self._carried, self.pending = {}, [], None
         lifetime.release(self, self.device, usable)
+        if pinned:
+            _return_pinned_memory()  # the host tier's pool is gone: its pinned pages go back to the OS
 
     def _check_open(self) -> None:
         if self.closed:
@@ -528,6 +556,10 @@ class Engine:
         if self.pending is not None and (self._process_first(batch) or masks_first):
             self._drain(outputs)
         t1 = perf_counter()
+        if self.kv_tier is not None:  # the forward waits on the device for this plan's tier copies
+            copies = self.kv_tier.fence(self.streams.forward)
+            if self.runner.mirror is not None:
+                self.runner.mirror.tier_copies(copies)  # each rank copies its own shard
         try:
             launched = self.runner.launch(batch, defer_sampling=masked)
         except BaseException as exc:
@@ -535,6 +567,8 @@ class Engine:
             return
         if self.timeline is not None:
             launched.record = _step_record(batch, t0, t1, perf_counter())
+            if self.kv_tier is not None:
+                launched.record.host_load_tokens, launched.record.host_write_back_tokens = self.kv_tier.fenced_tokens
         previous, self.pending = self.pending, launched  # in flight before anything else can fail
         try:
             if previous is not None:
@@ -551,8 +585,21 @@ class Engine:
         self._count_launched(launched)
         if self.cfg.disable_overlap:
             self._drain(outputs)
+        if self.kv_tier is not None:
+            self._move_between_tiers()
         if self.prefix_cache.debug:
             self.prefix_cache.check(self.scheduler.kv_holders())
+
+    def _move_between_tiers(self) -> None:
+        """The window after a launch: host-tier copies queued now run beside the forward, and
+        the next plan (which may need a prefill step's slots) finds them done."""
+        cfg, cache = self.cfg, self.prefix_cache
+        next_need = cfg.max_prefill_tokens + len(self.scheduler.running)
+        if cfg.experiments.host_kv_prefetch:
+            waiting = list(itertools.islice(self.scheduler.waiting, PREFETCH_REQUESTS))
+            cache.prefetch(waiting, keep=next_need, most=cfg.max_prefill_tokens)
+        if cfg.experiments.host_kv_write_ahead:
+            cache.write_ahead(next_need)
 
     def _count_launched(self, launched: PendingResult) -> None:
         """A step is numbered and recorded once it is fully queued (a step undone before that
@@ -650,6 +697,8 @@ class Engine:
         pending.host.wait()
         t_wait = perf_counter() - t0
         outputs = self._read_result(pending)
+        if self.kv_tier is not None:
+            self.kv_tier.collect()  # tier copies that completed: their stats, their keep-alives
         if pending.record is not None:
             pending.record.process_ms = (perf_counter() - t0) * 1e3
             pending.record.host_wait_ms = t_wait * 1e3
@@ -834,6 +883,7 @@ class Engine:
                 "prefix_cache_tokens": cached,  # held only by the cache: evictable
                 "prefix_cache_hit_tokens": self.prefix_cache.hit_tokens,
                 "prefix_cache_queried_tokens": self.prefix_cache.queried_tokens,
+                **self._host_tier_stats(),
                 "cuda_graph_memory_mib": sum(g.memory_bytes for g in (self.runner.graphs, self.runner.verify_graphs)
                                              if g is not None) / 2**20,
                 "num_preemptions": self.scheduler.num_preemptions,
@@ -841,6 +891,27 @@ class Engine:
                 "cascade_rows": self.runner.cascade_rows,  # rows those steps grouped, summed
                 "memory": self.memory.as_dict() if self.memory is not None else None,
                 "steps": self.step_id, **(self.spec_counters.as_dict() if self.speculative is not None else {})}
+
+
+    def _host_tier_stats(self) -> dict:
+        """The host tier's figures (zeros when it is off); copy times are device times of the
+        copies that completed."""
+        tier, cache = self.kv_tier, self.prefix_cache
+        copies = tier.stats if tier is not None else TierCopyStats()
+        return {"host_cache_hit_tokens": cache.host_hit_tokens,
+                "host_cache_tokens": cache.tree.host_tokens,
+                "host_cache_capacity_tokens": tier.host.host_slots.count if tier is not None else 0,
+                "host_load_bytes": copies.load_bytes, "host_load_seconds": copies.load_seconds,
+                "host_write_back_bytes": copies.write_back_bytes,
+                "host_write_back_seconds": copies.write_back_seconds}
+
+
+def _return_pinned_memory() -> None:
+    """Pinned blocks freed by torch stay cached for reuse; give them back (newer torch names it
+    torch.accelerator.empty_host_cache; older releases have only the private call)."""
+    empty = getattr(torch.accelerator, "empty_host_cache", None) or getattr(torch._C, "_host_emptyCache", None)
+    if empty is not None:
+        empty()
 
 
 def _merged(outs: list[StepOutput]) -> StepOutput:
@@ -866,10 +937,13 @@ def _step_record(batch: ScheduledBatch, t_start: float, t_launch: float, t_end: 
         verify_k=sum(r.spec_k for r in rows) if batch.is_verify else None)
 
 
+# Waiting requests whose host-tier prefixes are loaded ahead of admission (the queue's head).
+PREFETCH_REQUESTS = 4
+
 NO_TOKEN_ERROR = "no token satisfies the request's constraints (its grammar allows only tokens it bans)"
 
 # What close() drops: everything that holds device memory or refers back to the engine.
-_DEVICE_STATE = ("model", "backend", "kv", "kv_slots", "prefix_cache", "grammar", "req_slots", "table",
+_DEVICE_STATE = ("model", "backend", "kv", "kv_tier", "kv_slots", "prefix_cache", "grammar", "req_slots", "table",
                  "streams", "stager", "copier", "sampler", "future_map", "runner", "scheduler", "spec_state",
                  "draft_model", "draft_kv")
 

@@ -57,7 +57,9 @@ def warm_up(engine) -> float:
         shared = prompt(min(enough, engine.max_model_len - 8))
         _run(engine, [(shared, SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))] * rows)
     engine.reset_prefix_cache()
-    engine.prefix_cache.hit_tokens = engine.prefix_cache.queried_tokens = 0
+    engine.prefix_cache.hit_tokens = engine.prefix_cache.queried_tokens = engine.prefix_cache.host_hit_tokens = 0
+    if engine.kv_tier is not None:  # the warm-up's host-tier copies are not news either
+        engine.kv_tier.reset_stats()
     engine.scheduler.num_preemptions = 0  # a small pool preempts during the warm-up: not news
     return time.monotonic() - started
 

@@ -35,3 +35,16 @@ def test_counters_add_the_totals_growth_across_an_engine_restart():
     assert v["tandem_spec_decode_num_accepted_tokens_total"] == 11 + 2
     assert v['tandem_spec_decode_num_accepted_tokens_per_pos_total{position="0"}'] == 8 + 1
     assert v['tandem_spec_decode_num_accepted_tokens_per_pos_total{position="1"}'] == 3 + 1
+
+
+def test_host_tier_figures_reach_metrics():
+    m = Metrics()
+    m.set_stats(Stats(0, 0, 0.0, host_cache_hit_tokens=30, host_cache_tokens=500, host_load_bytes=3000,
+                      host_load_seconds=0.5, host_write_back_bytes=7000, host_write_back_seconds=1.0))
+    m.set_stats(Stats(0, 0, 0.0, host_cache_hit_tokens=40, host_cache_tokens=200, host_load_bytes=4000,
+                      host_load_seconds=0.75, host_write_back_bytes=7000, host_write_back_seconds=1.0))
+    v = _values(m)
+    assert v["tandem_host_cache_hits_total"] == 40 and v["tandem_host_cache_tokens"] == 200
+    assert v['tandem_host_kv_copy_bytes_total{direction="load"}'] == 4000
+    assert v['tandem_host_kv_copy_bytes_total{direction="write_back"}'] == 7000
+    assert v['tandem_host_kv_copy_seconds_total{direction="load"}'] == 0.75

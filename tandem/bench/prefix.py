@@ -17,8 +17,11 @@ Cascade attention (decode rows sharing a cached prefix read it once per group) i
 
 Each configuration runs in its own process (an engine does not give GPU memory back to a
 second one in the same process); `--compare` runs cache on and off and prints both with their
-ratios; `--compare-cascade` runs cache off, cache on without cascade and cache on with it. Per run: wall time, output tok/s, TTFT p50/p99 (arrival to first token seen by the
-host), prefix hit rate (cached / looked-up prompt tokens), host ms per step, GPU busy.
+ratios; `--compare-cascade` runs cache off, cache on without cascade and cache on with it;
+`--compare-host-tier` runs the cache with the host tier (`--host-kv-cache-gb`) and without. Per
+run: wall time, output tok/s, TTFT p50/p99 (arrival to first token seen by the host), prefix
+hit rate (cached / looked-up prompt tokens) and its GPU and host-tier parts, host-tier copy
+bandwidth each way (bytes / device time of the copies), host ms per step, GPU busy.
 """
 from __future__ import annotations
 
@@ -130,13 +133,17 @@ class PrefixRow:
     host_ms_per_step: float
     gpu_busy: float | None
     cascade_steps: int  # decode steps that grouped rows by shared prefix
+    host_kv_cache_gb: float = 0.0
+    host_hit_rate: float = 0.0  # the part of hit_rate loaded back from the host tier
+    load_gb_s: float | None = None  # host -> GPU, per second of copy device time
+    write_back_gb_s: float | None = None
 
     @property
     def output_tok_s(self) -> float:
         return self.output_tokens / self.wall_s
 
     def to_dict(self) -> dict:
-        return {**asdict(self), "output_tok_s": self.output_tok_s}
+        return {**asdict(self), "output_tok_s": self.output_tok_s, "gpu_hit_rate": self.hit_rate - self.host_hit_rate}
 
 
 def drive(engine: Engine, workload, tag: str) -> tuple[int, int, float, list[float]]:
@@ -206,6 +213,7 @@ def run_one(args: argparse.Namespace) -> PrefixRow:
                                  max_total_tokens=args.max_total_tokens, max_model_len=args.max_model_len,
                                  max_running_requests=args.max_running_requests,
                                  cuda_graph_max_batch=min(args.max_running_requests, 512),
+                                 host_kv_cache_gb=args.host_kv_cache_gb,
                                  timeline=True, seed=0, warm_up="off",  # drive() below warms up
                                  experiments=Experiments(cascade_attention=args.cascade)))
     vocab = engine.model_config.vocab_size
@@ -217,14 +225,24 @@ def run_one(args: argparse.Namespace) -> PrefixRow:
     engine.reset_prefix_cache()
     s0, first = engine.stats(), len(engine.timeline.records)
     inputs, outputs, wall, ttft = drive(engine, make_workload(args, vocab, args.seed), "run")
+    if engine.kv_tier is not None:
+        engine.kv_tier.collect()  # drive() synchronized: every copy's time is known
     s1 = engine.stats()
-    queried = s1["prefix_cache_queried_tokens"] - s0["prefix_cache_queried_tokens"]
-    hits = s1["prefix_cache_hit_tokens"] - s0["prefix_cache_hit_tokens"]
+    delta = {k: s1[k] - s0[k] for k in ("prefix_cache_queried_tokens", "prefix_cache_hit_tokens", "cascade_steps",
+                                        "host_cache_hit_tokens", "host_load_bytes", "host_load_seconds",
+                                        "host_write_back_bytes", "host_write_back_seconds")}
+    queried = max(delta["prefix_cache_queried_tokens"], 1)
     summary = engine.timeline.summary(skip=first)
     return PrefixRow(args.workload, args.cache == "on", args.cascade, len(ttft), inputs, outputs, wall,
-                     _percentile(ttft, 50), _percentile(ttft, 99), hits / max(queried, 1),
+                     _percentile(ttft, 50), _percentile(ttft, 99), delta["prefix_cache_hit_tokens"] / queried,
                      summary["steps"], summary["mean_host_ms"], summary.get("gpu_busy_fraction"),
-                     s1["cascade_steps"] - s0["cascade_steps"])
+                     delta["cascade_steps"], args.host_kv_cache_gb, delta["host_cache_hit_tokens"] / queried,
+                     _gb_s(delta["host_load_bytes"], delta["host_load_seconds"]),
+                     _gb_s(delta["host_write_back_bytes"], delta["host_write_back_seconds"]))
+
+
+def _gb_s(num_bytes: int, seconds: float) -> float | None:
+    return num_bytes / seconds / 1e9 if seconds > 0 else None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -241,6 +259,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--compare", action="store_true", help="run cache on and off, each in its own process")
     ap.add_argument("--compare-cascade", action="store_true",
                     help="run cache off, cache on + cascade off, cache on + --cascade (default auto)")
+    ap.add_argument("--host-kv-cache-gb", type=float, default=0.0, help="the prefix cache's host tier (0: off)")
+    ap.add_argument("--compare-host-tier", action="store_true",
+                    help="run the cache with --host-kv-cache-gb and without, each in its own process")
     ap.add_argument("--groups", type=int, default=32)
     ap.add_argument("--per-group", type=int, default=16)
     ap.add_argument("--system-len", type=int, default=2048, help="shared system prompt (first turn) length")
@@ -262,21 +283,24 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
-    if not (args.compare or args.compare_cascade):
+    if not (args.compare or args.compare_cascade or args.compare_host_tier):
         row = run_one(args)
         print(json.dumps(row.to_dict()))
         return 0
+    gb = str(args.host_kv_cache_gb)
     if args.compare_cascade:
-        configs = [("off", "off"), ("on", "off"), ("on", "on" if args.cascade == "off" else args.cascade)]
+        configs = [("off", "off", gb), ("on", "off", gb), ("on", "on" if args.cascade == "off" else args.cascade, gb)]
+    elif args.compare_host_tier:
+        configs = [("on", args.cascade, gb), ("on", args.cascade, "0")]
     else:
-        configs = [("on", args.cascade), ("off", args.cascade)]
+        configs = [("on", args.cascade, gb), ("off", args.cascade, gb)]
     rows = []
-    for cache, cascade in configs:
+    for cache, cascade, host_gb in configs:
         cmd = [sys.executable, "-m", "tandem.bench.prefix", *_without_compare(argv), "--cache", cache,
-               "--cascade", cascade]
+               "--cascade", cascade, "--host-kv-cache-gb", host_gb]
         out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
         rows.append(json.loads(out.strip().splitlines()[-1]))
-    print(format_table(rows))
+    print(format_table(rows, "host tier" if args.compare_host_tier else "cache"))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
@@ -288,29 +312,31 @@ def _without_compare(argv: list[str]) -> list[str]:
     for a in argv:
         if skip:
             skip = False
-        elif a in ("--compare", "--compare-cascade"):
+        elif a in ("--compare", "--compare-cascade", "--compare-host-tier"):
             continue
-        elif a in ("--cache", "--json", "--cascade"):
+        elif a in ("--cache", "--json", "--cascade", "--host-kv-cache-gb"):
             skip = True
-        elif not a.startswith(("--cache=", "--json=", "--cascade=")):
+        elif not a.startswith(("--cache=", "--json=", "--cascade=", "--host-kv-cache-gb=")):
             out.append(a)
     return out
 
 
-def format_table(rows: list[dict]) -> str:
-    cols = ["workload", "cache", "cascade", "requests", "output_tok_s", "ttft_p50_ms", "ttft_p99_ms", "hit_rate",
+def format_table(rows: list[dict], compared: str = "cache") -> str:
+    cols = ["workload", "cache", "cascade", "host_kv_cache_gb", "requests", "output_tok_s", "ttft_p50_ms",
+            "ttft_p99_ms", "hit_rate", "gpu_hit_rate", "host_hit_rate", "load_gb_s", "write_back_gb_s",
             "host_ms_per_step", "gpu_busy", "cascade_steps", "wall_s"]
     lines = [" | ".join(cols)]
     for r in rows:
-        lines.append(" | ".join(_fmt(r[c]) for c in cols))
+        lines.append(" | ".join(_fmt(r.get(c)) for c in cols))
     if len(rows) == 3:  # --compare-cascade: cache off, cache on, cache on + cascade
         off, on, cascade = rows
         lines.append(f"cascade: throughput x{cascade['output_tok_s'] / off['output_tok_s']:.2f} of cache off, "
                      f"x{cascade['output_tok_s'] / on['output_tok_s']:.2f} of cache on without cascade")
         return "\n".join(lines)
     on, off = rows[0], rows[1]
-    lines.append(f"cache on/off: throughput x{on['output_tok_s'] / off['output_tok_s']:.2f}, "
-                 f"TTFT p50 x{off['ttft_p50_ms'] / on['ttft_p50_ms']:.2f} lower")
+    lines.append(f"{compared} on/off: throughput x{on['output_tok_s'] / off['output_tok_s']:.2f}, "
+                 f"TTFT p50 x{off['ttft_p50_ms'] / on['ttft_p50_ms']:.2f} lower, "
+                 f"p99 x{off['ttft_p99_ms'] / on['ttft_p99_ms']:.2f} lower")
     return "\n".join(lines)
 
 

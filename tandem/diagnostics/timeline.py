@@ -47,6 +47,10 @@ class StepRecord:
     verify_k: int | None = None
     proposed: int | None = None
     accepted: int | None = None
+    # The prefix cache's host tier: tokens this step's plan queued for loading back and for
+    # writing back (its forward waits for both on the device). None: no host tier.
+    host_load_tokens: int | None = None
+    host_write_back_tokens: int | None = None
 
     @property
     def launch_end(self) -> float:

@@ -27,7 +27,7 @@ from typing import Callable
 import msgspec
 
 from tandem.distributed.auth import prove, verify_worker
-from tandem.distributed.wire import ROW_FIELDS, Admit, Message, Step, Stop
+from tandem.distributed.wire import ROW_FIELDS, Admit, Message, Step, Stop, TierCopy
 from tandem.request import Request
 from tandem.sampling import SamplingParams
 from tandem.scheduler.batch import Row, ScheduledBatch
@@ -51,6 +51,7 @@ class StepSender:
         self.key = key
         self.conns: dict[int, Connection] = {}  # by rank
         self.admits: list[Admit] = []
+        self.copies: list[TierCopy] = []  # host-tier copies of the next step
         self.encoder = msgspec.msgpack.Encoder()
 
     def accept(self, ranks: set[int], timeout_s: float, watch: Callable[[], None] = lambda: None) -> None:
@@ -86,9 +87,14 @@ class StepSender:
         send_prompt = params.uses_penalties or params.prompt_logprobs is not None or self.speculative
         self.admits.append(Admit(slot, prompt_ids if send_prompt else [], params, list(outputs), seed))
 
+    def tier_copies(self, copies: list[tuple[str, list[int], list[int]]]) -> None:
+        """The host-tier copies the next step's plan queued (sent with that step)."""
+        self.copies = [TierCopy(*c) for c in copies]
+
     def launch(self, batch: ScheduledBatch) -> None:
         admits, self.admits = self.admits, []
-        self._send(Step(batch.step, admits, [_row_tuple(r) for r in batch.rows]))
+        copies, self.copies = self.copies, []
+        self._send(Step(batch.step, admits, [_row_tuple(r) for r in batch.rows], copies))
 
     def stop(self) -> None:
         self._send(Stop())

@@ -35,10 +35,20 @@ WireRow = msgspec.defstruct("WireRow", [("slot", int), ("seed", int)] + [(n, _RO
                             array_like=True, module=__name__)
 
 
+class TierCopy(msgspec.Struct, array_like=True):
+    """A copy between the KV pool and its host tier that rank 0's plan queued: every rank
+    queues the same one on its own shard ("load" or "write_back")."""
+
+    kind: str
+    gpu_slots: list[int]
+    host_slots: list[int]
+
+
 class Step(msgspec.Struct, tag=True):
     step: int
     admits: list[Admit]  # requests admitted since the previous step, in order
     rows: list[WireRow]  # rank 0 puts tuples in WireRow's field order here (array-like: same bytes)
+    copies: list[TierCopy] = []  # host-tier copies the plan queued, in order, before its forward
 
 
 class Stop(msgspec.Struct, tag=True):

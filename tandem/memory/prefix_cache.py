@@ -14,20 +14,43 @@ on the forward stream. Eviction takes only nodes no request locks, and a request
 uses until it is released, so nothing an in-flight step reads can be evicted.
 
 With caching disabled the same calls keep the same books with an always-empty tree.
+
+Host tier (`HostTier`): eviction writes unreferenced prefixes back to pinned host memory, and
+`admit` loads the host-resident part of a match back into fresh GPU slots (at most
+`load_tokens_per_step` tokens per planned step: the copy's share of the step). The copies'
+ordering rules are in `tandem.overlap.kv_tier_copy`.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Callable
+
 from tandem.memory.allocator import SlotAllocator
-from tandem.memory.radix_cache import RadixCache
+from tandem.memory.radix_cache import HostTierHooks, Node, RadixCache
 from tandem.request import Request
 
 
+@dataclass
+class HostTier:
+    """The host tier as the prefix cache sees it: host slots and the two copy directions."""
+
+    host_slots: SlotAllocator
+    write_back: Callable[[list[int], list[int]], None]  # (gpu_slots, host_slots)
+    load: Callable[[list[int], list[int]], None]  # (host_slots, gpu_slots)
+    load_tokens_per_step: int = 16384
+
+
 class PrefixCache:
-    def __init__(self, kv_slots: SlotAllocator, enabled: bool = True, debug: bool = False):
+    def __init__(self, kv_slots: SlotAllocator, enabled: bool = True, debug: bool = False,
+                 host: HostTier | None = None):
         self.kv_slots, self.enabled, self.debug = kv_slots, enabled, debug
-        self.tree = RadixCache(kv_slots.free)
+        self.host = host if enabled else None
+        hooks = HostTierHooks(host.host_slots, host.write_back) if self.host is not None else None
+        self.tree = RadixCache(kv_slots.free, hooks)
         self.hit_tokens = 0  # running totals, in prompt tokens
         self.queried_tokens = 0
+        self.host_hit_tokens = 0  # tokens loaded back from the host tier (kept by an undone admission)
+        self._load_tokens_left = 0  # this step's load budget (new_step)
 
     # ---- capacity ----
     @property
@@ -44,6 +67,20 @@ class PrefixCache:
         if short > 0:
             self.tree.evict(short)
         return self.kv_slots.alloc(n)
+
+    def new_step(self) -> None:
+        """A step is being planned: its loads from the host tier start a fresh budget."""
+        if self.host is not None:
+            self._load_tokens_left = self.host.load_tokens_per_step
+
+    def write_ahead(self, next_need: int) -> int:
+        """In the processing window: when the next plan may need `next_need` slots and fewer are
+        free, copy cold cached prefixes to the host tier ahead of that pressure (their GPU
+        copies stay), so the plan's evictions copy nothing and its forward waits for nothing."""
+        short = next_need - self.kv_slots.num_free
+        if self.host is None or short <= 0:
+            return 0
+        return self.tree.write_ahead(short)
 
     # ---- a request's prefix ----
     def match_length(self, req: Request) -> int:
@@ -63,12 +100,71 @@ class PrefixCache:
         self.queried_tokens += len(fill)
         if not self.enabled:
             return 0
-        slots, node = self.tree.match(fill[:req.max_cached_prefix])
+        prefix = fill[:req.max_cached_prefix]
+        slots, node = self.tree.match(prefix)
+        if self.host is not None:
+            loaded, node = self._load_host_part(node, prefix, len(slots), self._load_tokens_left)
+            self._load_tokens_left -= len(loaded)
+            slots = slots + loaded
         if slots:
             self.tree.lock(node)
             req.kv_slots, req.cached_len, req.cache_node = slots, len(slots), node
             self.hit_tokens += len(slots)
         return len(slots)
+
+    def _load_host_part(self, node: Node, tokens: list[int], start: int, most: int) -> tuple[list[int], Node]:
+        """Load the host-resident continuation of a match (tokens[:start] ending at `node`)
+        into GPU slots (evicting colder prefixes for them), at most `most` tokens, whole nodes.
+        Returns the loaded slots and the node where the match now ends. The loaded nodes stay
+        cached (in both tiers) even if the admission they were loaded for does not go ahead."""
+        path = self.tree.host_continuation(node, tokens, start)
+        if not path:
+            return [], node
+        self.tree.lock(node)  # the GPU part of the match stays while eviction makes room
+        take = self._fitting(path, min(most, self.available()))
+        gpu_slots = self._load(take) if take else []
+        self.tree.unlock(node)
+        return gpu_slots, (take[-1] if take else node)
+
+    def _load(self, nodes: list[Node]) -> list[int]:
+        """Queue the load of consecutive host-only nodes into fresh GPU slots; they are in both
+        tiers afterwards (evicting them again costs no copy)."""
+        total = sum(len(n.key) for n in nodes)
+        self.tree.lock(nodes[-1])  # eviction's write-backs must not drop what is being loaded
+        gpu_slots = self.alloc(total)
+        self.host.load([h for n in nodes for h in n.host_slots], gpu_slots)
+        at = 0
+        for host_node in nodes:
+            self.tree.mark_loaded(host_node, gpu_slots[at:at + len(host_node.key)])
+            at += len(host_node.key)
+        self.tree.unlock(nodes[-1])
+        self.host_hit_tokens += total
+        return gpu_slots
+
+    def prefetch(self, waiting: list[Request], keep: int, most: int) -> int:
+        """In the processing window: load the host part of waiting requests' matches, at most
+        `most` tokens, keeping `keep` slots available for the next plan, so that admission
+        finds them on the GPU and the forward reading them has had a step's head start.
+        Returns the tokens queued."""
+        queued = 0
+        for req in waiting if self.host is not None else ():
+            prefix = req.fill_ids[:req.max_cached_prefix]
+            slots, node = self.tree.match(prefix)
+            loaded, _ = self._load_host_part(node, prefix, len(slots),
+                                             min(most - queued, self.available() - keep))
+            queued += len(loaded)
+        return queued
+
+    @staticmethod
+    def _fitting(path: list[Node], room: int) -> list[Node]:
+        """The leading nodes of `path` whose tokens fit in `room`."""
+        take, total = [], 0
+        for node in path:
+            if total + len(node.key) > room:
+                break
+            take.append(node)
+            total += len(node.key)
+        return take
 
     def undo_admit(self, req: Request) -> None:
         """Admission did not go ahead (no room): drop the lock, keep the tree as it was."""
@@ -106,8 +202,11 @@ class PrefixCache:
         req.cache_node, req.cached_len = node, upto
 
     def reset(self) -> int:
-        """Drop every cached prefix no request uses. Returns the slots freed."""
-        return self.tree.evict(self.tree.evictable_tokens)
+        """Drop every cached prefix no request uses, in both tiers. Returns the GPU slots freed."""
+        freed = self.tree.evict(self.tree.evictable_tokens, to_host=False)
+        if self.host is not None:
+            self.tree.evict_host(self.tree.host_tokens)
+        return freed
 
     # ---- debug checks ----
     def check(self, requests: list[Request]) -> None:
@@ -133,3 +232,7 @@ class PrefixCache:
         assert total == self.kv_slots.count, \
             f"KV slots leaked: {self.kv_slots.num_free} free + {len(tree_slots)} cached + " \
             f"{len(owned)} held != {self.kv_slots.count}"
+        if self.host is not None:
+            pool, held = self.host.host_slots, len(self.tree.all_host_slots())
+            assert pool.num_free + held == pool.count, \
+                f"host slots leaked: {pool.num_free} free + {held} cached != {pool.count}"

@@ -6,6 +6,15 @@ them (`lock`/`unlock`, counted on the whole path to the root), and only unrefere
 evicted, least recently used first. Host-only bookkeeping: it never touches device memory.
 
 The tree owns the slots of its nodes: whoever inserts hands them over, eviction frees them.
+
+With a host tier (`HostTierHooks`), a node lives on the GPU (`slots`), on the host
+(`host_slots`, its `slots` empty), or in both (written ahead of pressure, or loaded back).
+GPU eviction moves an unreferenced node with no GPU child to the host (a copy unless it is
+there already) instead of dropping it; the host tier's own eviction drops the coldest host
+copies (a host-only leaf goes, a node in both tiers keeps its GPU copy). A GPU node's parent
+is always on the GPU (the root counts), so a match is a GPU part followed by a host part, which
+the caller loads back (`host_continuation`, `mark_loaded`). LRU order is shared by both tiers
+(one clock).
 """
 from __future__ import annotations
 
@@ -13,14 +22,17 @@ import heapq
 import itertools
 from typing import Callable
 
+from tandem.memory.radix_host_tier import HostTierHooks, HostTierOps
+
 _clock = itertools.count()  # access order for LRU; a counter, so ties cannot happen
 
 
 class Node:
-    __slots__ = ("key", "slots", "children", "parent", "lock_ref", "last_access")
+    __slots__ = ("key", "slots", "host_slots", "children", "parent", "lock_ref", "last_access")
 
     def __init__(self, key: list[int], slots: list[int], parent: "Node | None"):
         self.key, self.slots, self.parent = key, slots, parent
+        self.host_slots: list[int] | None = None  # set while the node lives on the host
         self.children: dict[int, Node] = {}  # by first token of the child's key
         self.lock_ref = 0
         self.last_access = next(_clock)
@@ -29,13 +41,15 @@ class Node:
         return self.last_access < other.last_access
 
 
-class RadixCache:
-    def __init__(self, free_slots: Callable[[list[int]], None]):
+class RadixCache(HostTierOps):
+    def __init__(self, free_slots: Callable[[list[int]], None], host: HostTierHooks | None = None):
         self.free_slots = free_slots  # gives evicted slots back to the KV allocator
+        self.host = host
         self.root = Node([], [], None)
         self.root.lock_ref = 1  # never evicted
-        self.evictable_tokens = 0  # tokens in nodes no request references
-        self.locked_tokens = 0  # tokens in nodes some request references
+        self.evictable_tokens = 0  # GPU tokens in nodes no request references
+        self.locked_tokens = 0  # GPU tokens in nodes some request references
+        self.host_tokens = 0  # tokens of host-resident nodes
 
     @property
     def total_tokens(self) -> int:
@@ -49,7 +63,7 @@ class RadixCache:
         now = next(_clock)
         while i < len(tokens):
             child = node.children.get(tokens[i])
-            if child is None:
+            if child is None or not child.slots:  # the rest lives on the host: host_continuation
                 break
             n = common_length(child.key, tokens, i)
             if n < len(child.key):
@@ -79,7 +93,7 @@ class RadixCache:
         tokens were already cached (their slots in `slots` stay the caller's: duplicates), the
         rest now belong to the tree; `node` is where `tokens` ends."""
         assert len(tokens) == len(slots)
-        node, i = self.root, 0
+        node, i, present = self.root, 0, None
         now = next(_clock)
         while i < len(tokens):
             child = node.children.get(tokens[i])
@@ -87,18 +101,23 @@ class RadixCache:
                 new = Node(list(tokens[i:]), list(slots[i:]), node)
                 node.children[tokens[i]] = new
                 self.evictable_tokens += len(new.key)
-                return i, new
+                return (i if present is None else present), new
             n = common_length(child.key, tokens, i)
             if n < len(child.key):
                 child = self._split(child, n)
             child.last_access = now
+            if not child.slots:  # on the host: the caller's fresh copy makes it GPU-resident again
+                present = i if present is None else present
+                self._promote(child, list(slots[i:i + n]))
             node, i = child, i + n
-        return i, node
+        return (i if present is None else present), node
 
     def _split(self, child: Node, n: int) -> Node:
         """Cut `child`'s edge after n tokens; returns the new upper node (same locks)."""
         upper = Node(child.key[:n], child.slots[:n], child.parent)
         upper.lock_ref, upper.last_access = child.lock_ref, child.last_access
+        if child.host_slots is not None:
+            upper.host_slots, child.host_slots = child.host_slots[:n], child.host_slots[n:]
         child.parent.children[upper.key[0]] = upper
         child.key, child.slots, child.parent = child.key[n:], child.slots[n:], upper
         upper.children[child.key[0]] = child
@@ -108,7 +127,7 @@ class RadixCache:
     def lock(self, node: Node) -> None:
         """A request uses the path root..node: none of it may be evicted."""
         while node is not self.root:
-            if node.lock_ref == 0:
+            if node.lock_ref == 0 and node.slots:  # the counters count GPU tokens
                 self.evictable_tokens -= len(node.key)
                 self.locked_tokens += len(node.key)
             node.lock_ref += 1
@@ -118,28 +137,67 @@ class RadixCache:
         while node is not self.root:
             node.lock_ref -= 1
             assert node.lock_ref >= 0, "prefix cache: unlock without lock"
-            if node.lock_ref == 0:
+            if node.lock_ref == 0 and node.slots:
                 self.evictable_tokens += len(node.key)
                 self.locked_tokens -= len(node.key)
             node = node.parent
 
     # ---- eviction ----
-    def evict(self, num_tokens: int) -> int:
-        """Free at least `num_tokens` slots from unreferenced leaves, least recently used
-        first (fewer if not that many are evictable). Returns how many were freed."""
-        heap = [n for n in self._nodes() if not n.children and n.lock_ref == 0]
+    def evict(self, num_tokens: int, to_host: bool = True) -> int:
+        """Free at least `num_tokens` GPU slots from unreferenced nodes without GPU children,
+        least recently used first (fewer if not that many are evictable). With a host tier
+        (and `to_host`) each one's KV is written back to host slots first; without room
+        there, it is dropped with its host-resident subtree. Returns the GPU slots freed."""
+        heap = [n for n in self._nodes() if self._gpu_evictable(n)]
         heapq.heapify(heap)
         freed = 0
         while freed < num_tokens and heap:
-            leaf = heapq.heappop(heap)
-            self.free_slots(leaf.slots)
-            freed += len(leaf.slots)
-            self.evictable_tokens -= len(leaf.key)
-            parent = leaf.parent
-            del parent.children[leaf.key[0]]
-            if parent is not self.root and not parent.children and parent.lock_ref == 0:
+            node = heapq.heappop(heap)
+            if not self._gpu_evictable(node):
+                continue  # pushed twice
+            gpu_slots, parent = node.slots, node.parent
+            self.evictable_tokens -= len(node.key)
+            if to_host and self.host is not None and node.host_slots is None:
+                self._copy_to_host(node)
+            if to_host and node.host_slots is not None:
+                node.slots = []  # it lives on in the host tier
+            else:
+                self._drop_subtree(node)
+            self.free_slots(gpu_slots)  # reuse is ordered after the write-back: KVTierCopier.fence
+            freed += len(gpu_slots)
+            if parent is not self.root and self._gpu_evictable(parent):
                 heapq.heappush(heap, parent)
         return freed
+
+    # ---- load-back ----
+    def host_continuation(self, node: Node, tokens: list[int], start: int) -> list[Node]:
+        """The host-resident nodes that continue a match ending at `node` (which matched
+        tokens[:start]), the last one split where the match ends. Marks them as used."""
+        path, i = [], start
+        now = next(_clock)
+        while i < len(tokens):
+            child = node.children.get(tokens[i])
+            if child is None:
+                break
+            assert not child.slots, "a GPU node under the end of a GPU match"
+            n = common_length(child.key, tokens, i)
+            if n < len(child.key):
+                child = self._split(child, n)
+            child.last_access = now
+            path.append(child)
+            node, i = child, i + n
+        return path
+
+    def mark_loaded(self, node: Node, gpu_slots: list[int]) -> None:
+        """A host-only node's KV was queued for copying into `gpu_slots`: it lives in both
+        tiers from now on (readers wait for the copy on the device; evicting it again needs
+        no copy)."""
+        assert node.host_slots is not None and not node.slots and len(gpu_slots) == len(node.key)
+        node.slots = gpu_slots
+        if node.lock_ref:
+            self.locked_tokens += len(node.key)
+        else:
+            self.evictable_tokens += len(node.key)
 
     def _nodes(self):
         stack = [self.root]
@@ -153,19 +211,30 @@ class RadixCache:
     def all_slots(self) -> set[int]:
         return {s for n in self._nodes() for s in n.slots}
 
+    def all_host_slots(self) -> set[int]:
+        return {s for n in self._nodes() if n.host_slots is not None for s in n.host_slots}
+
     def check(self, expected_locks: dict[int, int]) -> None:
         """Reference counts equal the locks the callers hold (`id(node) -> count` of paths
-        through it) and the token counters add up."""
-        evictable = locked = 0
+        through it), each node lives in a tier, a GPU node's parent is on the GPU,
+        and the token counters add up."""
+        evictable = locked = host = 0
         for node in self._nodes():
             want = expected_locks.get(id(node), 0)
             assert node.lock_ref == want, f"prefix cache: node lock_ref {node.lock_ref}, expected {want}"
+            if node.host_slots is not None:
+                assert len(node.key) == len(node.host_slots) > 0
+                host += len(node.key)
+            if not node.slots:
+                assert node.host_slots is not None, "prefix cache: a node in neither tier"
+                continue
             assert len(node.key) == len(node.slots) > 0
+            assert node.parent is self.root or node.parent.slots, "prefix cache: GPU node under a host node"
             if node.lock_ref:
                 locked += len(node.key)
             else:
                 evictable += len(node.key)
-        assert (evictable, locked) == (self.evictable_tokens, self.locked_tokens), \
+        assert (evictable, locked, host) == (self.evictable_tokens, self.locked_tokens, self.host_tokens), \
             "prefix cache: token counters out of step with the tree"
 
 

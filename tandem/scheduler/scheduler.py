@@ -164,6 +164,7 @@ class Scheduler:
         Transactional: if planning raises, everything it admitted or allocated is given back;
         if the plan's launch fails, `rollback` gives it back."""
         self._journal = _Journal(step, self._prefill_steps_in_a_row)
+        self.cache.new_step()
         try:
             rows = self._plan(step, drain)
             if not rows and self.has_work():

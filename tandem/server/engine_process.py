@@ -176,4 +176,9 @@ def _stats(engine) -> P.Stats:
                    recent.get("mean_host_ms", 0.0), s["prefix_cache_queried_tokens"],
                    s["prefix_cache_hit_tokens"], s["prefix_cache_tokens"],
                    s.get("spec_decode_num_drafts", 0), s.get("spec_decode_num_draft_tokens", 0),
-                   s.get("spec_decode_num_accepted_tokens", 0), s.get("spec_decode_num_accepted_tokens_per_pos", []))
+                   s.get("spec_decode_num_accepted_tokens", 0), s.get("spec_decode_num_accepted_tokens_per_pos", []),
+                   **{k: s[k] for k in _HOST_TIER_STATS})
+
+
+_HOST_TIER_STATS = ("host_cache_hit_tokens", "host_cache_tokens", "host_load_bytes", "host_load_seconds",
+                    "host_write_back_bytes", "host_write_back_seconds")

@@ -43,6 +43,14 @@ class Metrics:
                                   registry=r)
         self.cache_tokens = Gauge("tandem_prefix_cache_tokens", "KV slots held only by the prefix cache "
                                   "(evictable)", registry=r)
+        self.host_hits = Counter("tandem_host_cache_hits", "Prompt tokens loaded back from the prefix "
+                                 "cache's host tier", registry=r)
+        self.host_tokens = Gauge("tandem_host_cache_tokens", "Tokens the prefix cache's host tier holds",
+                                 registry=r)
+        self.host_copy_bytes = Counter("tandem_host_kv_copy_bytes", "Bytes copied between the KV pool and "
+                                       "its host tier", ["direction"], registry=r)
+        self.host_copy_seconds = Counter("tandem_host_kv_copy_seconds", "Device time of completed copies "
+                                         "between the KV pool and its host tier", ["direction"], registry=r)
         self._seen_totals: dict[str, tuple] = {}  # the engine's running totals last seen (see _add_deltas)
         self.spec_drafts = Counter("tandem_spec_decode_num_drafts", "Verify rows that carried proposals "
                                    "(speculative decoding)", registry=r)
@@ -91,6 +99,12 @@ class Metrics:
         self._add_deltas("cache", [(self.cache_queries, (), stats.prefix_cache_queried_tokens),
                                    (self.cache_hits, (), stats.prefix_cache_hit_tokens)])
         self.cache_tokens.set(stats.prefix_cache_tokens)
+        self._add_deltas("host", [(self.host_hits, (), stats.host_cache_hit_tokens),
+                                  (self.host_copy_bytes, ("load",), stats.host_load_bytes),
+                                  (self.host_copy_bytes, ("write_back",), stats.host_write_back_bytes),
+                                  (self.host_copy_seconds, ("load",), stats.host_load_seconds),
+                                  (self.host_copy_seconds, ("write_back",), stats.host_write_back_seconds)])
+        self.host_tokens.set(stats.host_cache_tokens)
         self._add_deltas("spec", [(self.spec_drafts, (), stats.spec_decode_num_drafts),
                                   (self.spec_draft_tokens, (), stats.spec_decode_num_draft_tokens),
                                   (self.spec_accepted, (), stats.spec_decode_num_accepted_tokens)]

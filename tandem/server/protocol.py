@@ -109,6 +109,13 @@ class Stats(msgspec.Struct):
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
     spec_decode_num_accepted_tokens_per_pos: list[int] = []
+    # The prefix cache's host tier (zeros where it is off): running totals, and the tokens it holds.
+    host_cache_hit_tokens: int = 0
+    host_cache_tokens: int = 0
+    host_load_bytes: int = 0
+    host_load_seconds: float = 0.0
+    host_write_back_bytes: int = 0
+    host_write_back_seconds: float = 0.0
 
 
 class Outputs(msgspec.Struct, tag=True):

@@ -1,0 +1,167 @@
+"""Copies between the device KV pool and its host tier, on a stream of their own.
+
+Ordering and lifetime rules (docs/async-model.md, "Host KV tier"):
+- Write-back (GPU -> host) reads GPU slots of unreferenced tree nodes. Every step that wrote
+  or read them has completed (a node is unlocked only once its requests were released, after
+  their last step completed), so the copy needs no wait on the forward stream.
+- Those GPU slots go back to the allocator at once; the next forward that could write them
+  waits on this stream's fence event (`fence`), so the reuse is ordered after the copy.
+- Load-back (host -> GPU) writes freshly allocated GPU slots (no queued step reads them: same
+  argument) and the forward that reads them waits on the same fence, on the device.
+- Host buffers: every copy that reads or writes a host slot runs on this one stream, so a
+  host slot freed and handed out again is overwritten only after earlier copies touched it.
+- Pinned index tensors and device staging stay alive until the copy's end event has passed
+  (`collect`, polled in the processing window: no host waits).
+- Tensor parallelism: rank 0's plan carries its copies (`fence` returns them, the step message
+  sends them) and each rank queues the same ones on its own shard before that step's forward.
+  A worker's write-back reads slots whose last step rank 0 has seen complete; that step's
+  collectives could not complete before this rank's kernels ahead of them (its KV writes and
+  reads) had run, so the same rule holds on every rank.
+On the CPU the stream and events are no-ops and every copy completes in order.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from time import perf_counter
+
+import torch
+
+from tandem.memory.host_kv import HostKVPool, contiguous_runs
+from tandem.memory.kv_cache import KVCache
+from tandem.overlap.streams import NullStream, StreamSet
+
+CHUNK_BYTES = 128 << 20  # device staging per transfer: large enough for full PCIe bandwidth
+
+
+@dataclass
+class _InFlight:
+    kind: str  # "load" or "write_back"
+    start: object
+    end: object
+    keep_alive: list = field(default_factory=list)  # pinned indices, device staging
+    host_seconds: float = 0.0  # CPU: the copy ran synchronously in this long
+
+
+@dataclass
+class TierCopyStats:
+    load_tokens: int = 0
+    load_bytes: int = 0
+    load_seconds: float = 0.0  # device time of completed loads
+    write_back_tokens: int = 0
+    write_back_bytes: int = 0
+    write_back_seconds: float = 0.0
+
+
+class KVTierCopier:
+    def __init__(self, kv: KVCache, host: HostKVPool, streams: StreamSet):
+        self.kv, self.host, self.streams = kv, host, streams
+        self.stream = torch.cuda.Stream(streams.device) if streams.is_cuda else NullStream()
+        self.chunk_tokens = max(1, CHUNK_BYTES // host.token_bytes)
+        self.stats = TierCopyStats()
+        self._in_flight: list[_InFlight] = []
+        self._unfenced: list[tuple[str, list[int], list[int]]] = []  # (kind, gpu, host) since the last fence
+        self.fenced_tokens = (0, 0)  # (loaded, written back) behind the last fence: the timeline's
+
+    # ---- the two directions ----
+    def write_back(self, gpu_slots: list[int], host_slots: list[int]) -> None:
+        """Queue GPU slots -> host slots (same order)."""
+        self._copy("write_back", gpu_slots, host_slots)
+        self.stats.write_back_tokens += len(gpu_slots)
+        self.stats.write_back_bytes += len(gpu_slots) * self.host.token_bytes
+        self._unfenced.append(("write_back", gpu_slots, host_slots))
+
+    def load(self, host_slots: list[int], gpu_slots: list[int]) -> None:
+        """Queue host slots -> GPU slots (same order)."""
+        self._copy("load", gpu_slots, host_slots)
+        self.stats.load_tokens += len(gpu_slots)
+        self.stats.load_bytes += len(gpu_slots) * self.host.token_bytes
+        self._unfenced.append(("load", gpu_slots, host_slots))
+
+    def _copy(self, kind: str, gpu_slots: list[int], host_slots: list[int]) -> None:
+        assert len(gpu_slots) == len(host_slots)
+        record = _InFlight(kind, self.streams.event(timing=True), self.streams.event(timing=True))
+        t0 = perf_counter()
+        with self.streams.use(self.stream):
+            record.start.record(self.stream)
+            for at in range(0, len(gpu_slots), self.chunk_tokens):
+                g, h = gpu_slots[at:at + self.chunk_tokens], host_slots[at:at + self.chunk_tokens]
+                if kind == "load":
+                    self._load_chunk(h, g, record.keep_alive)
+                else:
+                    self._write_back_chunk(g, h, record.keep_alive)
+            record.end.record(self.stream)
+        record.host_seconds = perf_counter() - t0
+        self._in_flight.append(record)
+
+    def _device_index(self, slots: list[int], keep_alive: list) -> torch.Tensor:
+        src = torch.tensor(slots, dtype=torch.int64, pin_memory=self.streams.pin())
+        keep_alive.append(src)  # read by the async H2D until the copy's end event
+        return src.to(self.streams.device, non_blocking=True)
+
+    def _write_back_chunk(self, gpu_slots: list[int], host_slots: list[int], keep_alive: list) -> None:
+        idx = self._device_index(gpu_slots, keep_alive)
+        kv = self.kv
+        staging = torch.stack([k.index_select(0, idx) for k in kv.k] + [v.index_select(0, idx) for v in kv.v], 1)
+        keep_alive.append(staging)  # allocated on this stream; kept until the D2H read it
+        for at, first, n in contiguous_runs(host_slots):
+            self.host.data[first:first + n].copy_(staging[at:at + n], non_blocking=True)
+
+    def _load_chunk(self, host_slots: list[int], gpu_slots: list[int], keep_alive: list) -> None:
+        idx = self._device_index(gpu_slots, keep_alive)
+        staging = torch.empty((len(gpu_slots),) + tuple(self.host.data.shape[1:]), dtype=self.host.data.dtype,
+                              device=self.streams.device)
+        keep_alive.append(staging)
+        for at, first, n in contiguous_runs(host_slots):
+            staging[at:at + n].copy_(self.host.data[first:first + n], non_blocking=True)
+        layers = self.host.num_layers
+        for layer, (k, v) in enumerate(zip(self.kv.k, self.kv.v)):
+            k.index_copy_(0, idx, staging[:, layer])
+            v.index_copy_(0, idx, staging[:, layers + layer])
+
+    # ---- ordering and bookkeeping ----
+    def fence(self, forward_stream) -> list[tuple[str, list[int], list[int]]]:
+        """Before a step's forward is queued: it waits (on the device) for every copy queued so
+        far, the loads it reads and the write-backs of slots it may overwrite. Returns those
+        copies as (kind, gpu_slots, host_slots), in order (tensor-parallel ranks replay them)."""
+        copies, self._unfenced = self._unfenced, []
+        self.fenced_tokens = (sum(len(g) for k, g, _ in copies if k == "load"),
+                              sum(len(g) for k, g, _ in copies if k == "write_back"))
+        if copies:
+            done = self.streams.event()
+            done.record(self.stream)
+            forward_stream.wait_event(done)  # device-side order: no host wait
+        return copies
+
+    def replay(self, kind: str, gpu_slots: list[int], host_slots: list[int]) -> None:
+        """A copy rank 0 queued, on this rank's shard (tensor parallelism)."""
+        if kind == "load":
+            self.load(host_slots, gpu_slots)
+        else:
+            self.write_back(gpu_slots, host_slots)
+
+    def collect(self) -> None:
+        """In the processing window: account copies whose end event passed and drop what they
+        kept alive. Never waits."""
+        still = []
+        for record in self._in_flight:
+            if not record.end.query():
+                still.append(record)
+                continue
+            seconds = (record.start.elapsed_time(record.end) / 1e3 if self.streams.is_cuda
+                       else record.host_seconds)
+            if record.kind == "load":
+                self.stats.load_seconds += seconds
+            else:
+                self.stats.write_back_seconds += seconds
+        self._in_flight = still
+
+    def reset_stats(self) -> None:
+        """Start the figures from zero (after the warm-up; waits for the copy stream: start-up
+        only, never in the loop)."""
+        self.stream.synchronize()
+        self.collect()
+        self.stats = TierCopyStats()
+
+    def close(self) -> None:
+        """Everything queued finished (the engine synchronized): drop the keep-alives."""
+        self._in_flight = []

@@ -1,0 +1,26 @@
+"""`tandem bench prefix --workload multiturn --host-kv-cache-gb ...` at a tiny size on the CPU:
+histories evicted between turns come back from the host tier, and the row reports it."""
+import json
+
+from tandem.bench.prefix import format_table, main
+
+ARGS = ["--workload", "multiturn", "--preset", "tiny", "--device", "cpu", "--dtype", "float32",
+        "--conversations", "5", "--turns", "3", "--system-len", "60", "--question-len", "30", "--output-len", "4",
+        "--max-running-requests", "2", "--max-total-tokens", "300"]
+
+
+def _row(capsys, *extra: str) -> dict:
+    assert main(ARGS + list(extra)) == 0
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+def test_multiturn_rows_with_and_without_the_host_tier(capsys):
+    on = _row(capsys, "--host-kv-cache-gb", "0.05")
+    off = _row(capsys)
+    assert on["host_hit_rate"] > 0.3 and on["hit_rate"] > off["hit_rate"]
+    assert abs(on["gpu_hit_rate"] + on["host_hit_rate"] - on["hit_rate"]) < 1e-9
+    assert on["load_gb_s"] > 0 and on["write_back_gb_s"] > 0
+    assert off["host_hit_rate"] == 0 and off["load_gb_s"] is None
+    assert on["output_tokens"] == off["output_tokens"] == 5 * 3 * 4
+    table = format_table([on, off], "host tier")
+    assert "host tier on/off: throughput x" in table and "host_hit_rate" in table

@@ -1,0 +1,104 @@
+"""GPU checks of the prefix cache's host tier (run on the H200): real copy streams give the
+same greedy outputs as an unbounded pool with no hidden host sync, and a forward that reads
+loaded KV waits for the load on the device, not on the host."""
+import time
+
+import pytest
+import torch
+
+from tandem.config import EngineConfig
+from tandem.engine import Engine
+from tandem.memory.host_kv import HostKVPool
+from tandem.sampling import SamplingParams
+from test_host_kv import chat_specs, run_chats
+from tiny_models import make_cycling_model
+from workload import assert_kv_conserved, run_workload, step_without_host_syncs
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+VOCAB = 256  # the cycling model's
+
+
+@pytest.fixture(scope="module")
+def cycling_model(tmp_path_factory):
+    """Greedy outputs robust to kernel numerics across batch shapes (a logit gap of ~2.4), yet
+    a KV entry that was not loaded changes them (checked on the CPU by leaving K out)."""
+    return make_cycling_model(tmp_path_factory.mktemp("cycling"), sharpness=0.3, layer_scale=1.0)
+
+
+def _engine(path, **kw) -> Engine:
+    return Engine(EngineConfig(model=str(path), device="cuda", dtype="float32", **kw))
+
+
+def _host_gb(engine: Engine, tokens: int) -> float:
+    return tokens * HostKVPool.bytes_per_token(engine.kv) / 2**30
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_small_pool_with_host_tier_equals_unbounded_pool_on_cuda(cycling_model, overlap):
+    rounds = chat_specs(conversations=10, turns=4, seed=3, vocab=VOCAB)
+    unbounded = _engine(cycling_model, max_total_tokens=20000)
+    want = run_chats(unbounded, rounds)
+    engine = _engine(cycling_model, max_total_tokens=400, chunked_prefill_size=48, max_prefill_tokens=96,
+                     disable_overlap=not overlap, host_kv_cache_gb=_host_gb(unbounded, 4096))
+    assert engine.kv_tier.host.data.is_pinned()
+    assert run_chats(engine, rounds) == want
+    s = engine.stats()
+    assert s["host_cache_hit_tokens"] > 500 and s["host_load_seconds"] > 0, s
+    assert_kv_conserved(engine)
+
+
+def test_host_tier_loop_has_no_hidden_sync(cycling_model):
+    engine = _engine(cycling_model, max_total_tokens=400, chunked_prefill_size=48, max_prefill_tokens=96,
+                     host_kv_cache_gb=0.05)
+    rounds = chat_specs(conversations=8, turns=3, seed=4, vocab=VOCAB)
+    run_chats(engine, rounds[:1])  # compile everything first
+    for specs in rounds[1:]:
+        for spec in specs:
+            engine.add_request(spec.prompt, spec.params, request_id=spec.rid)
+        step_without_host_syncs(engine)
+    assert engine.stats()["host_cache_hit_tokens"] > 0
+
+
+def test_forward_waits_for_the_load_on_the_device(cycling_model):
+    """The load is held back on the copy stream (torch.cuda._sleep); every free GPU slot holds
+    NaN, so a forward that did not wait would read NaN KV. The step that queues the load and
+    its forward returns long before the load ends (no host wait); the output is exact."""
+    prompt = list(range(10, 210))
+    follow_up = prompt + list(range(220, 240))
+    greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    reference = _engine(cycling_model, max_total_tokens=4000)
+    want = run_workload(reference, [_spec("ref", follow_up, greedy)])["ref"]
+    engine = _engine(cycling_model, max_total_tokens=1000, host_kv_cache_gb=0.05)
+    run_workload(engine, [_spec("first", prompt, greedy)])
+    tree = engine.prefix_cache.tree
+    tree.evict(tree.evictable_tokens)  # the whole history goes to the host tier
+    torch.cuda.synchronize()
+    assert tree.host_tokens > 200 and engine.kv_slots.num_free == engine.kv_slots.count
+    for t in engine.kv.k + engine.kv.v:
+        t[1:].fill_(float("nan"))  # slot 0 is the padding rows' dummy
+    torch.cuda.synchronize()  # the fill (default stream) is not ordered with the copy stream
+    tier, load = engine.kv_tier, engine.kv_tier.load
+    sleep_s = 0.5  # at least: _sleep counts cycles, and the H200 clocks at most 1.98 GHz
+
+    def held_back_load(host_slots, gpu_slots):
+        with torch.cuda.stream(tier.stream):
+            torch.cuda._sleep(int(sleep_s * 2e9))
+        load(host_slots, gpu_slots)
+
+    engine.prefix_cache.host.load = held_back_load
+    engine.add_request(follow_up, greedy, request_id="again")
+    started = time.perf_counter()
+    engine.step()  # plans, queues the load and the forward that reads it
+    queued = time.perf_counter() - started
+    while engine.has_unfinished():
+        engine.step()
+    total = time.perf_counter() - started
+    assert engine.output("again").token_ids == want[0]
+    assert engine.stats()["host_cache_hit_tokens"] >= 199
+    assert queued < sleep_s / 2 < sleep_s <= total, (queued, total)
+
+
+def _spec(rid, prompt, params):
+    from workload import Spec
+    return Spec(rid, prompt, params)

@@ -1,0 +1,296 @@
+"""The prefix cache's host tier: tree bookkeeping across tiers, the copies, and the engine
+(greedy outputs with a small pool + host tier equal an unbounded pool's; every GPU slot and
+host slot conserved)."""
+import random
+
+import pytest
+import torch
+
+from tandem.config import EngineConfig
+from tandem.engine import Engine
+from tandem.memory.allocator import SlotAllocator
+from tandem.memory.host_kv import HostKVPool, contiguous_runs
+from tandem.memory.kv_cache import KVCache
+from tandem.memory.radix_cache import HostTierHooks, RadixCache
+from tandem.overlap.kv_tier_copy import KVTierCopier
+from tandem.overlap.streams import StreamSet
+from tandem.sampling import SamplingParams
+from tiny_models import TEST_DEVICE
+from workload import Spec, assert_kv_conserved, run_workload
+
+
+# ---- the tree across tiers ----
+def _tiered_tree(gpu: int = 100, host: int = 50):
+    kv, host_pool, copies = SlotAllocator(gpu), SlotAllocator(host, first=0), []
+    tree = RadixCache(kv.free, HostTierHooks(host_pool, lambda g, h: copies.append((list(g), list(h)))))
+    return tree, kv, host_pool, copies
+
+
+def test_eviction_writes_back_and_a_match_continues_on_the_host():
+    tree, kv, host, copies = _tiered_tree()
+    a = kv.alloc(6)
+    tree.insert([1, 2, 3, 4, 5, 6], a)
+    b = kv.alloc(4)
+    present, _ = tree.insert([1, 2, 3, 9], b)  # splits after [1, 2, 3]
+    kv.free(b[:present])  # the caller's duplicates
+    assert tree.evict(3) == 3  # the LRU leaf [4, 5, 6] goes to the host
+    assert copies == [(a[3:], [0, 1, 2])] and tree.host_tokens == 3
+    slots, node = tree.match([1, 2, 3, 4, 5, 6, 7])
+    assert slots == a[:3]  # the GPU part
+    path = tree.host_continuation(node, [1, 2, 3, 4, 5], 3)  # ends inside [4, 5, 6]: split
+    assert [n.key for n in path] == [[4, 5]] and path[0].host_slots == [0, 1]
+    loaded = kv.alloc(2)
+    tree.mark_loaded(path[0], loaded)
+    assert tree.match([1, 2, 3, 4, 5])[0] == a[:3] + loaded and tree.host_tokens == 3  # in both tiers
+    tree.check({})
+    before = kv.num_free
+    tree.evict(100)  # everything: [4, 5] needs no copy (it is on the host already)
+    assert [c[0] for c in copies[1:]] == [b[3:], a[:3]]  # [9] and [1, 2, 3]; not [4, 5]
+    assert kv.num_free == before + 6 and tree.host_tokens == 7
+    tree.check({})
+
+
+def test_write_ahead_copies_cold_nodes_and_their_eviction_copies_nothing():
+    tree, kv, host, copies = _tiered_tree(host=8)
+    for first in (10, 20, 30):  # 30 is the warmest
+        tree.insert([first, first + 1, first + 2], kv.alloc(3))
+    assert tree.write_ahead(5) == 6  # the two coldest, whole nodes
+    assert [c[1] for c in copies] == [[0, 1, 2], [3, 4, 5]] and kv.num_free == 91
+    assert tree.write_ahead(5) == 0  # already covered
+    assert tree.evict(6) == 6 and len(copies) == 2  # no copy: they were written ahead
+    assert tree.write_ahead(9) == 3  # [30..] takes the room of the coldest host-only node
+    assert tree.match_length([10, 11, 12]) == 0 and tree.match_length([20, 21, 22]) == 3
+    tree.check({})
+
+
+def test_host_tier_drops_its_coldest_leaves_and_too_big_nodes_are_dropped():
+    tree, kv, host, copies = _tiered_tree(host=4)
+    tree.insert([1, 2, 3], kv.alloc(3))
+    tree.insert([7, 8, 9], kv.alloc(3))
+    tree.evict(3)  # [1, 2, 3] is the older: to the host
+    tree.evict(3)  # [7, 8, 9] needs the host room: [1, 2, 3] is dropped
+    assert tree.match_length([1, 2, 3]) == 0 and tree.match_length([7, 8, 9]) == 3
+    tree.insert([5] * 6, kv.alloc(6))
+    tree.evict(6)  # larger than the whole host tier: dropped, nothing copied
+    assert len(copies) == 2 and tree.match_length([5] * 6) == 0
+    assert kv.num_free == 100 and host.num_free == 1
+    tree.check({})
+
+
+def test_insert_over_a_host_node_takes_the_callers_gpu_copy():
+    tree, kv, host, _ = _tiered_tree()
+    tree.insert([1, 2, 3, 4], kv.alloc(4))
+    tree.evict(4)
+    mine = kv.alloc(5)
+    present, node = tree.insert([1, 2, 3, 4, 5], mine)
+    assert present == 0  # nothing of the caller's is a duplicate: the tree took all five
+    assert tree.match([1, 2, 3, 4, 5])[0] == mine and tree.host_tokens == 0 and host.num_free == 50
+    tree.check({})
+
+
+def test_locked_host_nodes_are_not_dropped():
+    tree, kv, host, _ = _tiered_tree(host=3)
+    tree.insert([1, 2, 3], kv.alloc(3))
+    tree.evict(3)
+    _, root = tree.match([1])
+    (node,) = tree.host_continuation(root, [1, 2, 3], 0)
+    tree.lock(node)  # being loaded
+    tree.insert([4, 5, 6], kv.alloc(3))
+    tree.evict(3)  # no host room: dropped, the locked host node stays
+    assert tree.host_tokens == 3 and tree.match_length([4]) == 0
+    tree.unlock(node)
+    tree.check({})
+
+
+# ---- the copies ----
+def test_write_back_then_load_restores_the_kv():
+    kv = KVCache(3, 20, 2, 4, torch.float32, torch.device("cpu"))
+    for t in kv.k + kv.v:
+        t.copy_(torch.randn_like(t))
+    want = [t[[3, 7, 8]].clone() for t in kv.k + kv.v]
+    host = HostKVPool(kv, 10, pin=False)
+    copier = KVTierCopier(kv, host, StreamSet.create(torch.device("cpu")))
+    copier.chunk_tokens = 2  # several chunks
+    copier.write_back([3, 7, 8], [5, 6, 2])
+    for t in kv.k + kv.v:
+        t.zero_()
+    copier.load([5, 6, 2], [11, 12, 13])
+    assert copier.fence(StreamSet.create(torch.device("cpu")).forward)
+    copier.collect()
+    for got, expect in zip(kv.k + kv.v, want):
+        assert torch.equal(got[[11, 12, 13]], expect)
+    s = copier.stats
+    assert s.load_tokens == s.write_back_tokens == 3 and s.load_bytes == 3 * host.token_bytes
+
+
+def test_contiguous_runs():
+    assert contiguous_runs([4, 5, 6, 9, 2, 3]) == [(0, 4, 3), (3, 9, 1), (4, 2, 2)]
+    assert contiguous_runs([]) == []
+
+
+# ---- the engine ----
+def _engine(path, **kw) -> Engine:
+    return Engine(EngineConfig(model=str(path), device=TEST_DEVICE, dtype="float32", **kw))
+
+
+def chat_specs(conversations: int, turns: int, seed: int, vocab: int = 1000) -> list[list[Spec]]:
+    """Multi-turn chats: each turn's prompt is the previous prompt plus new user tokens (the
+    model's reply is not fed back, so the turns of one round can be built up front). Returns
+    one list of specs per round; the rounds run one after another, so a conversation's history
+    is evicted (and written back) between its turns. Some requests abort."""
+    rng = random.Random(seed)
+    system = [rng.randrange(3, vocab) for _ in range(30)]
+    history = [system + [rng.randrange(3, vocab) for _ in range(rng.randint(10, 40))]
+               for _ in range(conversations)]
+    rounds = []
+    for t in range(turns):
+        specs = []
+        for c in range(conversations):
+            history[c] = history[c] + [rng.randrange(3, vocab) for _ in range(rng.randint(5, 25))]
+            abort = rng.randint(0, 4) if rng.random() < 0.1 else None
+            specs.append(Spec(f"c{c}t{t}", list(history[c]),
+                              SamplingParams(max_tokens=rng.randint(2, 12), temperature=0.0, ignore_eos=True),
+                              abort))
+        rounds.append(specs)
+    return rounds
+
+
+def run_chats(engine: Engine, rounds: list[list[Spec]]) -> dict:
+    results = {}
+    for specs in rounds:
+        results.update(run_workload(engine, specs, arrive_per_step=6))
+    return results
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("overlap,host_tokens,ahead", [(True, 4096, True), (False, 4096, True),
+                                                      (True, 300, True), (True, 4096, False)])
+def test_small_pool_with_host_tier_equals_unbounded_pool(tiny_text_model, overlap, host_tokens, ahead):
+    """300 host tokens: the host tier evicts too (less than the working set). `ahead`: write-ahead
+    and prefetch on (the default) or both off (copies only at eviction and admission)."""
+    from tandem.config import Experiments
+    rounds = chat_specs(conversations=10, turns=4, seed=3)
+    unbounded = _engine(tiny_text_model, max_total_tokens=20000)
+    want = run_chats(unbounded, rounds)
+    gb = host_tokens * engine_bytes_per_token(unbounded) / 2**30
+    engine = _engine(tiny_text_model, max_total_tokens=400, chunked_prefill_size=48, max_prefill_tokens=96,
+                     disable_overlap=not overlap, host_kv_cache_gb=gb, timeline=True,
+                     experiments=Experiments(host_kv_write_ahead=ahead, host_kv_prefetch=ahead))
+    prefetched, prefetch = [], engine.prefix_cache.prefetch
+    engine.prefix_cache.prefetch = lambda *a, **k: prefetched.append(prefetch(*a, **k)) or prefetched[-1]
+    written_ahead, write_ahead = [], engine.prefix_cache.write_ahead
+    engine.prefix_cache.write_ahead = lambda *a: written_ahead.append(write_ahead(*a)) or written_ahead[-1]
+    got = run_chats(engine, rounds)
+    assert (sum(prefetched) > 0 and sum(written_ahead) > 0) == ahead, (prefetched, written_ahead)
+    assert got == want
+    s = engine.stats()
+    assert s["host_cache_hit_tokens"] > (500 if host_tokens > 1000 else 100), s  # histories came back
+    records = engine.timeline.records
+    assert sum(r.host_load_tokens for r in records) == s["host_cache_hit_tokens"]
+    assert s["host_write_back_bytes"] > 0 and s["host_load_bytes"] == s["host_cache_hit_tokens"] * \
+        engine.kv_tier.host.token_bytes
+    assert s["num_preemptions"] > 0, "the pool must be small enough to preempt"
+    assert_kv_conserved(engine)
+    host = engine.kv_tier.host.host_slots
+    assert host.num_free + s["host_cache_tokens"] == host.count
+    engine.reset_prefix_cache()
+    assert engine.stats()["host_cache_tokens"] == 0 and host.num_free == host.count
+    engine.close()
+
+
+def engine_bytes_per_token(engine: Engine) -> int:
+    return HostKVPool.bytes_per_token(engine.kv)
+
+
+def test_zero_host_tier_is_todays_cache(tiny_text_model):
+    rounds = chat_specs(conversations=4, turns=2, seed=5)
+    engine = _engine(tiny_text_model, max_total_tokens=300, host_kv_cache_gb=0)
+    assert engine.kv_tier is None and engine.prefix_cache.host is None
+    run_chats(engine, rounds)
+    s = engine.stats()
+    assert s["host_cache_hit_tokens"] == s["host_write_back_bytes"] == s["host_cache_capacity_tokens"] == 0
+    assert_kv_conserved(engine)
+
+
+def test_negative_host_tier_is_refused(tiny_text_model):
+    with pytest.raises(ValueError, match="host_kv_cache_gb must be >= 0"):
+        _engine(tiny_text_model, host_kv_cache_gb=-1)
+
+
+def test_abort_during_a_load_then_reuse_and_close(tiny_text_model):
+    """A request whose prefix is being loaded back is aborted after its first step: the loaded
+    prefix stays cached (on the GPU), every slot is accounted for, a later request reuses it
+    with exact outputs; reset empties both tiers; close() lets the host pool go."""
+    import gc
+    import weakref
+    greedy = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    prompt = [random.Random(7).randrange(3, 1000) for _ in range(150)]
+    follow_up = prompt + list(range(40, 60))
+    want = run_workload(_engine(tiny_text_model), [Spec("ref", follow_up, greedy)])["ref"]
+    engine = _engine(tiny_text_model, max_total_tokens=300, host_kv_cache_gb=0.01)
+    run_workload(engine, [Spec("first", prompt, greedy)])
+    tree = engine.prefix_cache.tree
+    tree.evict(tree.evictable_tokens)  # all of it to the host tier
+    assert tree.host_tokens >= 150 and engine.kv_slots.num_free == engine.kv_slots.count
+    engine.add_request(follow_up, greedy, request_id="aborted")
+    engine.step()  # admitted: the load and the forward reading it are queued
+    assert engine.stats()["host_cache_hit_tokens"] == 150
+    engine.abort("aborted")
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.output("aborted").num_cached_tokens == 150  # usage's cached_tokens counts host hits
+    engine.release("aborted")
+    assert_kv_conserved(engine)
+    again = run_workload(engine, [Spec("again", follow_up, greedy)])["again"]
+    assert again == want
+    assert engine.stats()["host_cache_hit_tokens"] == 150  # the second one hit the GPU copy
+    assert engine.stats()["prefix_cache_hit_tokens"] >= 300
+    engine.reset_prefix_cache()
+    host = engine.kv_tier.host
+    assert host.host_slots.num_free == host.host_slots.count and engine.stats()["host_cache_tokens"] == 0
+    pool = weakref.ref(host.data)
+    del host, tree  # the test's own references
+    engine.close()
+    gc.collect()
+    assert pool() is None, "close() must let the host pool's memory go"
+
+
+@pytest.mark.slow
+def test_tensor_parallel_ranks_replay_the_host_tier_copies(tmp_path):
+    """Two ranks (gloo): rank 0's plan carries its write-backs and loads, each rank moves its
+    own shard; outputs equal one rank with an unbounded pool."""
+    from tandem.entrypoints.ranks import build_engine
+    from tiny_models import make_tiny_model
+    path = make_tiny_model(tmp_path, "llama", vocab_size=1000)
+    rounds = chat_specs(conversations=6, turns=3, seed=8)
+    opts = dict(model=str(path), device="cpu", dtype="float32", max_running_requests=16)
+    want = run_chats(Engine(EngineConfig(**opts, max_total_tokens=20000)), rounds)
+    engine = build_engine(EngineConfig(**opts, tensor_parallel_size=2, max_total_tokens=300,
+                                       chunked_prefill_size=48, max_prefill_tokens=96, host_kv_cache_gb=0.01))
+    try:
+        assert run_chats(engine, rounds) == want
+        assert engine.stats()["host_cache_hit_tokens"] > 200
+    finally:
+        engine.close()
+
+
+def test_warm_up_leaves_no_host_tier_figures(tiny_text_model):
+    engine = _engine(tiny_text_model, max_total_tokens=200, max_prefill_tokens=64, max_running_requests=8,
+                     host_kv_cache_gb=0.01, warm_up="on")
+    s = engine.stats()
+    assert s["host_cache_hit_tokens"] == s["host_load_bytes"] == s["host_write_back_bytes"] == 0
+    assert s["host_cache_tokens"] == 0 and s["prefix_cache_tokens"] == 0
+
+
+@pytest.mark.slow
+def test_ngram_speculation_and_lpm_with_host_tier(tiny_text_model):
+    """Verify steps reserve slots past the table and lpm orders by matches that reach the host
+    tier: outputs still equal an unbounded pool's."""
+    spec = {"method": "ngram", "num_speculative_tokens": 3}
+    rounds = chat_specs(conversations=8, turns=3, seed=9)
+    want = run_chats(_engine(tiny_text_model, max_total_tokens=20000, speculative_config=spec), rounds)
+    engine = _engine(tiny_text_model, max_total_tokens=400, chunked_prefill_size=48, max_prefill_tokens=96,
+                     host_kv_cache_gb=0.01, speculative_config=spec, schedule_policy="lpm")
+    assert run_chats(engine, rounds) == want
+    assert engine.stats()["host_cache_hit_tokens"] > 100
+    assert_kv_conserved(engine)
