@@ -143,7 +143,7 @@ def test_preempted_requests_report_each_prompt_logprob_once(tiny, monkeypatch):
     admit = Scheduler._admit
 
     def recording(self, req, matched):
-        if req.num_preemptions:
+        if req.num_preemptions and req.params.prompt_logprobs is not None:  # not the CUDA warm-up's
             readmitted.append((len(req.prompt_logprobs), len(req.prompt_token_ids) - 1, matched))
         return admit(self, req, matched)
     monkeypatch.setattr(Scheduler, "_admit", recording)

@@ -33,3 +33,13 @@ def test_warm_up_leaves_no_state_and_changes_no_token(tiny_text_model):
 def test_bad_warm_up_mode_is_refused(tiny_text_model):
     with pytest.raises(ValueError, match="warm_up must be auto, on or off"):
         LLM(str(tiny_text_model), device=TEST_DEVICE, warm_up="yes")
+
+
+def test_the_warm_up_cascade_step_is_not_counted(tiny_text_model):
+    """With cascade attention forced on, the warm-up runs a grouped step: stats start at zero."""
+    from tandem.config import Experiments
+    llm = LLM(str(tiny_text_model), device=TEST_DEVICE, dtype="float32", max_model_len=256, warm_up="on",
+              experiments=Experiments(cascade_attention="on"))
+    s = llm.engine.stats()
+    assert s["cascade_steps"] == s["cascade_rows"] == 0
+    llm.close()
