@@ -129,7 +129,9 @@ class Experiments:
     host_kv_prefetch: bool = True
     # Cascade decode attention (rows sharing a cached prefix read it once per group): auto groups
     # by `CascadeRule`'s cost thresholds, on groups every shared prefix (>= 2 rows), off never.
-    cascade_attention: str = "auto"
+    # Off until it pays: on the H200 at 80cf6d5 auto halved the shared-prefix workload (9,555
+    # against 19,400 output tok/s with it off; docs/benchmarks.md, session 9).
+    cascade_attention: str = "off"
 
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]

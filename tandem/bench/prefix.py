@@ -254,11 +254,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--cache", choices=["on", "off"], default="on")
-    ap.add_argument("--cascade", choices=["auto", "on", "off"], default="auto",
+    ap.add_argument("--cascade", choices=["auto", "on", "off"], default="off",
                     help="cascade attention experiment (shared prefixes read once per group)")
     ap.add_argument("--compare", action="store_true", help="run cache on and off, each in its own process")
     ap.add_argument("--compare-cascade", action="store_true",
-                    help="run cache off, cache on + cascade off, cache on + --cascade (default auto)")
+                    help="run cache off, cache on + cascade off, cache on + --cascade (auto when off)")
     ap.add_argument("--host-kv-cache-gb", type=float, default=0.0, help="the prefix cache's host tier (0: off)")
     ap.add_argument("--compare-host-tier", action="store_true",
                     help="run the cache with --host-kv-cache-gb and without, each in its own process")
@@ -289,7 +289,7 @@ def main(argv: list[str]) -> int:
         return 0
     gb = str(args.host_kv_cache_gb)
     if args.compare_cascade:
-        configs = [("off", "off", gb), ("on", "off", gb), ("on", "on" if args.cascade == "off" else args.cascade, gb)]
+        configs = [("off", "off", gb), ("on", "off", gb), ("on", "auto" if args.cascade == "off" else args.cascade, gb)]
     elif args.compare_host_tier:
         configs = [("on", args.cascade, gb), ("on", args.cascade, "0")]
     else:
