@@ -297,8 +297,11 @@ def test_ctrl_c_in_generate_ends_without_a_traceback(tiny_text_model, tmp_path):
     cmd = [sys.executable, "-m", "tandem", "generate", "Once upon a time", "--model", str(tiny_text_model),
            "--device", "cpu", "--max-tokens", "480", "--max-model-len", "512"]
     with open(out, "w") as o, open(err, "w") as e:
+        # Ctrl-C as at a terminal, whatever SIGINT disposition the runner passed down (a shell's
+        # background job ignores SIGINT, and an ignored signal stays ignored across exec).
         proc = subprocess.Popen(cmd, stdout=o, stderr=e, cwd=REPO,
-                                env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
+                                env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"},
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         deadline = time.monotonic() + 120
         while out.stat().st_size <= len("Once upon a time") + 20:  # generating
             assert proc.poll() is None and time.monotonic() < deadline, err.read_text()
