@@ -16,6 +16,7 @@ import time
 import torch
 import triton
 
+from tandem.kernels.activation import silu_mul
 from tandem.kernels.small_m_gemm import GemmConfig, k_per_split, small_m_gemm
 from tandem.models.linear import MAX_SMALL_M, Linear, linear, m_bucket
 
@@ -87,7 +88,7 @@ def tune_shape(weight: torch.Tensor, scale: torch.Tensor | None, x_dtype: torch.
         log.warning("cuBLAS failed for N=%d K=%d M=%d: %s", n, k, m, e)
         cublas_ms = float("inf")
     best, best_ms = _fastest(lambda cfg: lambda i: small_m_gemm(x, weights[i], None, scale, cfg),
-                             len(weights), n, k, m, cublas_ms)
+                             weights, m, cublas_ms)
     return best, best_ms, cublas_ms
 
 
@@ -97,15 +98,14 @@ def tune_gated_shape(weight: torch.Tensor, scale: torch.Tensor | None, x_dtype: 
     """The same for a gated layer's fused input (packed gate, up rows [m, 2K]; the kernel forms
     silu(gate) * up while loading them). The baseline is what the caller runs otherwise: the
     SiLU-mul kernel, then the layer's unfused plan (`unfused`, or cuBLAS)."""
-    from tandem.kernels.activation import silu_mul
-    n, k = weight.shape
+    k = weight.shape[1]
     weights = _weight_copies(weight)
     gate_up = torch.randn(m, 2 * k, device=weight.device, dtype=x_dtype)
     plan = {m_bucket(m): unfused} if unfused is not None else None
     two_step_ms = graph_time_ms(lambda i: linear(silu_mul(gate_up), weights[i], None, scale, plan), len(weights))
     best, best_ms = _fastest(
         lambda cfg: lambda i: small_m_gemm(gate_up, weights[i], None, scale, cfg, silu_mul=True),
-        len(weights), n, k, m, two_step_ms)
+        weights, m, two_step_ms)
     return best, best_ms, two_step_ms
 
 
@@ -115,13 +115,13 @@ def _weight_copies(weight: torch.Tensor) -> list[torch.Tensor]:
     return [weight] + [weight.clone() for _ in range(copies - 1)]
 
 
-def _fastest(launcher, copies: int, n: int, k: int, m: int, baseline_ms: float) -> tuple[GemmConfig | None, float]:
-    """The candidate whose `launcher(cfg)` (a function of the weight copy's index) beats the
-    baseline, and its ms; (None, baseline_ms) when none does."""
-    best, best_ms = None, baseline_ms
-    sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+def _fastest(launcher, weights: list[torch.Tensor], m: int, baseline_ms: float) -> tuple[GemmConfig | None, float]:
+    """The candidate whose `launcher(cfg)` (a function of the index into `weights`, the
+    weight's copies) beats the baseline, and its ms; (None, baseline_ms) when none does."""
+    (n, k), best, best_ms = weights[0].shape, None, baseline_ms
+    sms = torch.cuda.get_device_properties(weights[0].device).multi_processor_count
     for cfg in candidates(n, k, m, sms):
-        ms = graph_time_ms(launcher(cfg), copies)
+        ms = graph_time_ms(launcher(cfg), len(weights))
         if ms < best_ms:
             best, best_ms = cfg, ms
     return best, best_ms
