@@ -13,7 +13,7 @@ import torch
 from tandem.bench.presets import preset_dir
 from tandem.config import EngineConfig
 from tandem.diagnostics import errors
-from tandem.diagnostics.profile import profile_main
+from tandem.diagnostics.profile import profile_main, step_window
 from tandem.diagnostics.sync_audit import (Frame, SyncAudit, SyncCollector, display_path, locate,
                                            sync_audit_main, _norm_roots)
 from tandem.diagnostics.timeline import StepRecord, Timeline, cpu_lead_ms, read_timeline
@@ -30,6 +30,19 @@ def _engine(path, **kw):
     cfg = EngineConfig(model=path, dummy_weights=True, device="cpu", max_total_tokens=4096,
                        max_running_requests=16, max_model_len=256, **{"timeline": True, **kw})
     return Engine(cfg)
+
+
+def test_step_window_profiles_only_the_steps_asked_for(tiny_preset):
+    engine = _engine(tiny_preset)
+    engine.add_request([5, 6, 7, 8], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    calls = []
+    with step_window(engine, first=2, count=3) as tables:
+        while engine.has_unfinished():
+            calls.append(len(tables))
+            engine.step()
+    assert calls[:6] == [0, 0, 0, 0, 0, 1]  # the table appears once step 4 (the window's last) returns
+    assert len(tables) == 1 and "aten::" in tables[0]
+    assert "step" not in vars(engine)  # the wrapper is gone
 
 
 # ---- step timeline ----

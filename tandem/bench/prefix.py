@@ -26,6 +26,7 @@ bandwidth each way (bytes / device time of the copies), host ms per step, GPU bu
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 import subprocess
@@ -37,6 +38,8 @@ import torch
 
 from tandem.bench.presets import preset_dir
 from tandem.config import EngineConfig, Experiments
+from tandem.diagnostics.compiles import count_compiles
+from tandem.diagnostics.profile import step_window
 from tandem.engine import Engine
 from tandem.sampling import SamplingParams
 
@@ -137,6 +140,9 @@ class PrefixRow:
     host_hit_rate: float = 0.0  # the part of hit_rate loaded back from the host tier
     load_gb_s: float | None = None  # host -> GPU, per second of copy device time
     write_back_gb_s: float | None = None
+    kernel_compiles: int = 0  # Triton builds inside the measured run (0 when warm-up covered it)
+    compile_s: float = 0.0
+    alloc_retries: int = 0  # CUDA caching-allocator retries (each frees cached blocks: a device sync)
 
     @property
     def output_tok_s(self) -> float:
@@ -223,8 +229,17 @@ def run_one(args: argparse.Namespace) -> PrefixRow:
                                   "n": min(args.n, 2)})
     drive(engine, make_workload(small, vocab, seed=1_000 + args.seed), "warm")  # compile kernels
     engine.reset_prefix_cache()
+    for i in range(args.warm_passes):  # the whole workload: whatever the small one did not compile
+        drive(engine, make_workload(args, vocab, args.seed), f"pass{i}")
+        engine.reset_prefix_cache()
+    retries = _alloc_retries(engine.device)
     s0, first = engine.stats(), len(engine.timeline.records)
-    inputs, outputs, wall, ttft = drive(engine, make_workload(args, vocab, args.seed), "run")
+    window = (step_window(engine, args.profile_steps[0], args.profile_steps[1]) if args.profile_steps
+              else contextlib.nullcontext([]))
+    with count_compiles() as compiles, window as tables:
+        inputs, outputs, wall, ttft = drive(engine, make_workload(args, vocab, args.seed), "run")
+    for table in tables:
+        print(f"steps {args.profile_steps[0]}..{sum(args.profile_steps)} of the measured run:\n{table}", file=sys.stderr)
     if engine.kv_tier is not None:
         engine.kv_tier.collect()  # drive() synchronized: every copy's time is known
     s1 = engine.stats()
@@ -238,7 +253,12 @@ def run_one(args: argparse.Namespace) -> PrefixRow:
                      summary["steps"], summary["mean_host_ms"], summary.get("gpu_busy_fraction"),
                      delta["cascade_steps"], args.host_kv_cache_gb, delta["host_cache_hit_tokens"] / queried,
                      _gb_s(delta["host_load_bytes"], delta["host_load_seconds"]),
-                     _gb_s(delta["host_write_back_bytes"], delta["host_write_back_seconds"]))
+                     _gb_s(delta["host_write_back_bytes"], delta["host_write_back_seconds"]),
+                     len(compiles.kernels), compiles.seconds, _alloc_retries(engine.device) - retries)
+
+
+def _alloc_retries(device: torch.device) -> int:
+    return torch.cuda.memory_stats(device).get("num_alloc_retries", 0) if device.type == "cuda" else 0
 
 
 def _gb_s(num_bytes: int, seconds: float) -> float | None:
@@ -277,6 +297,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help="concurrency cap (shared KV lets more requests fit: try 512 for shared)")
     ap.add_argument("--max-model-len", type=int)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--warm-passes", type=int, default=0,
+                    help="run the whole workload this many times before the measured run (kernel variants it "
+                         "meets compiled; the row's kernel_compiles shows whether that was needed)")
+    ap.add_argument("--profile-steps", type=int, nargs=2, metavar=("FIRST", "COUNT"),
+                    help="profile COUNT engine steps of the measured run from step FIRST (its timings then include "
+                         "the profiler's); prints the ops by device time to stderr")
     ap.add_argument("--json", help="write the rows here")
     return ap
 
@@ -324,7 +350,7 @@ def _without_compare(argv: list[str]) -> list[str]:
 def format_table(rows: list[dict], compared: str = "cache") -> str:
     cols = ["workload", "cache", "cascade", "host_kv_cache_gb", "requests", "output_tok_s", "ttft_p50_ms",
             "ttft_p99_ms", "hit_rate", "gpu_hit_rate", "host_hit_rate", "load_gb_s", "write_back_gb_s",
-            "host_ms_per_step", "gpu_busy", "cascade_steps", "wall_s"]
+            "host_ms_per_step", "gpu_busy", "cascade_steps", "kernel_compiles", "compile_s", "alloc_retries", "wall_s"]
     lines = [" | ".join(cols)]
     for r in rows:
         lines.append(" | ".join(_fmt(r.get(c)) for c in cols))

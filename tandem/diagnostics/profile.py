@@ -84,6 +84,44 @@ def profile_run(engine, prompts, params, overlap: bool, trace_path: Path) -> dic
     return summary
 
 
+@contextlib.contextmanager
+def step_window(engine, first: int, count: int, rows: int = 25):
+    """Profile engine steps [first, first + count) of the block, kernels included; yields a list
+    that then holds the table of ops by device time (by host time on the CPU). For a steady
+    window inside a long run, where a whole-run profile costs more than the run."""
+    from torch.profiler import ProfilerActivity, profile
+    cuda = engine.device.type == "cuda"
+    prof = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []))
+    step, seen, tables = engine.step, [0], []
+
+    def stop() -> None:
+        if cuda:
+            torch.cuda.synchronize()  # every kernel of the window lands in it
+        prof.stop()
+        tables.append(prof.key_averages().table(sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total",
+                                                row_limit=rows, max_name_column_width=60))
+
+    def stepped(*args, **kwargs):
+        if seen[0] == first:
+            if cuda:
+                torch.cuda.synchronize()
+            prof.start()
+        try:
+            return step(*args, **kwargs)
+        finally:
+            seen[0] += 1
+            if seen[0] == first + count:
+                stop()
+
+    engine.step = stepped  # an instance attribute, removed after
+    try:
+        yield tables
+    finally:
+        del engine.step
+        if first < seen[0] < first + count:
+            stop()  # the block ended inside the window
+
+
 def profile_main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="tandem profile", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -38,7 +38,9 @@ def _split_len(seq_len, num_splits, min_split_tokens, BLOCK_N: tl.constexpr):
     return tl.cdiv(split_len, BLOCK_N) * BLOCK_N
 
 
-@triton.jit
+# The split count and the log-sum-exp strides (which hold it) vary per eager step: not
+# specialized on, so they do not compile a variant each (one kernel for every count).
+@triton.jit(do_not_specialize=["stride_lb", "stride_lh", "num_splits"])
 def _decode_split_kernel(
     Q, K, V, ReqToToken, ReqSlots, SeqLens, StartLens, MidO, MidLse, Out,
     stride_qb, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_r2t,
