@@ -14,15 +14,16 @@ there already) instead of dropping it; the host tier's own eviction drops the co
 copies (a host-only leaf goes, a node in both tiers keeps its GPU copy). A GPU node's parent
 is always on the GPU (the root counts), so a match is a GPU part followed by a host part, which
 the caller loads back (`host_continuation`, `mark_loaded`). LRU order is shared by both tiers
-(one clock).
+(one clock). The host side's moves and books live in a `HostTierMoves` (radix_host_tier) the
+tree holds and calls; the tree keeps the GPU side and the links between nodes.
 """
 from __future__ import annotations
 
 import heapq
 import itertools
-from typing import Callable
+from typing import Callable, Iterator
 
-from tandem.memory.radix_host_tier import HostTierHooks, HostTierOps
+from tandem.memory.radix_host_tier import HostTierHooks, HostTierMoves
 
 _clock = itertools.count()  # access order for LRU; a counter, so ties cannot happen
 
@@ -41,19 +42,23 @@ class Node:
         return self.last_access < other.last_access
 
 
-class RadixCache(HostTierOps):
+class RadixCache:
     def __init__(self, free_slots: Callable[[list[int]], None], host: HostTierHooks | None = None):
         self.free_slots = free_slots  # gives evicted slots back to the KV allocator
-        self.host = host
         self.root = Node([], [], None)
         self.root.lock_ref = 1  # never evicted
         self.evictable_tokens = 0  # GPU tokens in nodes no request references
         self.locked_tokens = 0  # GPU tokens in nodes some request references
-        self.host_tokens = 0  # tokens of host-resident nodes
+        self.host_tier = HostTierMoves(host, self._nodes) if host is not None else None
 
     @property
     def total_tokens(self) -> int:
         return self.evictable_tokens + self.locked_tokens
+
+    @property
+    def host_tokens(self) -> int:
+        """Tokens of host-resident nodes (0 without a host tier)."""
+        return self.host_tier.tokens if self.host_tier is not None else 0
 
     # ---- lookup ----
     def match(self, tokens: list[int]) -> tuple[list[int], Node]:
@@ -123,6 +128,17 @@ class RadixCache(HostTierOps):
         upper.children[child.key[0]] = child
         return upper
 
+    def _promote(self, node: Node, slots: list[int]) -> None:
+        """A host-resident node takes GPU slots that hold its KV (handed over by an inserting
+        request); its host slots go back. Below a host node every node is on the host, so
+        the GPU part stays closed under parents."""
+        self.host_tier.forget(node)
+        node.slots, node.host_slots = slots, None
+        if node.lock_ref:
+            self.locked_tokens += len(node.key)
+        else:
+            self.evictable_tokens += len(node.key)
+
     # ---- references ----
     def lock(self, node: Node) -> None:
         """A request uses the path root..node: none of it may be evicted."""
@@ -143,6 +159,10 @@ class RadixCache(HostTierOps):
             node = node.parent
 
     # ---- eviction ----
+    @staticmethod
+    def _gpu_evictable(node: Node) -> bool:
+        return node.lock_ref == 0 and bool(node.slots) and not any(c.slots for c in node.children.values())
+
     def evict(self, num_tokens: int, to_host: bool = True) -> int:
         """Free at least `num_tokens` GPU slots from unreferenced nodes without GPU children,
         least recently used first (fewer if not that many are evictable). With a host tier
@@ -157,8 +177,8 @@ class RadixCache(HostTierOps):
                 continue  # pushed twice
             gpu_slots, parent = node.slots, node.parent
             self.evictable_tokens -= len(node.key)
-            if to_host and self.host is not None and node.host_slots is None:
-                self._copy_to_host(node)
+            if to_host and self.host_tier is not None and node.host_slots is None:
+                self.host_tier.copy_to_host(node)
             if to_host and node.host_slots is not None:
                 node.slots = []  # it lives on in the host tier
             else:
@@ -168,6 +188,33 @@ class RadixCache(HostTierOps):
             if parent is not self.root and self._gpu_evictable(parent):
                 heapq.heappush(heap, parent)
         return freed
+
+    def _drop_subtree(self, node: Node) -> None:
+        """Unlink `node`; its descendants are host-only (and unreferenced). Every host copy
+        among them goes back. The caller accounts for `node`'s own GPU slots."""
+        del node.parent.children[node.key[0]]
+        stack = [node]
+        while stack:
+            below = stack.pop()
+            stack.extend(below.children.values())
+            if below.host_slots is not None:  # only ever set with a host tier
+                self.host_tier.forget(below)
+
+    def write_ahead(self, num_tokens: int) -> int:
+        """Copy the nodes GPU eviction would take first to the host tier until about
+        `num_tokens` GPU tokens are evictable without a copy (`HostTierMoves.write_ahead`).
+        Returns the tokens queued for copying (0 without a host tier)."""
+        if self.host_tier is None:
+            return 0
+        return self.host_tier.write_ahead([n for n in self._nodes() if self._gpu_evictable(n)], num_tokens)
+
+    def evict_host(self, num_tokens: int, colder_than: int | None = None) -> int:
+        """Drop at least `num_tokens` host copies, least recently used first (only host-only
+        nodes used before `colder_than`, if given: `HostTierMoves.evict`). Returns the host
+        slots freed (0 without a host tier)."""
+        if self.host_tier is None:
+            return 0
+        return self.host_tier.evict(num_tokens, colder_than)
 
     # ---- load-back ----
     def host_continuation(self, node: Node, tokens: list[int], start: int) -> list[Node]:
@@ -199,7 +246,7 @@ class RadixCache(HostTierOps):
         else:
             self.evictable_tokens += len(node.key)
 
-    def _nodes(self):
+    def _nodes(self) -> Iterator[Node]:
         stack = [self.root]
         while stack:
             node = stack.pop()

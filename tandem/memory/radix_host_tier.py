@@ -1,16 +1,18 @@
 """The radix tree's host-tier moves: which copies live where, and which go when room is short.
 
-`RadixCache` inherits these; they change only its own books (`slots`, `host_slots`, the token
-counters) and queue copies through `HostTierHooks`. Node states: GPU only, host only, or both
-(written ahead, or loaded back). A GPU node's parent is on the GPU, so every move keeps that:
-the GPU side shrinks from the leaves (`_gpu_evictable`) and a host node only ever gains a GPU
-copy from its caller's own slots or a load along a match.
+`RadixCache` holds a `HostTierMoves` when it has a host tier and calls it; it owns the host
+side's books (the host slots through `HostTierHooks`, and the count of host-resident tokens)
+and queues copies through the hooks, while the tree keeps its own (`slots`, the GPU token
+counters, the links between nodes). Node states: GPU only, host only, or both (written ahead,
+or loaded back). A GPU node's parent is on the GPU, so every move keeps that: the GPU side
+shrinks from the leaves (the tree picks them: `RadixCache._gpu_evictable`) and a host node
+only ever gains a GPU copy from its caller's own slots or a load along a match.
 """
 from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterable
 
 from tandem.memory.allocator import SlotAllocator
 
@@ -24,84 +26,69 @@ class HostTierHooks:
     write_back: Callable[[list[int], list[int]], None]
 
 
-class HostTierOps:
-    """Mixed into RadixCache (its `host`, counters, `_nodes`, `free_slots`); `node` arguments are
-    radix_cache.Node (not imported here: that module imports this one)."""
+class HostTierMoves:
+    """The host side of one RadixCache. `nodes` walks the tree's nodes (the root left out); the
+    moves change a node's `host_slots` and this side's `tokens`, never its GPU books. Nodes are
+    radix_cache.Node, left unannotated: that module imports this one, and naming it here (even
+    for type checking only) would tie the two in a circle."""
 
-    @staticmethod
-    def _gpu_evictable(node) -> bool:
-        return node.lock_ref == 0 and bool(node.slots) and not any(c.slots for c in node.children.values())
+    def __init__(self, hooks: HostTierHooks, nodes: Callable[[], Iterable]):
+        self.hooks = hooks
+        self.nodes = nodes
+        self.tokens = 0  # tokens of host-resident nodes
 
-    def _promote(self, node, slots: list[int]) -> None:
-        """A host-resident node takes GPU slots that hold its KV (handed over by an inserting
-        request); its host slots go back. Below a host node every node is on the host, so
-        the GPU part stays closed under parents."""
-        self.host.host_slots.free(node.host_slots)
-        self.host_tokens -= len(node.key)
-        node.slots, node.host_slots = slots, None
-        if node.lock_ref:
-            self.locked_tokens += len(node.key)
-        else:
-            self.evictable_tokens += len(node.key)
+    def forget(self, node) -> None:
+        """Give `node`'s host slots back and stop counting them. The caller clears
+        `node.host_slots` or has unlinked the node (then the stale list is never read as live)."""
+        self.hooks.host_slots.free(node.host_slots)
+        self.tokens -= len(node.key)
 
-    def _copy_to_host(self, node, colder_than: int | None = None) -> bool:
+    def copy_to_host(self, node, colder_than: int | None = None) -> bool:
         """Queue a copy of a GPU node's KV to fresh host slots (it is then in both tiers).
         False when the host tier has no room for it (dropping only host copies last used
         before `colder_than`, if given)."""
-        host_slots = self._host_room(len(node.key), colder_than)
+        host_slots = self._room(len(node.key), colder_than)
         if host_slots is None:
             return False
-        self.host.write_back(node.slots, host_slots)
+        self.hooks.write_back(node.slots, host_slots)
         node.host_slots = host_slots
-        self.host_tokens += len(node.key)
+        self.tokens += len(node.key)
         return True
 
-    def _drop_subtree(self, node) -> None:
-        """Unlink `node`; its descendants are host-only (and unreferenced). Every host copy
-        among them goes back. The caller accounts for `node`'s own GPU slots."""
-        del node.parent.children[node.key[0]]
-        stack = [node]
-        while stack:
-            below = stack.pop()
-            stack.extend(below.children.values())
-            if below.host_slots is not None:
-                self.host.host_slots.free(below.host_slots)
-                self.host_tokens -= len(below.key)
-
-    def write_ahead(self, num_tokens: int) -> int:
+    def write_ahead(self, gpu_evictable: list, num_tokens: int) -> int:
         """Make about `num_tokens` GPU tokens evictable without a copy: copy the nodes eviction
-        would take first (unreferenced, no GPU child, least recently used) to the host tier,
-        keeping their GPU copies, until that many have host copies. Takes host room only from
-        colder host-only nodes. Returns the tokens queued for copying."""
-        unreferenced = [n for n in self._nodes() if self._gpu_evictable(n)]
-        ready = sum(len(n.key) for n in unreferenced if n.host_slots is not None)
+        would take first (`gpu_evictable`, the tree's pick: unreferenced, no GPU child; least
+        recently used first) to the host tier, keeping their GPU copies, until that many have
+        host copies. Takes host room only from colder host-only nodes. Returns the tokens
+        queued for copying."""
+        ready = sum(len(n.key) for n in gpu_evictable if n.host_slots is not None)
         queued = 0
-        for node in sorted((n for n in unreferenced if n.host_slots is None), key=lambda n: n.last_access):
-            if ready + queued >= num_tokens or not self._copy_to_host(node, colder_than=node.last_access):
+        for node in sorted((n for n in gpu_evictable if n.host_slots is None), key=lambda n: n.last_access):
+            if ready + queued >= num_tokens or not self.copy_to_host(node, colder_than=node.last_access):
                 break
             queued += len(node.key)
         return queued
 
-    def _host_room(self, n: int, colder_than: int | None = None) -> list[int] | None:
+    def _room(self, n: int, colder_than: int | None = None) -> list[int] | None:
         """n host slots, dropping the coldest host copies for them; None if the host tier
         cannot hold n (too small, or what it holds is in use or not colder than asked)."""
-        pool = self.host.host_slots
+        pool = self.hooks.host_slots
         if n > pool.count:
             return None
         if n > pool.num_free:
-            self.evict_host(n - pool.num_free, colder_than)
+            self.evict(n - pool.num_free, colder_than)
         return pool.alloc(n) if n <= pool.num_free else None
 
-    def evict_host(self, num_tokens: int, colder_than: int | None = None) -> int:
+    def evict(self, num_tokens: int, colder_than: int | None = None) -> int:
         """Drop at least `num_tokens` host copies, least recently used first: a host-only leaf
         leaves the tree, a node in both tiers keeps its GPU copy. With `colder_than` (writing
         ahead), only host-only nodes used before then. Returns how many host slots were freed."""
-        heap = [n for n in self._nodes() if self._host_droppable(n)]
+        heap = [n for n in self.nodes() if self._droppable(n)]
         heapq.heapify(heap)
         freed = 0
         while freed < num_tokens and heap:
             node = heapq.heappop(heap)
-            if not self._host_droppable(node):
+            if not self._droppable(node):
                 continue  # pushed twice
             if colder_than is not None and (node.slots or node.last_access >= colder_than):
                 if node.last_access >= colder_than:
@@ -110,16 +97,15 @@ class HostTierOps:
             parent = node.parent
             if not node.slots:
                 del parent.children[node.key[0]]
-            self.host.host_slots.free(node.host_slots)  # later copies into them: same copy stream
+            self.forget(node)  # later copies into its slots: same copy stream
             node.host_slots = None
-            self.host_tokens -= len(node.key)
             freed += len(node.key)
-            if parent is not self.root and self._host_droppable(parent):
+            if self._droppable(parent):  # the root never has a host copy, so it never qualifies
                 heapq.heappush(heap, parent)
         return freed
 
     @staticmethod
-    def _host_droppable(node) -> bool:
+    def _droppable(node) -> bool:
         if node.host_slots is None:
             return False
         return bool(node.slots) or (node.lock_ref == 0 and not node.children)
