@@ -39,7 +39,7 @@ from tandem.models.decoder import DecoderModel
 from tandem.models.loader import load_model
 from tandem.outputs import CompletionOutput, RequestOutput, StepOutput, TokenLogprob
 from tandem.overlap.future_map import FutureMap
-from tandem.overlap.kv_tier_copy import KVTierCopier, TierCopyStats
+from tandem.overlap.kv_tier_copy import CopyPace, KVTierCopier, TierCopyStats
 from tandem.overlap.results import ResultCopier
 from tandem.overlap.staging import InputStager
 from tandem.overlap.streams import StreamSet
@@ -223,6 +223,8 @@ class Engine:
         self.kv_slots = SlotAllocator(num_tokens)  # slot 0 is the dummy slot
         self.streams = StreamSet.create(self.device)
         self.kv_tier = self._build_host_tier()
+        self.tier_pace = (CopyPace(self.kv_tier.host.token_bytes, most_tokens=cfg.max_prefill_tokens)
+                          if self.kv_tier is not None else None)
         host = (HostTier(self.kv_tier.host.host_slots, self.kv_tier.write_back, self.kv_tier.load,
                          load_tokens_per_step=cfg.max_prefill_tokens) if self.kv_tier is not None else None)
         self.prefix_cache = PrefixCache(self.kv_slots, enabled=cfg.enable_prefix_caching,
@@ -593,13 +595,14 @@ class Engine:
     def _move_between_tiers(self) -> None:
         """The window after a launch: host-tier copies queued now run beside the forward, and
         the next plan (which may need a prefill step's slots) finds them done."""
-        cfg, cache = self.cfg, self.prefix_cache
+        cfg, cache, tier, pace = self.cfg, self.prefix_cache, self.kv_tier, self.tier_pace
+        pace.tick(time.perf_counter())
         next_need = cfg.max_prefill_tokens + len(self.scheduler.running)
         if cfg.experiments.host_kv_prefetch:
             waiting = list(itertools.islice(self.scheduler.waiting, PREFETCH_REQUESTS))
-            cache.prefetch(waiting, keep=next_need, most=cfg.max_prefill_tokens)
+            cache.prefetch(waiting, keep=next_need, most=pace.tokens(tier.bytes_per_s("load")))
         if cfg.experiments.host_kv_write_ahead:
-            cache.write_ahead(next_need)
+            cache.write_ahead(next_need, most=pace.tokens(tier.bytes_per_s("write_back")))
 
     def _count_launched(self, launched: PendingResult) -> None:
         """A step is numbered and recorded once it is fully queued (a step undone before that

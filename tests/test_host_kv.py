@@ -12,7 +12,8 @@ from tandem.memory.allocator import SlotAllocator
 from tandem.memory.host_kv import HostKVPool, contiguous_runs
 from tandem.memory.kv_cache import KVCache
 from tandem.memory.radix_cache import HostTierHooks, RadixCache
-from tandem.overlap.kv_tier_copy import KVTierCopier
+from tandem.memory.prefix_cache import HostTier, PrefixCache
+from tandem.overlap.kv_tier_copy import MAX_PERIOD_S, CopyPace, KVTierCopier
 from tandem.overlap.streams import StreamSet
 from tandem.sampling import SamplingParams
 from tiny_models import TEST_DEVICE
@@ -61,6 +62,45 @@ def test_write_ahead_copies_cold_nodes_and_their_eviction_copies_nothing():
     assert tree.write_ahead(9) == 3  # [30..] takes the room of the coldest host-only node
     assert tree.match_length([10, 11, 12]) == 0 and tree.match_length([20, 21, 22]) == 3
     tree.check({})
+
+
+def test_write_ahead_queues_about_most_tokens_a_call_and_the_rest_later():
+    tree, kv, host, copies = _tiered_tree(host=20)
+    for first in (10, 20, 30, 40):
+        tree.insert([first, first + 1, first + 2], kv.alloc(3))
+    assert tree.write_ahead(12, most=4) == 6  # whole nodes: the second starts below 4
+    assert tree.write_ahead(12, most=2) == 3  # the first node whatever its size: progress
+    assert tree.write_ahead(12, most=100) == 3 and tree.write_ahead(12, most=100) == 0
+    assert [c[0][0] for c in copies] == sorted(c[0][0] for c in copies)  # coldest first
+    tree.check({})
+
+
+def test_a_load_budget_smaller_than_a_host_node_loads_its_head():
+    kv, host_pool, loads = SlotAllocator(100), SlotAllocator(200, first=0), []
+    cache = PrefixCache(kv, host=HostTier(host_pool, write_back=lambda g, h: None,
+                                          load=lambda h, g: loads.append((list(h), list(g)))))
+    tokens = list(range(100, 200))
+    cache.tree.insert(tokens, kv.alloc(100))
+    cache.tree.evict(100)  # all on the host
+    req = type("R", (), {"fill_ids": tokens + [7], "max_cached_prefix": 100})()
+    assert cache.prefetch([req], keep=0, most=70) == 70  # the node's first 70 tokens
+    assert len(cache.tree.match(tokens)[0]) == 70
+    assert cache.prefetch([req], keep=0, most=20) == 0  # a piece under MIN_LOAD_TOKENS waits for more
+    assert cache.prefetch([req], keep=0, most=64) == 30  # the rest, whole
+    assert [len(h) for h, _ in loads] == [70, 30] and loads[0][0] + loads[1][0] == list(range(100))
+    assert len(cache.tree.match(tokens)[0]) == 100
+    cache.tree.check({})
+
+
+def test_copy_pace_budget_is_a_steps_worth_at_the_measured_rate():
+    pace = CopyPace(token_bytes=10, most_tokens=10_000, least_tokens=10, assumed_bytes_per_s=1e6)
+    assert pace.tokens(None) == 10  # no step seen yet
+    for t in (0.0, 0.004, 0.008, 0.020, 0.024, 5.0):  # one stalled step, then an idle gap
+        pace.tick(t)
+    assert sorted(round(p, 6) for p in pace.periods) == [0.004, 0.004, 0.004, 0.012, MAX_PERIOD_S]
+    assert pace.tokens(None) == 400  # the assumed 1 MB/s x the median period (4 ms) / 10 B
+    assert pace.tokens(2.5e6) == 1000  # a measured rate wins
+    assert pace.tokens(5e9) == 10_000 and pace.tokens(1e3) == 10  # clamped both ways
 
 
 def test_host_tier_drops_its_coldest_leaves_and_too_big_nodes_are_dropped():
@@ -179,7 +219,7 @@ def test_small_pool_with_host_tier_equals_unbounded_pool(tiny_text_model, overla
     prefetched, prefetch = [], engine.prefix_cache.prefetch
     engine.prefix_cache.prefetch = lambda *a, **k: prefetched.append(prefetch(*a, **k)) or prefetched[-1]
     written_ahead, write_ahead = [], engine.prefix_cache.write_ahead
-    engine.prefix_cache.write_ahead = lambda *a: written_ahead.append(write_ahead(*a)) or written_ahead[-1]
+    engine.prefix_cache.write_ahead = lambda *a, **k: written_ahead.append(write_ahead(*a, **k)) or written_ahead[-1]
     got = run_chats(engine, rounds)
     assert (sum(prefetched) > 0 and sum(written_ahead) > 0) == ahead, (prefetched, written_ahead)
     assert got == want

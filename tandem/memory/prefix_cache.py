@@ -30,6 +30,9 @@ from tandem.memory.radix_cache import HostTierHooks, Node, RadixCache
 from tandem.request import Request
 
 
+MIN_LOAD_TOKENS = 64  # a smaller piece of a host node waits for a larger budget
+
+
 @dataclass
 class HostTier:
     """The host tier as the prefix cache sees it: host slots and the two copy directions."""
@@ -73,14 +76,16 @@ class PrefixCache:
         if self.host is not None:
             self._load_tokens_left = self.host.load_tokens_per_step
 
-    def write_ahead(self, next_need: int) -> int:
+    def write_ahead(self, next_need: int, most: int | None = None) -> int:
         """In the processing window: when the next plan may need `next_need` slots and fewer are
         free, copy cold cached prefixes to the host tier ahead of that pressure (their GPU
-        copies stay), so the plan's evictions copy nothing and its forward waits for nothing."""
+        copies stay), so the plan's evictions copy nothing and its forward waits for nothing.
+        At most about `most` tokens a call (whole nodes; the first one whatever its size):
+        the rest in later windows (`CopyPace`)."""
         short = next_need - self.kv_slots.num_free
         if self.host is None or short <= 0:
             return 0
-        return self.tree.write_ahead(short)
+        return self.tree.write_ahead(short, most)
 
     # ---- a request's prefix ----
     def match_length(self, req: Request) -> int:
@@ -155,12 +160,15 @@ class PrefixCache:
             queued += len(loaded)
         return queued
 
-    @staticmethod
-    def _fitting(path: list[Node], room: int) -> list[Node]:
-        """The leading nodes of `path` whose tokens fit in `room`."""
+    def _fitting(self, path: list[Node], room: int) -> list[Node]:
+        """The leading nodes of `path` whose tokens fit in `room`; a node that does not fit
+        is split and its head taken if that is at least MIN_LOAD_TOKENS (a history's node is
+        often larger than a window's budget: it then loads over several windows)."""
         take, total = [], 0
         for node in path:
             if total + len(node.key) > room:
+                if room - total >= MIN_LOAD_TOKENS:
+                    take.append(self.tree.split(node, room - total))
                 break
             take.append(node)
             total += len(node.key)

@@ -117,6 +117,12 @@ class RadixCache:
             node, i = child, i + n
         return (i if present is None else present), node
 
+    def split(self, node: Node, n: int) -> Node:
+        """Cut a host-resident node after its first n tokens (0 < n < its length); returns the
+        head, which a load can take alone."""
+        assert not node.slots and 0 < n < len(node.key)
+        return self._split(node, n)
+
     def _split(self, child: Node, n: int) -> Node:
         """Cut `child`'s edge after n tokens; returns the new upper node (same locks)."""
         upper = Node(child.key[:n], child.slots[:n], child.parent)
@@ -200,13 +206,13 @@ class RadixCache:
             if below.host_slots is not None:  # only ever set with a host tier
                 self.host_tier.forget(below)
 
-    def write_ahead(self, num_tokens: int) -> int:
+    def write_ahead(self, num_tokens: int, most: int | None = None) -> int:
         """Copy the nodes GPU eviction would take first to the host tier until about
-        `num_tokens` GPU tokens are evictable without a copy (`HostTierMoves.write_ahead`).
-        Returns the tokens queued for copying (0 without a host tier)."""
+        `num_tokens` GPU tokens are evictable without a copy, queueing about `most` at most
+        (`HostTierMoves.write_ahead`). Returns the tokens queued (0 without a host tier)."""
         if self.host_tier is None:
             return 0
-        return self.host_tier.write_ahead([n for n in self._nodes() if self._gpu_evictable(n)], num_tokens)
+        return self.host_tier.write_ahead([n for n in self._nodes() if self._gpu_evictable(n)], num_tokens, most)
 
     def evict_host(self, num_tokens: int, colder_than: int | None = None) -> int:
         """Drop at least `num_tokens` host copies, least recently used first (only host-only

@@ -21,6 +21,8 @@ On the CPU the stream and events are no-ops and every copy completes in order.
 """
 from __future__ import annotations
 
+import statistics
+from collections import deque
 from dataclasses import dataclass, field
 from time import perf_counter
 
@@ -38,6 +40,7 @@ class _InFlight:
     kind: str  # "load" or "write_back"
     start: object
     end: object
+    num_bytes: int = 0
     keep_alive: list = field(default_factory=list)  # pinned indices, device staging
     host_seconds: float = 0.0  # CPU: the copy ran synchronously in this long
 
@@ -52,6 +55,42 @@ class TierCopyStats:
     write_back_seconds: float = 0.0
 
 
+PACE_PERIODS = 9  # the step period is the median of this many: one stalled step does not move it
+MAX_PERIOD_S = 0.05  # an idle engine's gap between steps is not a step's length
+MEASURED_BYTES = 256 << 20  # below this a direction's timed copies are too few for a rate
+
+
+@dataclass
+class CopyPace:
+    """Tokens one processing window may queue per direction (prefetch loads, write-ahead):
+    what the copy stream moves while one step runs, the direction's measured bandwidth times
+    the step period. The next forward waits on the device for every copy queued before it
+    (`KVTierCopier.fence`), so a window queueing more than a step's worth makes it wait: on
+    the H200 (911a469) windows queued up to a prefill step's tokens each way, ~0.9 GB, ~23 ms
+    beside ~6 ms steps, and GPU busy fell from 0.95 to 0.83 with the tier."""
+
+    token_bytes: int
+    most_tokens: int  # a prefill step's
+    least_tokens: int = 256  # progress even while the estimate is tiny
+    assumed_bytes_per_s: float = 20e9  # until a direction has MEASURED_BYTES timed
+    periods: deque = field(default_factory=lambda: deque(maxlen=PACE_PERIODS))
+    last_window: float | None = None
+
+    def tick(self, now: float) -> None:
+        """A processing window begins (once a step): the gap since the last is a step period."""
+        if self.last_window is not None:
+            self.periods.append(min(now - self.last_window, MAX_PERIOD_S))
+        self.last_window = now
+
+    def tokens(self, bytes_per_s: float | None) -> int:
+        """This window's budget for a direction copying at `bytes_per_s` (None: not measured)."""
+        if not self.periods:
+            return self.least_tokens
+        rate = bytes_per_s or self.assumed_bytes_per_s
+        budget = int(rate * statistics.median(self.periods) / self.token_bytes)
+        return max(self.least_tokens, min(self.most_tokens, budget))
+
+
 class KVTierCopier:
     def __init__(self, kv: KVCache, host: HostKVPool, streams: StreamSet):
         self.kv, self.host, self.streams = kv, host, streams
@@ -61,6 +100,7 @@ class KVTierCopier:
         self._in_flight: list[_InFlight] = []
         self._unfenced: list[tuple[str, list[int], list[int]]] = []  # (kind, gpu, host) since the last fence
         self.fenced_tokens = (0, 0)  # (loaded, written back) behind the last fence: the timeline's
+        self._timed = {"load": [0, 0.0], "write_back": [0, 0.0]}  # completed bytes, copy seconds (CopyPace)
 
     # ---- the two directions ----
     def write_back(self, gpu_slots: list[int], host_slots: list[int]) -> None:
@@ -79,7 +119,8 @@ class KVTierCopier:
 
     def _copy(self, kind: str, gpu_slots: list[int], host_slots: list[int]) -> None:
         assert len(gpu_slots) == len(host_slots)
-        record = _InFlight(kind, self.streams.event(timing=True), self.streams.event(timing=True))
+        record = _InFlight(kind, self.streams.event(timing=True), self.streams.event(timing=True),
+                           len(gpu_slots) * self.host.token_bytes)
         t0 = perf_counter()
         with self.streams.use(self.stream):
             record.start.record(self.stream)
@@ -153,7 +194,15 @@ class KVTierCopier:
                 self.stats.load_seconds += seconds
             else:
                 self.stats.write_back_seconds += seconds
+            timed = self._timed[record.kind]
+            timed[0], timed[1] = timed[0] + record.num_bytes, timed[1] + seconds
         self._in_flight = still
+
+    def bytes_per_s(self, kind: str) -> float | None:
+        """The rate completed copies of `kind` ("load", "write_back") achieved on the copy
+        stream; None until MEASURED_BYTES were timed."""
+        num_bytes, seconds = self._timed[kind]
+        return num_bytes / seconds if num_bytes >= MEASURED_BYTES and seconds > 0 else None
 
     def reset_stats(self) -> None:
         """Start the figures from zero (after the warm-up; waits for the copy stream: start-up
