@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tandem.cascade_layout import CascadeInputs, max_group_rows, split_prefixes
+from tandem.cascade_layout import MAX_PARTS, CascadeInputs, max_group_rows, split_prefixes
 from tandem.kernels.cascade_attention import cascade_attention, shared_prefix_partials
 from tandem.kernels.decode_attention import _num_sms, decode_attention
 
@@ -55,7 +55,7 @@ def build(case: Case, dtype: torch.dtype, device: torch.device) -> dict:
         shared_lens=ints([case.shared] * batch), shared_parts=ints([parts[b // case.rows] for b in range(batch)]),
         shared_src=ints([1 + (b // case.rows) * case.rows for b in range(batch)]).long(),
         group_rows=ints(list(range(batch))), group_indptr=ints(list(range(0, batch + 1, case.rows))),
-        work=ints(work), max_group_size=case.rows, max_parts=max(parts))
+        work=ints(work), max_group_size=max_group_rows(num_heads, num_kv_heads), max_parts=MAX_PARTS)  # the engine's bounds
     return dict(q=torch.randn(batch, num_heads, head_dim, device=device).to(dtype), k=k, v=v, table=table,
                 req_slots=torch.arange(1, batch + 1, device=device),
                 seq_lens=ints([case.shared + case.suffix] * batch), layout=layout)

@@ -167,12 +167,13 @@ def _read_path(req) -> list[tuple[int, int]]:
 def staged_inputs(fields: dict[str, list[int]], dev: dict[str, torch.Tensor],
                   rule: CascadeRule) -> CascadeInputs | None:
     """The eager forward's view of a plan staged with the step's metadata; None: it has none.
-    The M tile is the rule's bound, as in graphs: one kernel specialization, compiled at
-    warm-up, not one per group size met while serving."""
+    The M tile and the merge width are the bounds graphs use: one kernel specialization,
+    compiled at warm-up, and mid buffers whose size depends on the batch alone, so each
+    layer's allocation reuses the block the previous one freed (this step's own work items
+    gave a new size, and new strides, nearly every step)."""
     if FIELDS[0] not in fields:
         return None
-    return CascadeInputs(*(dev[name] for name in FIELDS), max_group_size=rule.max_group_rows,
-                         max_parts=max(fields["cascade_shared_parts"]))
+    return CascadeInputs(*(dev[name] for name in FIELDS), max_group_size=rule.max_group_rows, max_parts=MAX_PARTS)
 
 
 def graph_inputs(views: dict[str, torch.Tensor], rule: CascadeRule) -> CascadeInputs:
