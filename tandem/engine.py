@@ -735,8 +735,7 @@ class Engine:
             lp = None
             if logprobs is not None and req.params.logprobs is not None:
                 n = req.params.logprobs
-                lp = TokenLogprob(tokens[i], logprobs[i], list(zip(top_ids[i][:n], top_lps[i][:n]))
-                                  if n and top_ids is not None else [])
+                lp = TokenLogprob(tokens[i], logprobs[i], _top_pairs(top_ids, top_lps, i, n))
             if req.spec_pause:
                 note_plain(req)
             out = self._append_token_or_fail(req, tokens[i], lp)
@@ -763,7 +762,7 @@ class Engine:
             assert len(req.prompt_logprobs) == a, "prompt logprobs out of order"
             k = req.params.prompt_logprobs
             for j, q in enumerate(range(first, at)):
-                top = list(zip(top_ids[q][:k], top_lps[q][:k])) if k else []
+                top = _top_pairs(top_ids, top_lps, q, k)
                 req.prompt_logprobs.append(TokenLogprob(req.prompt_token_ids[a + j + 1], logprobs[q], top, ranks[q]))
 
     @staticmethod
@@ -800,8 +799,7 @@ class Engine:
                 lp = None
                 if logprobs is not None and req.params.logprobs is not None:
                     n, q = req.params.logprobs, token_index + m
-                    lp = TokenLogprob(token, logprobs[q], list(zip(top_ids[q][:n], top_lps[q][:n]))
-                                      if n and top_ids is not None else [])
+                    lp = TokenLogprob(token, logprobs[q], _top_pairs(top_ids, top_lps, q, n))
                 outs.append(self._append_token_or_fail(req, token, lp))
                 if req.finished:
                     break
@@ -915,6 +913,16 @@ def _return_pinned_memory() -> None:
     empty = getattr(torch.accelerator, "empty_host_cache", None) or getattr(torch._C, "_host_emptyCache", None)
     if empty is not None:
         empty()
+
+
+def _top_pairs(top_ids: list[list[int]] | None, top_lps: list[list[float]] | None, row: int,
+               n: int) -> list[tuple[int, float]]:
+    """Row `row`'s first `n` top logprobs as (token id, logprob) pairs, best first: a
+    `TokenLogprob.top`. Empty when `n` is 0 or the step computed no top logprobs
+    (`top_ids` None: no request in it asked for any)."""
+    if not n or top_ids is None:
+        return []
+    return list(zip(top_ids[row][:n], top_lps[row][:n]))
 
 
 def _merged(outs: list[StepOutput]) -> StepOutput:
