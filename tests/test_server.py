@@ -39,18 +39,37 @@ def running_server(model: Path, log: Path, *extra: str, tmpdir: Path | None = No
         yield srv.url, srv.proc
 
 
+@contextmanager
+def cleanly_exiting_server(model: Path, log: Path, *extra: str):
+    """`running_server` that must also shut down cleanly: after the block, its exit status is
+    0 (the server's log is the failure message otherwise). Yields (url, process)."""
+    with running_server(model, log, *extra) as (url, proc):
+        yield url, proc
+    assert proc.returncode == 0, log.read_text()
+
+
+def openai_client(url: str, **options) -> openai.OpenAI:
+    """The `openai` SDK's client of the server at `url`: no API key, no retries (a failure
+    shows at once); `options` override these or add others."""
+    return openai.OpenAI(base_url=url + "/v1", **{"api_key": "none", "max_retries": 0, **options})
+
+
+def async_openai_client(url: str, **options) -> openai.AsyncOpenAI:
+    """`openai_client`'s asynchronous twin."""
+    return openai.AsyncOpenAI(base_url=url + "/v1", **{"api_key": "none", "max_retries": 0, **options})
+
+
 @pytest.fixture(scope="module")
 def server(tiny_text_model, tmp_path_factory):
     log = tmp_path_factory.mktemp("server") / "server.log"
-    with running_server(tiny_text_model, log, "--max-running-requests", "64",
-                        "--max-request-bytes", str(MAX_BODY)) as (url, proc):
+    with cleanly_exiting_server(tiny_text_model, log, "--max-running-requests", "64",
+                                "--max-request-bytes", str(MAX_BODY)) as (url, _):
         yield url
-    assert proc.returncode == 0, log.read_text()
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server + "/v1", api_key="none", max_retries=0)
+    return openai_client(server)
 
 
 def _metrics(url: str) -> dict[str, float]:
@@ -242,8 +261,8 @@ def test_errors_through_openai_client_and_still_serving(client):
 
 async def _disconnecting_clients(url: str, expected: dict[str, str]) -> tuple[int, list[str]]:
     """64 clients: a third leave early (streams after two chunks; non-streamed by timeout)."""
-    fast = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
-    impatient = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=0.5)
+    fast = async_openai_client(url)
+    impatient = async_openai_client(url, timeout=0.5)
     prompts = list(expected)
 
     async def one(i: int) -> str | None:
@@ -346,7 +365,7 @@ def test_api_key_queue_full_and_engine_death(tiny_text_model, tmp_path):
                        headers={"Authorization": "Bearer sekret"})
         assert r.status_code == 400 and r.json()["error"]["param"] == "temprature", r.text
         with pytest.raises(openai.AuthenticationError):
-            openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0).models.list()
+            openai_client(url, api_key="wrong").models.list()
         assert httpx.get(url + "/health").status_code == 200  # probes need no key
         for path in ("/docs", "/openapi.json", "/server_info"):
             assert httpx.get(url + path).status_code == 401
@@ -368,7 +387,7 @@ def test_api_key_queue_full_and_engine_death(tiny_text_model, tmp_path):
 
 
 async def _queue_full_then_engine_killed(url: str, engine_pid: int) -> None:
-    c = openai.AsyncOpenAI(base_url=url + "/v1", api_key="sekret", max_retries=0)
+    c = async_openai_client(url, api_key="sekret")
     long = dict(model="llama", prompt="hi", max_tokens=120, stream=True, **GREEDY)
     running = await c.completions.create(**long)
     await running.__anext__()  # it holds the only running slot
@@ -389,12 +408,12 @@ def test_restart_engine_replaces_a_dead_engine(tiny_text_model, tmp_path):
     process serves the same requests afterwards (same greedy output), metrics say so."""
     log = tmp_path / "server.log"
     with running_server(tiny_text_model, log, "--restart-engine") as (url, proc):
-        c = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        c = openai_client(url)
         before = c.completions.create(model="llama", prompt="hi", max_tokens=8, **GREEDY).choices[0].text
         first_pid = httpx.get(url + "/health").json()["engine_pid"]
 
         async def killed_mid_stream():
-            ac = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+            ac = async_openai_client(url)
             stream = await ac.completions.create(model="llama", prompt="hi", max_tokens=120, stream=True, **GREEDY)
             await stream.__anext__()
             os.kill(first_pid, signal.SIGKILL)
@@ -481,7 +500,7 @@ def test_sigterm_drains_in_flight_streams_then_exits_cleanly(tiny_text_model, tm
 
 
 async def _drain_scenario(url: str, proc) -> tuple[int, int, bool, list[float]]:
-    c = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+    c = async_openai_client(url)
     short = await c.completions.create(model="llama", prompt="hi", max_tokens=20, stream=True, **GREEDY)
     await short.__anext__()  # running: it holds the only running slot
     queued = [await c.completions.create(model="llama", prompt="hi", max_tokens=480, stream=True, **GREEDY)

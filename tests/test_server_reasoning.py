@@ -11,13 +11,12 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
-import openai
 import pytest
 import torch
 import transformers
 
 from tandem.server.reasoning import PARSERS, reasoning_parser, thinking_requested
-from test_server import running_server
+from test_server import cleanly_exiting_server, openai_client
 
 R1, QWEN3 = PARSERS["deepseek_r1"], PARSERS["qwen3"]
 TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -182,9 +181,8 @@ def thinking_model(builtin_tokenizer, tmp_path_factory):
 @pytest.fixture(scope="module")
 def client(thinking_model, tmp_path_factory):
     log = tmp_path_factory.mktemp("server_reasoning") / "server.log"
-    with running_server(thinking_model, log, "--reasoning-parser", "deepseek_r1") as (url, proc):
-        yield openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
-    assert proc.returncode == 0, log.read_text()
+    with cleanly_exiting_server(thinking_model, log, "--reasoning-parser", "deepseek_r1") as (url, _):
+        yield openai_client(url)
 
 
 def _chat(client, **kw):

@@ -16,7 +16,7 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from test_server import running_server
+from test_server import async_openai_client, cleanly_exiting_server, openai_client
 
 pytest.importorskip("xgrammar")
 
@@ -41,15 +41,14 @@ class Answer(BaseModel):
 @pytest.fixture(scope="module")
 def served(tiny_text_model, tmp_path_factory):
     log = tmp_path_factory.mktemp("server_responses") / "server.log"
-    with running_server(tiny_text_model, log, "--max-running-requests", "8", "--max-model-len", "256",
-                        "--max-stored-responses", str(STORED)) as (url, proc):
+    with cleanly_exiting_server(tiny_text_model, log, "--max-running-requests", "8", "--max-model-len", "256",
+                                "--max-stored-responses", str(STORED)) as (url, _):
         yield url
-    assert proc.returncode == 0, log.read_text()
 
 
 @pytest.fixture(scope="module")
 def client(served):
-    return openai.OpenAI(base_url=served + "/v1", api_key="none", max_retries=0)
+    return openai_client(served)
 
 
 def _text(response) -> str:
@@ -295,7 +294,7 @@ def _weather_agent(model, output_type=None):
 
 def _run_config(served, use_responses: bool):
     agents = pytest.importorskip("agents")
-    client = openai.AsyncOpenAI(base_url=served + "/v1", api_key="none", max_retries=0)
+    client = async_openai_client(served)
     return agents.RunConfig(model_provider=agents.OpenAIProvider(openai_client=client, use_responses=use_responses),
                             tracing_disabled=True)
 

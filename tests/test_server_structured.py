@@ -9,7 +9,7 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from test_server import running_server
+from test_server import cleanly_exiting_server, openai_client
 
 pytest.importorskip("xgrammar")
 
@@ -36,14 +36,14 @@ class Person(BaseModel):
 @pytest.fixture(scope="module")
 def served(tiny_text_model, tmp_path_factory):
     log = tmp_path_factory.mktemp("server_structured") / "server.log"
-    with running_server(tiny_text_model, log, "--max-running-requests", "16", "--max-model-len", "256") as (url, proc):
+    with cleanly_exiting_server(tiny_text_model, log, "--max-running-requests", "16",
+                                "--max-model-len", "256") as (url, proc):
         yield url, proc
-    assert proc.returncode == 0, log.read_text()
 
 
 @pytest.fixture(scope="module")
 def client(served):
-    return openai.OpenAI(base_url=served[0] + "/v1", api_key="none", max_retries=0)
+    return openai_client(served[0])
 
 
 @pytest.fixture(scope="module")

@@ -5,12 +5,11 @@ replies are cut mid-list."""
 import json
 
 import jsonschema
-import openai
 import pytest
 
 from tandem.server.openai_schemas import Tool
 from tandem.server.structured import ToolCalls, ToolMode, complete_array_items
-from test_server import running_server
+from test_server import cleanly_exiting_server, openai_client
 
 pytest.importorskip("xgrammar")
 
@@ -93,9 +92,8 @@ def test_the_required_grammar_may_end_the_array_after_any_call(parallel, two_ok)
 @pytest.fixture(scope="module")
 def client(tiny_text_model, tmp_path_factory):
     log = tmp_path_factory.mktemp("server_tool_length") / "server.log"
-    with running_server(tiny_text_model, log, "--max-model-len", "256") as (url, proc):
-        yield openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
-    assert proc.returncode == 0, log.read_text()
+    with cleanly_exiting_server(tiny_text_model, log, "--max-model-len", "256") as (url, _):
+        yield openai_client(url)
 
 
 def _ask(client, **kw):

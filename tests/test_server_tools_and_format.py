@@ -8,7 +8,7 @@ import jsonschema
 import openai
 import pytest
 
-from test_server import running_server
+from test_server import cleanly_exiting_server, openai_client
 
 pytest.importorskip("xgrammar")
 
@@ -35,10 +35,9 @@ def client(tiny_text_model, builtin_tokenizer, tmp_path_factory):
         builtin_tokenizer.save_pretrained(tokenizer)
     finally:
         builtin_tokenizer.chat_template = original
-    with running_server(tiny_text_model, folder / "server.log", "--tokenizer", str(tokenizer),
-                        "--max-model-len", "256") as (url, proc):
-        yield openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
-    assert proc.returncode == 0, (folder / "server.log").read_text()
+    with cleanly_exiting_server(tiny_text_model, folder / "server.log", "--tokenizer", str(tokenizer),
+                                "--max-model-len", "256") as (url, _):
+        yield openai_client(url)
 
 
 def _is_call(message) -> bool:
