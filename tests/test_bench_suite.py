@@ -165,3 +165,12 @@ def test_a_run_that_leaves_a_process_behind_has_it_killed(tmp_path):
         time.sleep(0.1)
     else:
         raise AssertionError(f"process {pid} still running")
+
+
+def test_other_benchmarks_records_in_the_history_are_skipped(tmp_path):
+    from tandem.bench.suite_record import SCHEMA, previous_record
+    (tmp_path / "2026-12-02T0515Z-abc-host-tier.json").write_text(json.dumps([{"workload": "multiturn"}]))
+    (tmp_path / "2026-12-02T0305Z-abc-spec.json").write_text(json.dumps({"rows": []}))
+    suite_rec = tmp_path / "2026-12-01T0000Z-abc.json"
+    suite_rec.write_text(json.dumps({"schema": SCHEMA, "device": "H200", "preset": "full", "date": "2026-12-01"}))
+    assert previous_record(tmp_path, "H200", "full") == suite_rec

@@ -103,6 +103,8 @@ def previous_record(history: Path, device: str, preset: str, exclude: Path | Non
             rec = json.loads(path.read_text())
         except (OSError, ValueError):
             continue
+        if not isinstance(rec, dict):  # other benchmarks' records share the folder (row lists)
+            continue
         if rec.get("schema") != SCHEMA or rec.get("device") != device or rec.get("preset") != preset:
             continue
         if best is None or rec.get("date", "") > best[0]:
