@@ -15,6 +15,7 @@ from tandem.memory.radix_cache import HostTierHooks, RadixCache
 from tandem.memory.prefix_cache import HostTier, PrefixCache
 from tandem.overlap.kv_tier_copy import MAX_PERIOD_S, CopyPace, KVTierCopier
 from tandem.overlap.streams import StreamSet
+from tandem.request import Request
 from tandem.sampling import SamplingParams
 from tiny_models import TEST_DEVICE
 from workload import Spec, assert_kv_conserved, run_workload
@@ -90,6 +91,30 @@ def test_a_load_budget_smaller_than_a_host_node_loads_its_head():
     assert [len(h) for h, _ in loads] == [70, 30] and loads[0][0] + loads[1][0] == list(range(100))
     assert len(cache.tree.match(tokens)[0]) == 100
     cache.tree.check({})
+
+
+def test_prefetch_takes_free_slots_only_and_counts_a_host_hit_at_first_admission():
+    kv, host_pool, loads = SlotAllocator(400), SlotAllocator(400, first=0), []
+    cache = PrefixCache(kv, host=HostTier(host_pool, write_back=lambda g, h: None,
+                                          load=lambda h, g: loads.append(len(g))))
+    tokens, cold = list(range(1000, 1200)), list(range(2000, 2100))
+    cache.tree.insert(tokens, kv.alloc(200))
+    cache.tree.evict(200)  # all on the host
+    cache.tree.insert(cold, kv.alloc(100))  # a cached prefix on the GPU, evictable
+    others = kv.alloc(200)  # running requests hold the rest but 100 slots
+    waiting = type("R", (), {"fill_ids": tokens + [7], "max_cached_prefix": 200})()
+    assert cache.prefetch([waiting], keep=20, most=1000) == 80 and kv.num_free == 20
+    assert len(cache.tree.match(cold)[0]) == 100  # nothing evicted for a request not admitted yet
+    assert cache.host_hit_tokens == 0  # a prefetch is not a hit until a request reads it
+    kv.free(others)
+    req = Request("r", tokens + [7], SamplingParams(max_tokens=1), seed=0, max_samples=1)
+    cache.new_step()
+    assert cache.admit(req) == 200 and loads == [80, 120] and cache.host_hit_tokens == 200
+    cache.release(req)
+    again = Request("s", tokens + [9], SamplingParams(max_tokens=1), seed=0, max_samples=1)
+    assert cache.admit(again) == 200 and cache.host_hit_tokens == 200  # a GPU hit now
+    cache.release(again)
+    cache.check([])
 
 
 def test_copy_pace_budget_is_a_steps_worth_at_the_measured_rate():
@@ -221,14 +246,16 @@ def test_small_pool_with_host_tier_equals_unbounded_pool(tiny_text_model, overla
     written_ahead, write_ahead = [], engine.prefix_cache.write_ahead
     engine.prefix_cache.write_ahead = lambda *a, **k: written_ahead.append(write_ahead(*a, **k)) or written_ahead[-1]
     got = run_chats(engine, rounds)
-    assert (sum(prefetched) > 0 and sum(written_ahead) > 0) == ahead, (prefetched, written_ahead)
+    # Prefetch takes free slots only: in a pool this full it rarely finds any (its unit test
+    # above shows it loading); write-ahead runs whenever the next plan may be short.
+    assert (sum(written_ahead) > 0) == ahead and (ahead or sum(prefetched) == 0), (prefetched, written_ahead)
     assert got == want
     s = engine.stats()
     assert s["host_cache_hit_tokens"] > (500 if host_tokens > 1000 else 100), s  # histories came back
     records = engine.timeline.records
-    assert sum(r.host_load_tokens for r in records) == s["host_cache_hit_tokens"]
-    assert s["host_write_back_bytes"] > 0 and s["host_load_bytes"] == s["host_cache_hit_tokens"] * \
-        engine.kv_tier.host.token_bytes
+    loaded = sum(r.host_load_tokens for r in records)  # a prefetch may go unused: loads >= hits
+    assert loaded >= s["host_cache_hit_tokens"] and s["host_load_bytes"] == loaded * engine.kv_tier.host.token_bytes
+    assert s["host_write_back_bytes"] > 0
     assert s["num_preemptions"] > 0, "the pool must be small enough to preempt"
     assert_kv_conserved(engine)
     host = engine.kv_tier.host.host_slots

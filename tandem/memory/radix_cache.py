@@ -29,7 +29,7 @@ _clock = itertools.count()  # access order for LRU; a counter, so ties cannot ha
 
 
 class Node:
-    __slots__ = ("key", "slots", "host_slots", "children", "parent", "lock_ref", "last_access")
+    __slots__ = ("key", "slots", "host_slots", "children", "parent", "lock_ref", "last_access", "loaded")
 
     def __init__(self, key: list[int], slots: list[int], parent: "Node | None"):
         self.key, self.slots, self.parent = key, slots, parent
@@ -37,6 +37,7 @@ class Node:
         self.children: dict[int, Node] = {}  # by first token of the child's key
         self.lock_ref = 0
         self.last_access = next(_clock)
+        self.loaded = False  # loaded back from the host and not yet read by an admission (a host hit then)
 
     def __lt__(self, other: "Node") -> bool:  # heap order: least recently used first
         return self.last_access < other.last_access
@@ -126,7 +127,7 @@ class RadixCache:
     def _split(self, child: Node, n: int) -> Node:
         """Cut `child`'s edge after n tokens; returns the new upper node (same locks)."""
         upper = Node(child.key[:n], child.slots[:n], child.parent)
-        upper.lock_ref, upper.last_access = child.lock_ref, child.last_access
+        upper.lock_ref, upper.last_access, upper.loaded = child.lock_ref, child.last_access, child.loaded
         if child.host_slots is not None:
             upper.host_slots, child.host_slots = child.host_slots[:n], child.host_slots[n:]
         child.parent.children[upper.key[0]] = upper
@@ -246,11 +247,22 @@ class RadixCache:
         tiers from now on (readers wait for the copy on the device; evicting it again needs
         no copy)."""
         assert node.host_slots is not None and not node.slots and len(gpu_slots) == len(node.key)
-        node.slots = gpu_slots
+        node.slots, node.loaded = gpu_slots, True
         if node.lock_ref:
             self.locked_tokens += len(node.key)
         else:
             self.evictable_tokens += len(node.key)
+
+    def take_loaded(self, node: Node) -> int:
+        """Tokens on the path root..node loaded back from the host and read for the first time
+        now (a host hit); they count once."""
+        tokens = 0
+        while node is not self.root:
+            if node.loaded:
+                tokens += len(node.key)
+                node.loaded = False
+            node = node.parent
+        return tokens
 
     def _nodes(self) -> Iterator[Node]:
         stack = [self.root]
