@@ -143,6 +143,7 @@ class PrefixRow:
     kernel_compiles: int = 0  # Triton builds inside the measured run (0 when warm-up covered it)
     compile_s: float = 0.0
     alloc_retries: int = 0  # CUDA caching-allocator retries (each frees cached blocks: a device sync)
+    preemptions: int = 0  # the pool could not hold the running requests (their KV was dropped)
 
     @property
     def output_tok_s(self) -> float:
@@ -245,7 +246,7 @@ def run_one(args: argparse.Namespace) -> PrefixRow:
     s1 = engine.stats()
     delta = {k: s1[k] - s0[k] for k in ("prefix_cache_queried_tokens", "prefix_cache_hit_tokens", "cascade_steps",
                                         "host_cache_hit_tokens", "host_load_bytes", "host_load_seconds",
-                                        "host_write_back_bytes", "host_write_back_seconds")}
+                                        "host_write_back_bytes", "host_write_back_seconds", "num_preemptions")}
     queried = max(delta["prefix_cache_queried_tokens"], 1)
     summary = engine.timeline.summary(skip=first)
     return PrefixRow(args.workload, args.cache == "on", args.cascade, len(ttft), inputs, outputs, wall,
@@ -254,7 +255,8 @@ def run_one(args: argparse.Namespace) -> PrefixRow:
                      delta["cascade_steps"], args.host_kv_cache_gb, delta["host_cache_hit_tokens"] / queried,
                      _gb_s(delta["host_load_bytes"], delta["host_load_seconds"]),
                      _gb_s(delta["host_write_back_bytes"], delta["host_write_back_seconds"]),
-                     len(compiles.kernels), compiles.seconds, _alloc_retries(engine.device) - retries)
+                     len(compiles.kernels), compiles.seconds, _alloc_retries(engine.device) - retries,
+                     delta["num_preemptions"])
 
 
 def _alloc_retries(device: torch.device) -> int:
@@ -350,7 +352,7 @@ def _without_compare(argv: list[str]) -> list[str]:
 def format_table(rows: list[dict], compared: str = "cache") -> str:
     cols = ["workload", "cache", "cascade", "host_kv_cache_gb", "requests", "output_tok_s", "ttft_p50_ms",
             "ttft_p99_ms", "hit_rate", "gpu_hit_rate", "host_hit_rate", "load_gb_s", "write_back_gb_s",
-            "host_ms_per_step", "gpu_busy", "cascade_steps", "kernel_compiles", "compile_s", "alloc_retries", "wall_s"]
+            "host_ms_per_step", "gpu_busy", "cascade_steps", "kernel_compiles", "compile_s", "alloc_retries", "preemptions", "wall_s"]
     lines = [" | ".join(cols)]
     for r in rows:
         lines.append(" | ".join(_fmt(r.get(c)) for c in cols))
