@@ -1,0 +1,126 @@
+"""Compile every Triton kernel of tandem for the H200 (sm_90) on a machine without a GPU.
+
+Run as a script (`python tests/kernel_compile.py [NAME ...]`) with TRITON_INTERPRET=0: the
+interpreter the CPU tests use checks what a kernel computes, not whether it compiles (a value
+whose type changes across loop iterations, an op the backend lacks). Each kernel is compiled
+in one representative configuration: Qwen3-0.6B's heads (16 query, 8 KV, dim 128), bf16.
+Pointer types follow the argument names (`POINTERS`; a capitalized name is a pointer unless
+its kernel's overrides say otherwise, as for sizes like M, N, K); other arguments are i32
+unless listed as floats. Prints one line per kernel; exits 1 if any failed.
+"""
+import os
+import sys
+import time
+import traceback
+
+os.environ["TRITON_INTERPRET"] = "0"
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource, compile  # noqa: E402
+
+import tandem.kernels  # noqa: E402,F401  (its submodules shadow names: read them from sys.modules)
+
+TARGET = GPUTarget("cuda", 90, 32)
+POINTERS = {  # by argument name; anything else in CamelCase or *_ptr is bf16
+    "ReqToToken": "*i32", "History": "*i32", "Tokens": "*i32", "Count": "*i32", "hash_ptr": "*i64",
+    "keys_ptr": "*i64", "best_idx_ptr": "*i64", "best_val_ptr": "*fp32", "scores_ptr": "*fp32",
+    "MidO": "*fp32", "MidLse": "*fp32", "Partial": "*fp32", "Scale": "*fp32", "S": "*fp32", "Q8": "*fp8e4nv",
+    "Cos": "*fp32", "Sin": "*fp32",
+}
+INDEX_POINTERS = {"ReqSlots", "SeqLens", "StartLens", "PrefixLens", "QoIndptr", "GroupRows", "GroupIndptr",
+                  "Work", "SharedLens", "SharedParts", "Loc", "Pos", "Slots", "Lengths"}
+FLOATS = {"qk_scale", "eps"}
+ATTN = dict(HEAD_DIM=128, BLOCK_D=128, DOT_PRECISION="tf32")
+
+
+def _kernel(module: str, name: str):
+    return getattr(sys.modules[module], name)
+
+
+def kernels() -> dict:
+    """name -> (kernel, constexprs, pointer overrides)."""
+    ka, da, ca = "tandem.kernels.activation", "tandem.kernels.decode_attention", "tandem.kernels.cascade_attention"
+    from tandem.sampling.noise import gumbel_kernel
+    import tandem.kernels.activation  # noqa: F401
+    import tandem.kernels.cascade_attention  # noqa: F401
+    import tandem.kernels.fp8_quant  # noqa: F401
+    import tandem.kernels.ngram_match  # noqa: F401
+    import tandem.kernels.norm  # noqa: F401
+    import tandem.kernels.rope  # noqa: F401
+    import tandem.kernels.small_m_gemm  # noqa: F401
+    gemm = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, SPLIT=False, HAS_SCALE=False, HAS_BIAS=False, EVEN_K=True,
+                EVEN_N=True, SILU_MUL=False, DOT_PRECISION="tf32", PER_LANE=False)
+    split = dict(GROUP=2, HEAD_BLOCKS=1, BLOCK_H=16, BLOCK_N=64, **ATTN)
+    sizes = {"M": "i32", "N": "i32", "K": "i32"}
+    return {
+        "silu_mul": (_kernel(ka, "_silu_mul_kernel"), dict(BLOCK=1024), {"I": "i32"}),
+        "rms_norm": (_kernel("tandem.kernels.norm", "_rms_norm_kernel"), dict(HAS_RESIDUAL=True, BLOCK_N=1024),
+                     {"N": "i32"}),
+        "qk_norm_rope": (_kernel("tandem.kernels.rope", "_qk_norm_rope_kernel"),
+                         dict(HEAD_DIM=128, HALF=64, BLOCK_H=16, BLOCK_HALF=64, HAS_NORM=True), {}),
+        "write_kv": (_kernel("tandem.kernels.kv_write", "_write_kv_kernel"),
+                     dict(NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_H=8, BLOCK_D=128), {}),
+        "decode_split": (_kernel(da, "_decode_split_kernel"), dict(SPLIT=True, HAS_START=False, **split), {}),
+        "decode_suffix": (_kernel(da, "_decode_split_kernel"), dict(SPLIT=True, HAS_START=True, **split), {}),
+        "decode_unsplit": (_kernel(da, "_decode_split_kernel"), dict(SPLIT=False, HAS_START=False, **split), {}),
+        "decode_merge": (_kernel(da, "_decode_merge_kernel"), dict(HEAD_DIM=128, BLOCK_S=16, BLOCK_D=128, BLOCK_N=64), {}),
+        "extend": (_kernel("tandem.kernels.extend_attention", "_extend_kernel"),
+                   dict(GROUP=2, BLOCK_M=64, BLOCK_N=64, **ATTN), {}),
+        "cascade_shared": (_kernel(ca, "_shared_prefix_kernel"), dict(GROUP=2, BLOCK_M=64, BLOCK_N=64, **ATTN), {}),
+        "cascade_merge": (_kernel(ca, "_cascade_merge_kernel"), dict(HEAD_DIM=128, BLOCK_S=8, BLOCK_D=128, BLOCK_N=64), {}),
+        "small_m_gemm": (_kernel("tandem.kernels.small_m_gemm", "_small_m_gemm_kernel"), gemm, sizes),
+        "small_m_gemm_fp8_split_silu": (_kernel("tandem.kernels.small_m_gemm", "_small_m_gemm_kernel"),
+                                        {**gemm, "SPLIT": True, "HAS_SCALE": True, "SILU_MUL": True, "EVEN_N": False},
+                                        {**sizes, "W": "*fp8e4nv"}),
+        "small_m_gemm_per_lane": (_kernel("tandem.kernels.small_m_gemm", "_small_m_gemm_kernel"),
+                                  {**gemm, "BLOCK_M": 8, "PER_LANE": True}, sizes),
+        "split_reduce": (_kernel("tandem.kernels.small_m_gemm", "_split_reduce_kernel"), dict(HAS_BIAS=True, BLOCK=1024),
+                         {"N": "i32"}),
+        "fp8_quantize_rows": (_kernel("tandem.kernels.fp8_quant", "_quantize_rows_kernel"),
+                              dict(FP8_MAX=448.0, BLOCK=1024), {"Q": "*fp8e4nv", "K": "i32"}),
+        "ngram_match": (_kernel("tandem.kernels.ngram_match", "_ngram_match_kernel"),
+                        dict(MIN_N=1, MAX_N=3, BLOCK=1024, BLOCK_K=4), {"WINDOW": "i32", "K": "i32"}),
+        "gumbel_argmax": (gumbel_kernel(), dict(CHUNK=4096, BLOCK=1024), {"V": "i32", "M32": "i64"}),
+    }
+
+
+def signature(fn, constexprs: dict, overrides: dict) -> dict:
+    sig = {}
+    for name in fn.arg_names:
+        if name in constexprs:
+            sig[name] = "constexpr"
+        elif name in overrides:
+            sig[name] = overrides[name]
+        elif name in POINTERS:
+            sig[name] = POINTERS[name]
+        elif name in INDEX_POINTERS:
+            sig[name] = "*i64"
+        elif name[:1].isupper() or name.endswith("_ptr"):  # sizes named in capitals: in overrides
+            sig[name] = "*bf16"
+        elif name in FLOATS:
+            sig[name] = "fp32"
+        else:
+            sig[name] = "i32"
+    return sig
+
+
+def main(names: list[str]) -> int:
+    failed = 0
+    for name, (fn, constexprs, overrides) in kernels().items():
+        if names and name not in names:
+            continue
+        start = time.perf_counter()
+        try:
+            src = ASTSource(fn=fn, signature=signature(fn, constexprs, overrides),
+                            constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()})
+            compile(src, target=TARGET)
+            print(f"ok      {name} ({time.perf_counter() - start:.1f} s)", flush=True)
+        except Exception:  # noqa: BLE001 - report every kernel, then fail
+            failed += 1
+            print(f"FAILED  {name}\n{traceback.format_exc()}", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
