@@ -12,8 +12,11 @@ import pytest
 
 
 def _nvidia_backend() -> bool:
-    spec = importlib.util.find_spec("triton.backends.nvidia")
-    return spec is not None and (Path(spec.submodule_search_locations[0]) / "bin" / "ptxas").exists()
+    # Located, not imported: importing Triton here, before tandem.kernels chooses the
+    # interpreter, would fix Triton's choice for the other tests of this process.
+    spec = importlib.util.find_spec("triton")
+    return spec is not None and (Path(spec.submodule_search_locations[0]) / "backends" / "nvidia" / "bin"
+                                 / "ptxas").exists()
 
 
 @pytest.mark.skipif(not _nvidia_backend(), reason="Triton's NVIDIA backend (and its ptxas) is not installed")
