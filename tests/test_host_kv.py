@@ -117,6 +117,20 @@ def test_prefetch_takes_free_slots_only_and_counts_a_host_hit_at_first_admission
     cache.check([])
 
 
+def test_a_load_evicted_unread_is_no_host_hit_later():
+    kv, host_pool = SlotAllocator(300), SlotAllocator(400, first=0)
+    cache = PrefixCache(kv, host=HostTier(host_pool, write_back=lambda g, h: None, load=lambda h, g: None))
+    tokens = list(range(1000, 1200))
+    cache.tree.insert(tokens, kv.alloc(200))
+    cache.tree.evict(200)
+    waiting = type("R", (), {"fill_ids": tokens + [7], "max_cached_prefix": 200})()
+    assert cache.prefetch([waiting], keep=0, most=1000) == 200
+    cache.tree.evict(200)  # unread: back to the host only
+    cache.tree.insert(tokens, kv.alloc(200))  # a request computed it again: its KV takes the node over
+    again = Request("s", tokens + [9], SamplingParams(max_tokens=1), seed=0, max_samples=1)
+    assert cache.admit(again) == 200 and cache.host_hit_tokens == 0  # its own KV, never a load read
+
+
 def test_copy_pace_budget_is_a_steps_worth_at_the_measured_rate():
     pace = CopyPace(token_bytes=10, most_tokens=10_000, least_tokens=10, assumed_bytes_per_s=1e6)
     assert pace.tokens(None) == 10  # no step seen yet

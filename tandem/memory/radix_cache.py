@@ -140,7 +140,7 @@ class RadixCache:
         request); its host slots go back. Below a host node every node is on the host, so
         the GPU part stays closed under parents."""
         self.host_tier.forget(node)
-        node.slots, node.host_slots = slots, None
+        node.slots, node.host_slots, node.loaded = slots, None, False  # the caller's own KV: no host hit
         if node.lock_ref:
             self.locked_tokens += len(node.key)
         else:
@@ -187,7 +187,7 @@ class RadixCache:
             if to_host and self.host_tier is not None and node.host_slots is None:
                 self.host_tier.copy_to_host(node)
             if to_host and node.host_slots is not None:
-                node.slots = []  # it lives on in the host tier
+                node.slots, node.loaded = [], False  # it lives on in the host tier; an unread load goes unhit
             else:
                 self._drop_subtree(node)
             self.free_slots(gpu_slots)  # reuse is ordered after the write-back: KVTierCopier.fence
