@@ -43,8 +43,8 @@ class Metrics:
                                   registry=r)
         self.cache_tokens = Gauge("tandem_prefix_cache_tokens", "KV slots held only by the prefix cache "
                                   "(evictable)", registry=r)
-        self.host_hits = Counter("tandem_host_cache_hits", "Prompt tokens loaded back from the prefix "
-                                 "cache's host tier", registry=r)
+        self.host_hits = Counter("tandem_host_cache_hits", "Prompt tokens admissions read from loads "
+                                 "out of the prefix cache's host tier", registry=r)
         self.host_tokens = Gauge("tandem_host_cache_tokens", "Tokens the prefix cache's host tier holds",
                                  registry=r)
         self.host_copy_bytes = Counter("tandem_host_kv_copy_bytes", "Bytes copied between the KV pool and "
