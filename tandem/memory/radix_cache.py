@@ -19,11 +19,10 @@ tree holds and calls; the tree keeps the GPU side and the links between nodes.
 """
 from __future__ import annotations
 
-import heapq
 import itertools
 from typing import Callable, Iterator
 
-from tandem.memory.radix_host_tier import HostTierHooks, HostTierMoves
+from tandem.memory.radix_host_tier import HostTierHooks, HostTierMoves, least_recent_first
 
 _clock = itertools.count()  # access order for LRU; a counter, so ties cannot happen
 
@@ -175,14 +174,11 @@ class RadixCache:
         least recently used first (fewer if not that many are evictable). With a host tier
         (and `to_host`) each one's KV is written back to host slots first; without room
         there, it is dropped with its host-resident subtree. Returns the GPU slots freed."""
-        heap = [n for n in self._nodes() if self._gpu_evictable(n)]
-        heapq.heapify(heap)
         freed = 0
-        while freed < num_tokens and heap:
-            node = heapq.heappop(heap)
-            if not self._gpu_evictable(node):
-                continue  # pushed twice
-            gpu_slots, parent = node.slots, node.parent
+        for node in least_recent_first(self._nodes(), self._gpu_evictable):
+            if freed >= num_tokens:
+                break
+            gpu_slots = node.slots
             self.evictable_tokens -= len(node.key)
             if to_host and self.host_tier is not None and node.host_slots is None:
                 self.host_tier.copy_to_host(node)
@@ -192,8 +188,6 @@ class RadixCache:
                 self._drop_subtree(node)
             self.free_slots(gpu_slots)  # reuse is ordered after the write-back: KVTierCopier.fence
             freed += len(gpu_slots)
-            if parent is not self.root and self._gpu_evictable(parent):
-                heapq.heappush(heap, parent)
         return freed
 
     def _drop_subtree(self, node: Node) -> None:

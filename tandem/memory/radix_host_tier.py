@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Iterator
 
 from tandem.memory.allocator import SlotAllocator
 
@@ -24,6 +24,22 @@ class HostTierHooks:
 
     host_slots: SlotAllocator
     write_back: Callable[[list[int], list[int]], None]
+
+
+def least_recent_first(nodes: Iterable, eligible: Callable[[object], bool]) -> Iterator:
+    """The eligible nodes, least recently used first, for both tiers' eviction. A node is
+    re-checked when its turn comes (the caller's moves change eligibility), and once the
+    caller is done with it (asks for the next), its parent joins if that made it eligible."""
+    heap = [n for n in nodes if eligible(n)]
+    heapq.heapify(heap)
+    while heap:
+        node = heapq.heappop(heap)
+        if not eligible(node):
+            continue  # pushed twice, or changed since
+        parent = node.parent
+        yield node
+        if parent is not None and eligible(parent):
+            heapq.heappush(heap, parent)
 
 
 class HostTierMoves:
@@ -85,25 +101,19 @@ class HostTierMoves:
         """Drop at least `num_tokens` host copies, least recently used first: a host-only leaf
         leaves the tree, a node in both tiers keeps its GPU copy. With `colder_than` (writing
         ahead), only host-only nodes used before then. Returns how many host slots were freed."""
-        heap = [n for n in self.nodes() if self._droppable(n)]
-        heapq.heapify(heap)
         freed = 0
-        while freed < num_tokens and heap:
-            node = heapq.heappop(heap)
-            if not self._droppable(node):
-                continue  # pushed twice
+        for node in least_recent_first(self.nodes(), self._droppable):
+            if freed >= num_tokens:
+                break
             if colder_than is not None and (node.slots or node.last_access >= colder_than):
                 if node.last_access >= colder_than:
                     break
                 continue
-            parent = node.parent
             if not node.slots:
-                del parent.children[node.key[0]]
+                del node.parent.children[node.key[0]]
             self.forget(node)  # later copies into its slots: same copy stream
             node.host_slots = None
             freed += len(node.key)
-            if self._droppable(parent):  # the root never has a host copy, so it never qualifies
-                heapq.heappush(heap, parent)
         return freed
 
     @staticmethod
