@@ -50,5 +50,4 @@ class CascadeInputs:
     group_rows: torch.Tensor  # [>= 1] batch rows, groups back to back
     group_indptr: torch.Tensor  # [groups + 1]; an empty group is padding
     work: torch.Tensor  # [WORK_INTS x items]
-    max_group_size: int  # host bounds: the M tile and the merge's width
-    max_parts: int
+    max_group_size: int  # host bound: the M tile (the mid buffers hold MAX_PARTS shared splits)

@@ -60,7 +60,7 @@ def _shared_table(groups: list[tuple[int, list[int]]], lone: list[int], num_kv_h
                      torch.int64),
         group_rows=t([b for m in members for b in m]),
         group_indptr=t([0] + [sum(map(len, members[:i + 1])) for i in range(len(members))]),
-        work=t(work), max_group_size=max(map(len, members)), max_parts=max(parts))
+        work=t(work), max_group_size=max(map(len, members)))
     return dict(k_cache=k_cache.to(DEVICE), v_cache=v_cache.to(DEVICE), req_to_token=table.to(DEVICE),
                 req_slots=t(req_slots, torch.int64), seq_lens=t([n for _, _, n in rows]), layout=layout)
 
@@ -135,7 +135,7 @@ def test_cascade_padding_group_row_and_work_item():
                            torch.cat([lay.shared_src, zero(torch.int64)]), torch.cat([lay.group_rows, zero()]),
                            torch.cat([lay.group_indptr, lay.group_indptr[-1:]]),  # group 1: empty
                            torch.cat([lay.work, torch.zeros(8, dtype=torch.int32, device=DEVICE)]),
-                           max_group_size=4, max_parts=32)
+                           max_group_size=4)
     out = cascade_attention(q, c["k_cache"], c["v_cache"], c["req_to_token"], slots, seq_lens, padded, 0.2, 60)
     expected = ref.decode_attention(q, c["k_cache"], c["v_cache"], c["req_to_token"], slots, seq_lens, 0.2, 60)
     torch.testing.assert_close(out[:3], expected[:3], atol=1e-4, rtol=1e-4)

@@ -55,7 +55,7 @@ def build(case: Case, dtype: torch.dtype, device: torch.device) -> dict:
         shared_lens=ints([case.shared] * batch), shared_parts=ints([parts[b // case.rows] for b in range(batch)]),
         shared_src=ints([1 + (b // case.rows) * case.rows for b in range(batch)]).long(),
         group_rows=ints(list(range(batch))), group_indptr=ints(list(range(0, batch + 1, case.rows))),
-        work=ints(work), max_group_size=max_group_rows(num_heads, num_kv_heads), max_parts=MAX_PARTS)  # the engine's bounds
+        work=ints(work), max_group_size=max_group_rows(num_heads, num_kv_heads))  # the engine's M tile
     return dict(q=torch.randn(batch, num_heads, head_dim, device=device).to(dtype), k=k, v=v, table=table,
                 req_slots=torch.arange(1, batch + 1, device=device),
                 seq_lens=ints([case.shared + case.suffix] * batch), layout=layout)
@@ -85,8 +85,8 @@ def run_case(case: Case, dtype: torch.dtype, device: torch.device, reps: int) ->
     scale, longest = case.heads[2] ** -0.5, case.shared + case.suffix
     single = time_ms(lambda: decode_attention(q, k, v, table, slots, lens, scale, longest), reps, device)
     cascade = time_ms(lambda: cascade_attention(q, k, v, table, slots, lens, lay, scale, longest), reps, device)
-    mid_o = torch.empty(q.shape[0], q.shape[1], lay.max_parts, q.shape[2], dtype=torch.float32, device=device)
-    mid_lse = torch.empty(q.shape[0], q.shape[1], lay.max_parts, dtype=torch.float32, device=device)
+    mid_o = torch.empty(q.shape[0], q.shape[1], MAX_PARTS, q.shape[2], dtype=torch.float32, device=device)
+    mid_lse = torch.empty(q.shape[0], q.shape[1], MAX_PARTS, dtype=torch.float32, device=device)
     shared = time_ms(lambda: shared_prefix_partials(q, k, v, table, slots, lay, scale, mid_o, mid_lse, 0),
                      reps, device)
     token_bytes = 2 * case.heads[1] * case.heads[2] * k.element_size()  # K and V of one token

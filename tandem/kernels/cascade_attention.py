@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tandem.cascade_layout import WORK_INTS, CascadeInputs, max_group_rows
+from tandem.cascade_layout import MAX_PARTS, WORK_INTS, CascadeInputs, max_group_rows
 from tandem.kernels.decode_attention import (LOG2E, MIN_ROW_SPLIT_TOKENS, _split_len, decode_num_splits,
                                              decode_suffix_partials, default_block_n)
 
@@ -138,7 +138,8 @@ def cascade_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     """q [B, H, D] -> [B, H, D]; matches `torch_backend.cascade_attention` (layout: `c`).
 
     Host bounds: `max_seq_len` sizes the suffix split count (any count is correct),
-    `c.max_group_size` the M tile (at most `max_group_rows`), `c.max_parts` the merge width.
+    `c.max_group_size` the M tile (at most `max_group_rows`). The mid buffers hold suffix splits +
+    MAX_PARTS, whatever this step's work items: one size per batch, as in graphs.
     """
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
@@ -152,7 +153,7 @@ def cascade_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     if suffix_splits is None:
         suffix_splits = decode_num_splits(batch, num_kv_heads, group, max_seq_len, q.device)
     block_n = default_block_n(head_dim)
-    splits = suffix_splits + c.max_parts
+    splits = suffix_splits + MAX_PARTS
     mid_o = torch.empty(batch, num_heads, splits, head_dim, dtype=torch.float32, device=q.device)
     mid_lse = torch.empty(batch, num_heads, splits, dtype=torch.float32, device=q.device)
     decode_suffix_partials(q, k_cache, v_cache, req_to_token, req_slots, seq_lens, c.shared_lens, scale,
@@ -173,7 +174,7 @@ def shared_prefix_partials(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            req_to_token: torch.Tensor, req_slots: torch.Tensor, c: CascadeInputs, scale: float,
                            mid_o: torch.Tensor, mid_lse: torch.Tensor, split_offset: int) -> None:
     """The shared part alone: each work item's chunk of its group's prefix, attended by all the
-    group's queries, into splits [split_offset, split_offset + c.max_parts) of the mid buffers."""
+    group's queries, into splits [split_offset, split_offset + MAX_PARTS) of the mid buffers."""
     num_heads, head_dim = q.shape[1:]
     num_kv_heads = k_cache.shape[1]
     items = c.work.shape[0] // WORK_INTS

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tandem.cascade_layout import MAX_PARTS, WORK_INTS, CascadeInputs, split_prefixes
+from tandem.cascade_layout import WORK_INTS, CascadeInputs, split_prefixes
 from tandem.scheduler.batch import Row
 
 STEP_COST_BYTES = 1 << 30  # a cascade step's two extra kernels a layer, as KV streamed meanwhile (CascadeRule)
@@ -167,19 +167,16 @@ def _read_path(req) -> list[tuple[int, int]]:
 def staged_inputs(fields: dict[str, list[int]], dev: dict[str, torch.Tensor],
                   rule: CascadeRule) -> CascadeInputs | None:
     """The eager forward's view of a plan staged with the step's metadata; None: it has none.
-    The M tile and the merge width are the bounds graphs use: one kernel specialization,
-    compiled at warm-up, and mid buffers whose size depends on the batch alone, so each
-    layer's allocation reuses the block the previous one freed (this step's own work items
-    gave a new size, and new strides, nearly every step)."""
+    The M tile is the rule's bound, as in graphs: one kernel specialization, compiled at
+    warm-up, not one per group size met while serving."""
     if FIELDS[0] not in fields:
         return None
-    return CascadeInputs(*(dev[name] for name in FIELDS), max_group_size=rule.max_group_rows, max_parts=MAX_PARTS)
+    return CascadeInputs(*(dev[name] for name in FIELDS), max_group_size=rule.max_group_rows)
 
 
 def graph_inputs(views: dict[str, torch.Tensor], rule: CascadeRule) -> CascadeInputs:
     """A CUDA graph's view of its padded layout: fixed host bounds for every replay."""
-    return CascadeInputs(*(views[name] for name in FIELDS), max_group_size=rule.max_group_rows,
-                         max_parts=MAX_PARTS)
+    return CascadeInputs(*(views[name] for name in FIELDS), max_group_size=rule.max_group_rows)
 
 
 def graph_sizes(bucket: int, rule: CascadeRule) -> dict[str, int]:
