@@ -60,15 +60,17 @@ class InputStager:
             else:
                 schedule.wait_event(self.consumed[i])  # write-after-read on dev[i]
             dev[:total].copy_(host[:total], non_blocking=True)
-        return self.views(i, sizes)
+        return _sliced(dev, offsets, sizes)
 
     def views(self, ring_slot: int, sizes: dict[str, int]) -> dict[str, torch.Tensor]:
         """Device views of ring slot `ring_slot`, fields in dict order, each 16-byte aligned.
         The same sizes give the same addresses: CUDA graphs read their inputs here."""
-        offsets, _ = field_offsets(sizes)
-        dev = self.device[ring_slot]
-        return {name: dev[offsets[name]:offsets[name] + size] for name, size in sizes.items()}
+        return _sliced(self.device[ring_slot], field_offsets(sizes)[0], sizes)
 
     def mark_consumed(self, step: int) -> None:
         """Called on the forward stream after the last read of step `step`'s inputs."""
         self.consumed[step % self.depth].record(self.streams.forward)
+
+
+def _sliced(buffer: torch.Tensor, offsets: dict[str, int], sizes: dict[str, int]) -> dict[str, torch.Tensor]:
+    return {name: buffer[offsets[name]:offsets[name] + size] for name, size in sizes.items()}
