@@ -40,7 +40,7 @@ class _InFlight:
     kind: str  # "load" or "write_back"
     start: object
     end: object
-    num_bytes: int = 0
+    num_bytes: int
     keep_alive: list = field(default_factory=list)  # pinned indices, device staging
     host_seconds: float = 0.0  # CPU: the copy ran synchronously in this long
 
@@ -105,19 +105,19 @@ class KVTierCopier:
     # ---- the two directions ----
     def write_back(self, gpu_slots: list[int], host_slots: list[int]) -> None:
         """Queue GPU slots -> host slots (same order)."""
-        self._copy("write_back", gpu_slots, host_slots)
+        queued = self._copy("write_back", gpu_slots, host_slots)
         self.stats.write_back_tokens += len(gpu_slots)
-        self.stats.write_back_bytes += len(gpu_slots) * self.host.token_bytes
+        self.stats.write_back_bytes += queued.num_bytes
         self._unfenced.append(("write_back", gpu_slots, host_slots))
 
     def load(self, host_slots: list[int], gpu_slots: list[int]) -> None:
         """Queue host slots -> GPU slots (same order)."""
-        self._copy("load", gpu_slots, host_slots)
+        queued = self._copy("load", gpu_slots, host_slots)
         self.stats.load_tokens += len(gpu_slots)
-        self.stats.load_bytes += len(gpu_slots) * self.host.token_bytes
+        self.stats.load_bytes += queued.num_bytes
         self._unfenced.append(("load", gpu_slots, host_slots))
 
-    def _copy(self, kind: str, gpu_slots: list[int], host_slots: list[int]) -> None:
+    def _copy(self, kind: str, gpu_slots: list[int], host_slots: list[int]) -> _InFlight:
         assert len(gpu_slots) == len(host_slots)
         record = _InFlight(kind, self.streams.event(timing=True), self.streams.event(timing=True),
                            len(gpu_slots) * self.host.token_bytes)
@@ -133,6 +133,7 @@ class KVTierCopier:
             record.end.record(self.stream)
         record.host_seconds = perf_counter() - t0
         self._in_flight.append(record)
+        return record
 
     def _device_index(self, slots: list[int], keep_alive: list) -> torch.Tensor:
         src = torch.tensor(slots, dtype=torch.int64, pin_memory=self.streams.pin())
