@@ -23,9 +23,9 @@ from tandem.kernels.decode_attention import (LOG2E, MIN_ROW_SPLIT_TOKENS, _split
                                              decode_suffix_partials, default_block_n)
 
 
-# Per-step ints (the suffix split count and the strides of the mid buffers, which hold
-# suffix splits + the step's most work items) are not specialized on: each value class would
-# compile another variant while serving (see `MERGE_SPLITS`).
+# Per-step ints (the suffix split count, and the strides of the mid buffers, which hold
+# suffix splits + MAX_PARTS) are not specialized on: each value class would compile another
+# variant while serving (the suffix split count follows the batch and the longest context).
 @triton.jit(do_not_specialize=["stride_mb", "stride_mh", "stride_lb", "stride_lh", "split_offset"])
 def _shared_prefix_kernel(
     Q, K, V, ReqToToken, ReqSlots, GroupRows, GroupIndptr, Work, MidO, MidLse,
