@@ -132,6 +132,12 @@ class Experiments:
     # Off until it pays: on the H200 at 80cf6d5 auto halved the shared-prefix workload (9,555
     # against 19,400 output tok/s with it off; docs/benchmarks.md, session 9).
     cascade_attention: str = "off"
+    # Decode at small batch (issue 21): RoPE writes the new K/V into the cache in the same launch
+    # (off: a separate KV-write kernel per layer).
+    fused_kv_write: bool = True
+    # Decode at small batch (issue 21): residual add + RMSNorm run in the prologue of the next
+    # projection's small-M GEMM where the tuner found that faster (off: a norm kernel per norm).
+    fused_norm_gemm: bool = True
 
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
