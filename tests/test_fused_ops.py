@@ -17,7 +17,8 @@ triton = pytest.importorskip("triton")
 
 from tandem.kernels.activation import silu_mul  # noqa: E402
 from tandem.kernels.norm import fused_add_rms_norm, rms_norm  # noqa: E402
-from tandem.kernels.rope import qkv_norm_rope, rope  # noqa: E402
+from tandem.kernels.kv_write import write_kv  # noqa: E402
+from tandem.kernels.rope import CacheOut, qkv_norm_rope, rope  # noqa: E402
 from tandem.models.layers import (RotaryEmbedding, qkv_norm_rope_torch, rms_norm_torch,  # noqa: E402
                                   rope_torch, silu_mul_torch)
 
@@ -150,6 +151,82 @@ def test_rope_separate_tensors(dtype):
     assert oq.is_contiguous() and torch.equal(q_d.cpu(), q) and torch.equal(k_d.cpu(), k)
 
 
+# The fused KV write is checked against the kernels it replaces (qkv_norm_rope, then write_kv),
+# so bfloat16 runs on the CPU too: both sides see the interpreter's same arithmetic.
+KV_DTYPES = [pytest.param(torch.float32, id="fp32", marks=[pytest.mark.gpu] if HAS_CUDA else []),
+             pytest.param(torch.bfloat16, id="bf16", marks=[pytest.mark.gpu] if HAS_CUDA else [])]
+# (tokens, q heads, kv heads, head_dim, heads per program or None): T 1, 3, 17; kv heads 1, 2,
+# 8; head_dim 64, 128; the last has partly masked head blocks (3 kv heads in blocks of 2).
+KV_CASES = [
+    (1, 2, 1, 64, None), (1, 16, 8, 128, None), (3, 4, 2, 128, None), (3, 16, 8, 64, None),
+    (3, 6, 1, 128, None), (17, 2, 1, 64, None), (17, 4, 2, 64, None), (17, 16, 8, 128, None),
+    (17, 9, 3, 64, 2),
+]
+NUM_SLOTS = 40
+
+
+def _kv_inputs(case, dtype, cache_dtype, seed):
+    """qkv etc. as `_rope_inputs`, random caches, and loc: distinct random slots, except the
+    last rows (a CUDA graph's padding) which all go to the dummy slot 0. Padding rows are
+    copies of one row, so slot 0 ends the same whichever of them stores last."""
+    tokens, _, hk, d, _ = case
+    qkv, positions, qw, kw = _rope_inputs(case, dtype, seed)
+    g = torch.Generator().manual_seed(seed + 3)
+    loc = torch.randperm(NUM_SLOTS - 1, generator=g)[:tokens] + 1
+    padding = 0 if tokens == 1 else max(1, tokens // 5)
+    if padding:
+        loc[-padding:] = 0
+        qkv[-padding:] = qkv[-padding]
+        positions[-padding:] = positions[-padding]
+    caches = [torch.randn(NUM_SLOTS, hk, d, generator=g).to(cache_dtype) for _ in range(2)]
+    return qkv, positions, qw, kw, loc, caches
+
+
+def _fused_and_unfused(case, dtype, cache_dtype, qk_norm, seed):
+    """(qkv, k_cache, v_cache) after the fused launch and after qkv_norm_rope + write_kv."""
+    tokens, hq, hk, d, per_program = case
+    qkv, positions, qw, kw, loc, caches = _kv_inputs(case, dtype, cache_dtype, seed)
+    cos, sin = _tables(d)
+    dev = lambda t: t.to(DEVICE, copy=True)  # noqa: E731  (on the CPU too: each side its own)
+    args = (dev(positions), dev(cos), dev(sin), hq, hk, d, *((dev(qw), dev(kw), EPS) if qk_norm else ()))
+    unfused = [dev(qkv), *map(dev, caches)]
+    _, k, v = qkv_norm_rope(unfused[0], *args, heads_per_program=per_program)
+    write_kv(unfused[1], unfused[2], dev(loc), k, v)
+    fused = [dev(qkv), *map(dev, caches)]
+    qkv_norm_rope(fused[0], *args, heads_per_program=per_program, cache=CacheOut(fused[1], fused[2], dev(loc)))
+    return [t.cpu() for t in fused], [t.cpu() for t in unfused], loc, caches
+
+
+@pytest.mark.parametrize("dtype", KV_DTYPES)
+@pytest.mark.parametrize("qk_norm", [True, False], ids=["qknorm", "plain"])
+@pytest.mark.parametrize("case", KV_CASES, ids=lambda c: "T{}-{}x{}x{}-b{}".format(*c))
+def test_qkv_norm_rope_fused_kv_write(dtype, qk_norm, case):
+    """The fused cache write leaves qkv and both caches bit-identical to RoPE then write_kv."""
+    tokens, hq, hk, d, _ = case
+    fused, unfused, loc, before = _fused_and_unfused(case, dtype, dtype, qk_norm, seed=30 + tokens)
+    for got, expected in zip(fused, unfused):
+        assert torch.equal(got, expected)
+    # Directly, so the test fails without the K store or the V copy (not only by comparison):
+    # each slot holds its token's rotated k and its v from qkv; no other slot changed.
+    qkv, k_cache, v_cache = fused
+    k = qkv[:, hq * d:(hq + hk) * d].reshape(tokens, hk, d)
+    v = qkv[:, (hq + hk) * d:].reshape(tokens, hk, d)
+    assert torch.equal(k_cache[loc], k) and torch.equal(v_cache[loc], v)
+    untouched = torch.ones(NUM_SLOTS, dtype=torch.bool)
+    untouched[loc] = False
+    assert torch.equal(k_cache[untouched], before[0][untouched])
+    assert torch.equal(v_cache[untouched], before[1][untouched])
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_fused_kv_write_casts_to_cache_dtype(cache_dtype):
+    """float32 activations into a 16-bit cache: the same cast as write_kv's."""
+    fused, unfused, _, _ = _fused_and_unfused((5, 4, 2, 64, None), torch.float32, cache_dtype, True, seed=40)
+    assert fused[1].dtype == cache_dtype
+    for got, expected in zip(fused, unfused):
+        assert torch.equal(got, expected)
+
+
 def test_empty_batch():
     x = torch.empty(0, 64, device=DEVICE)
     w = torch.ones(64, device=DEVICE)
@@ -162,13 +239,15 @@ def test_empty_batch():
     assert q.shape == (0, 2, 64) and k.shape == v.shape == (0, 1, 64)
 
 
-@pytest.mark.parametrize("variant,backend", [("qwen3", "triton"), ("qwen2", "torch")])
-def test_model_forward_with_kernels(tmp_path, monkeypatch, variant, backend):
+@pytest.mark.parametrize("variant,backend,fused_kv_write", [("qwen3", "triton", True), ("qwen2", "triton", True),
+                                                            ("qwen3", "triton", False), ("qwen2", "torch", False)])
+def test_model_forward_with_kernels(tmp_path, monkeypatch, variant, backend, fused_kv_write):
     """A tiny model's prefill + decode logits are unchanged when its modules use the
     kernels: checks the wiring (eps, head counts, q/k/v as in-place views of qkv fed to
-    the attention backend). Reference: the CPU torch path with the torch attention. With
-    CUDA the model runs on the GPU; without, CPU tensors are made to report `is_cuda`
-    so the modules take the same (kernel) branch under the interpreter."""
+    the attention backend, the KV-cache write fused into RoPE or not). Reference: the CPU
+    torch path with the torch attention. With CUDA the model runs on the GPU; without,
+    CPU tensors are made to report `is_cuda` so the modules take the same (kernel) branch
+    under the interpreter."""
     from tiny_models import make_tiny_model
 
     from tandem.attention import TorchAttention
@@ -206,7 +285,11 @@ def test_model_forward_with_kernels(tmp_path, monkeypatch, variant, backend):
         return torch.cat(logits)
 
     expected = run(TorchAttention(), "cpu")
-    attn = TritonAttention() if backend == "triton" else TorchAttention()
+    attn = TritonAttention(fused_kv_write=fused_kv_write) if backend == "triton" else TorchAttention()
+    assert attn.fused_kv_write == fused_kv_write
+    if fused_kv_write:  # the RoPE launch writes the cache: the backend must not
+        from tandem.attention import triton_backend
+        monkeypatch.setattr(triton_backend, "write_kv", _unreachable)
     if HAS_CUDA:
         model.to(DEVICE)
     else:  # CPU tensors claim to be CUDA ones: the modules take their kernel branch

@@ -196,6 +196,26 @@ def test_backend_matches_torch_backend(prefix_lens, extend_lens):
     _close(out, expected, torch.float32)
 
 
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_backend_kv_written_leaves_the_cache_alone(backend):
+    """With kv_written=True the caller has stored k/v (the fused RoPE launch): the backend
+    neither writes again nor reads k/v. Poisoned k/v give the right decode output from a
+    cache that already holds the right values, and the cache is left as it was."""
+    prefix_lens, extend_lens, heads, kvh, d = [30, 0, 7], [1, 1, 1], 6, 2, 64
+    k_cache, v_cache, r2t, req_slots = _paged([p + e for p, e in zip(prefix_lens, extend_lens)], kvh, d,
+                                              torch.float32)
+    batch = _batch(prefix_lens, extend_lens, r2t, req_slots)
+    q = torch.randn(3, heads, d, device=DEVICE)
+    k, v = torch.randn(3, kvh, d, device=DEVICE), torch.randn(3, kvh, d, device=DEVICE)
+    expected = ref.TorchAttention().forward(q, k, v, k_cache, v_cache, batch, d ** -0.5)  # writes k, v
+    written = (k_cache.clone(), v_cache.clone())
+    attn = TritonAttention() if backend == "triton" else ref.TorchAttention()
+    poison = torch.full_like(k, float("nan"))
+    out = attn.forward(q, poison, poison, k_cache, v_cache, batch, d ** -0.5, kv_written=True)
+    assert torch.equal(k_cache, written[0]) and torch.equal(v_cache, written[1])
+    _close(out, expected, torch.float32)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 def test_decode_cuda_graph_replay_follows_device_inputs():

@@ -10,17 +10,22 @@ __all__ = ["AttentionBackend", "TorchAttention", "make_attention_backend"]
 
 
 class AttentionBackend(Protocol):
-    """Writes the new tokens' K/V into the cache, then attends over each request's cache."""
+    """Writes the new tokens' K/V into the cache (unless its caller did), then attends over
+    each request's cache."""
 
     name: str
+    # Whether the model stores the new K/V itself (in its RoPE kernel) and passes kv_written=True.
+    fused_kv_write: bool
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, batch: ForwardBatch, scale: float) -> torch.Tensor: ...
+                v_cache: torch.Tensor, batch: ForwardBatch, scale: float,
+                kv_written: bool = False) -> torch.Tensor: ...
 
 
-def make_attention_backend(name: str, device: torch.device,
-                           split_by_context: bool = True) -> AttentionBackend:
-    """`auto` picks Triton on CUDA when it is importable, the torch reference otherwise."""
+def make_attention_backend(name: str, device: torch.device, split_by_context: bool = True,
+                           fused_kv_write: bool = True) -> AttentionBackend:
+    """`auto` picks Triton on CUDA when it is importable, the torch reference otherwise.
+    `fused_kv_write` applies to Triton only (the reference always writes its own cache)."""
     if name == "torch" or (name == "auto" and device.type != "cuda"):
         return TorchAttention()
     if name in ("auto", "triton"):
@@ -30,5 +35,5 @@ def make_attention_backend(name: str, device: torch.device,
             if name == "triton":
                 raise
             return TorchAttention()
-        return TritonAttention(split_by_context)
+        return TritonAttention(split_by_context, fused_kv_write)
     raise ValueError(f"attention backend must be one of auto, torch, triton; got {name!r}")

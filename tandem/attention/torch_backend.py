@@ -101,11 +101,17 @@ class TorchAttention:
     """Attention backend over the reference functions above."""
 
     name = "torch"
+    # The reference writes its own cache: the model never stores K/V for it (not even on
+    # CUDA, where its RoPE is a kernel), so it stays the reference for the fused path.
+    fused_kv_write = False
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch,
-                scale: float) -> torch.Tensor:
-        write_kv(k_cache, v_cache, batch.out_cache_loc, k, v)
+                scale: float, kv_written: bool = False) -> torch.Tensor:
+        """Attention output [T, H, D]; stores k, v at `batch.out_cache_loc` first unless the
+        caller already did (`kv_written`)."""
+        if not kv_written:
+            write_kv(k_cache, v_cache, batch.out_cache_loc, k, v)
         if batch.is_decode and batch.cascade is not None:
             c = batch.cascade
             return cascade_attention(q, k_cache, v_cache, batch.req_to_token, batch.req_slots, batch.seq_lens,

@@ -16,16 +16,22 @@ class TritonAttention:
 
     name = "triton"
 
-    def __init__(self, split_by_context: bool = True):
+    def __init__(self, split_by_context: bool = True, fused_kv_write: bool = True):
         # On: each decode row uses only the splits its own length needs (device-side), so a
         # graph captured for the longest context runs short rows with few splits. Off: every
         # row spreads over all splits of the grid (the behaviour before, for comparison).
         self.min_split_tokens = MIN_ROW_SPLIT_TOKENS if split_by_context else 1
+        # On: the model's RoPE launch stores the new K/V in the cache and calls forward with
+        # kv_written=True, one launch a layer fewer (Experiments.fused_kv_write).
+        self.fused_kv_write = fused_kv_write
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch,
-                scale: float) -> torch.Tensor:
-        write_kv(k_cache, v_cache, batch.out_cache_loc, k, v)
+                scale: float, kv_written: bool = False) -> torch.Tensor:
+        """Attention output [T, H, D]; stores k, v at `batch.out_cache_loc` first unless the
+        caller already did (`kv_written`: its stores are earlier in the same stream)."""
+        if not kv_written:
+            write_kv(k_cache, v_cache, batch.out_cache_loc, k, v)
         if batch.is_decode and batch.cascade is not None:
             return cascade_attention(q, k_cache, v_cache, batch.req_to_token, batch.req_slots, batch.seq_lens,
                                      batch.cascade, scale, batch.max_seq_len, min_split_tokens=self.min_split_tokens)

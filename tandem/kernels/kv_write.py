@@ -4,6 +4,11 @@ One program per token copies its [kv_heads, head_dim] rows of K and V to cache s
 `loc[t]`. The source may be a strided view (K/V sliced out of a fused QKV output),
 so strides are honoured instead of forcing a copy; the cast to the cache dtype
 happens in registers.
+
+A decoder layer on CUDA stores K/V in its RoPE launch instead (`tandem.kernels.rope`,
+`CacheOut`), for decode and extend batches alike, when `Experiments.fused_kv_write` is on.
+This kernel stays for the unfused path (`TritonAttention.forward` without `kv_written`:
+the switch off) and defines the numerics the fused store must reproduce.
 """
 import torch
 import triton

@@ -38,19 +38,29 @@ class Attention(nn.Module):
         self.rotary = rotary
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, kv: KVCache, backend) -> torch.Tensor:
-        qkv = self.qkv_proj(x)
-        norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else ()
-        if qkv.is_cuda:
-            # One Triton launch: (q/k norm and) RoPE in place inside qkv; q, k, v are
-            # strided views of it (the attention kernels and write_kv take strides).
-            from tandem.kernels.rope import qkv_norm_rope
-            prepare = qkv_norm_rope
-        else:
-            prepare = qkv_norm_rope_torch
-        q, k, v = prepare(qkv, batch.positions, self.rotary.cos, self.rotary.sin,
-                          self.num_heads, self.num_kv_heads, self.head_dim, *norm)
-        out = backend.forward(q, k, v, kv.k[self.layer_id], kv.v[self.layer_id], batch, self.scale)
+        k_cache, v_cache = kv.k[self.layer_id], kv.v[self.layer_id]
+        # The CPU path never fuses (no kernels): the backend writes the cache itself.
+        fused = x.is_cuda and backend.fused_kv_write
+        q, k, v = self._norm_rope(self.qkv_proj(x), batch, (k_cache, v_cache) if fused else None)
+        # With `fused`, the cache stores are in the RoPE launch, before the attention kernel
+        # in the same stream.
+        out = backend.forward(q, k, v, k_cache, v_cache, batch, self.scale, kv_written=fused)
         return self.o_proj(out.reshape(-1, self.q_size))
+
+    def _norm_rope(self, qkv: torch.Tensor, batch: ForwardBatch,
+                   cache: tuple[torch.Tensor, torch.Tensor] | None
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v as views of qkv, q and k (normed and) rotated in place; with `cache`
+        (k_cache, v_cache; CUDA only) the rotated k and v also stored at the batch's slots."""
+        norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else ()
+        args = (qkv, batch.positions, self.rotary.cos, self.rotary.sin, self.num_heads,
+                self.num_kv_heads, self.head_dim, *norm)
+        if not qkv.is_cuda:
+            return qkv_norm_rope_torch(*args)
+        # One Triton launch: (q/k norm and) RoPE in place inside qkv; q, k, v are strided
+        # views of it (the attention kernels and write_kv take strides).
+        from tandem.kernels.rope import CacheOut, qkv_norm_rope
+        return qkv_norm_rope(*args, cache=None if cache is None else CacheOut(*cache, batch.out_cache_loc))
 
 
 class DecoderLayer(nn.Module):
