@@ -139,6 +139,26 @@ class Experiments:
     # projection's small-M GEMM where the tuner found that faster (off: a norm kernel per norm).
     fused_norm_gemm: bool = True
 
+    @classmethod
+    def from_overrides(cls, pairs: list[str]) -> "Experiments":
+        """Benchmarks' `--experiment NAME=VALUE` (repeatable): booleans take on/off, true/false, 1/0."""
+        exp = cls()
+        for pair in pairs:
+            name, sep, value = pair.partition("=")
+            if not sep or name not in cls.__dataclass_fields__:
+                known = ", ".join(cls.__dataclass_fields__)
+                raise ValueError(f"--experiment takes NAME=VALUE with NAME one of {known}; got {pair!r}")
+            if isinstance(getattr(exp, name), bool):
+                if value.lower() not in _BOOL_WORDS:
+                    raise ValueError(f"--experiment {name} takes on/off, got {value!r}")
+                setattr(exp, name, _BOOL_WORDS[value.lower()])
+            else:
+                setattr(exp, name, value)
+        return exp
+
+
+_BOOL_WORDS = {"on": True, "true": True, "1": True, "off": False, "false": False, "0": False}
+
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 AutoOnOff = Literal["auto", "on", "off"]

@@ -119,3 +119,13 @@ def test_bool_or_path_options_parse_a_path():
     ap = argparse.ArgumentParser()
     options.add_engine_options(ap)
     assert options.engine_config(ap.parse_args(["--timeline", "x.jsonl"])).timeline == "x.jsonl"
+
+
+def test_experiment_overrides_parse_switches_and_reject_unknown_names():
+    from tandem.config import Experiments
+    exp = Experiments.from_overrides(["fused_kv_write=off", "cascade_attention=auto", "grammar_overlap=1"])
+    assert (exp.fused_kv_write, exp.cascade_attention, exp.grammar_overlap) == (False, "auto", True)
+    assert Experiments.from_overrides([]) == Experiments()
+    for bad in (["no_such_switch=on"], ["fused_kv_write"], ["fused_kv_write=maybe"]):
+        with pytest.raises(ValueError, match="--experiment"):
+            Experiments.from_overrides(bad)

@@ -13,7 +13,7 @@ import torch
 from dataclasses import asdict, dataclass
 
 from tandem.bench.presets import preset_dir
-from tandem.config import EngineConfig
+from tandem.config import EngineConfig, Experiments
 from tandem.engine import Engine
 from tandem.entrypoints.ranks import build_engine
 from tandem.sampling import SamplingParams
@@ -122,13 +122,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--small-m-gemm", default="auto", choices=["auto", "on", "off"])
     ap.add_argument("--tp", type=int, default=1, help="tensor parallelism: ranks (GPUs)")
     ap.add_argument("--ttft-burst", type=int, default=32, help="prompts in the TTFT burst")
+    ap.add_argument("--experiment", action="append", default=[], metavar="NAME=VALUE",
+                    help="an Experiments switch for an A/B run, e.g. fused_kv_write=off (repeatable)")
     ap.add_argument("--json", help="write results here")
     args = ap.parse_args(argv)
     sizes = [int(x) for x in args.batch_sizes.split(",")]
     cfg = EngineConfig(model=args.model or preset_dir(args.preset), dummy_weights=args.model is None,
                        device=args.device, dtype=args.dtype, timeline=True,
                        max_total_tokens=args.max_total_tokens, attention_backend=args.attention_backend,
-                       max_running_requests=max(256, max(sizes)))
+                       max_running_requests=max(256, max(sizes)),
+                       experiments=Experiments.from_overrides(args.experiment))
     cfg.cuda_graph, cfg.tensor_parallel_size = args.cuda_graph, args.tp
     cfg.quantization, cfg.small_m_gemm = args.quantization, args.small_m_gemm
     engine = build_engine(cfg)  # --tp: starts the ranks
