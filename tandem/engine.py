@@ -196,7 +196,8 @@ class Engine:
             return {}
         from tandem.kernels.gemm_tuner import tune_model
         models = [self.model] + ([self.draft_model] if self.draft_model is not None else [])
-        return tune_model(torch.nn.ModuleList(models), self.dtype)
+        return tune_model(torch.nn.ModuleList(models), self.dtype,
+                          fuse_norm=self.cfg.experiments.fused_norm_gemm)
 
     def _build_memory(self) -> None:
         mc, cfg = self.model.local_config, self.cfg  # this rank's KV heads

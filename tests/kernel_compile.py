@@ -25,7 +25,8 @@ TARGET = GPUTarget("cuda", 90, 32)
 POINTERS = {  # by argument name; anything else in CamelCase or *_ptr is bf16
     "ReqToToken": "*i32", "History": "*i32", "Tokens": "*i32", "Count": "*i32", "hash_ptr": "*i64",
     "keys_ptr": "*i64", "best_idx_ptr": "*i64", "best_val_ptr": "*fp32", "scores_ptr": "*fp32",
-    "MidO": "*fp32", "MidLse": "*fp32", "Partial": "*fp32", "Scale": "*fp32", "S": "*fp32", "Q8": "*fp8e4nv",
+    "MidO": "*fp32", "MidLse": "*fp32", "Partial": "*fp32", "SqPartial": "*fp32", "Scale": "*fp32", "S": "*fp32",
+    "Q8": "*fp8e4nv",
     "Cos": "*fp32", "Sin": "*fp32",
 }
 INDEX_POINTERS = {"ReqSlots", "SeqLens", "StartLens", "PrefixLens", "QoIndptr", "GroupRows", "GroupIndptr",
@@ -50,7 +51,7 @@ def kernels() -> dict:
     import tandem.kernels.rope  # noqa: F401
     import tandem.kernels.small_m_gemm  # noqa: F401
     gemm = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, SPLIT=False, HAS_SCALE=False, HAS_BIAS=False, EVEN_K=True,
-                EVEN_N=True, SILU_MUL=False, DOT_PRECISION="tf32", PER_LANE=False)
+                EVEN_N=True, SILU_MUL=False, NORM=False, HAS_RESIDUAL=False, DOT_PRECISION="tf32", PER_LANE=False)
     split = dict(GROUP=2, HEAD_BLOCKS=1, BLOCK_H=16, BLOCK_N=64, **ATTN)
     sizes = {"M": "i32", "N": "i32", "K": "i32"}
     return {
@@ -79,8 +80,20 @@ def kernels() -> dict:
                                         {**sizes, "W": "*fp8e4nv"}),
         "small_m_gemm_per_lane": (_kernel("tandem.kernels.small_m_gemm", "_small_m_gemm_kernel"),
                                   {**gemm, "BLOCK_M": 8, "PER_LANE": True}, sizes),
-        "split_reduce": (_kernel("tandem.kernels.small_m_gemm", "_split_reduce_kernel"), dict(HAS_BIAS=True, BLOCK=1024),
-                         {"N": "i32"}),
+        "small_m_gemm_per_lane_norm": (_kernel("tandem.kernels.small_m_gemm", "_small_m_gemm_kernel"),
+                                       {**gemm, "BLOCK_M": 4, "BLOCK_N": 8, "BLOCK_K": 256, "PER_LANE": True,
+                                        "NORM": True, "HAS_RESIDUAL": True}, sizes),
+        # Residual add + RMSNorm in the prologue (Res, NormW, ResOut: bf16), FP8, split, ragged.
+        "small_m_gemm_fp8_split_norm": (_kernel("tandem.kernels.small_m_gemm", "_small_m_gemm_kernel"),
+                                        {**gemm, "SPLIT": True, "HAS_SCALE": True, "NORM": True, "HAS_RESIDUAL": True,
+                                         "EVEN_K": False, "EVEN_N": False}, {**sizes, "W": "*fp8e4nv"}),
+        "small_m_gemm_m1_norm": (_kernel("tandem.kernels.small_m_gemm", "_small_m_gemm_kernel"),
+                                 {**gemm, "BLOCK_M": 1, "BLOCK_N": 8, "BLOCK_K": 512, "HAS_BIAS": True, "NORM": True},
+                                 sizes),
+        "split_reduce": (_kernel("tandem.kernels.small_m_gemm", "_split_reduce_kernel"),
+                         dict(HAS_BIAS=True, NORM=False, BLOCK=1024), sizes),
+        "split_reduce_norm": (_kernel("tandem.kernels.small_m_gemm", "_split_reduce_kernel"),
+                              dict(HAS_BIAS=True, NORM=True, BLOCK=1024), sizes),
         "fp8_quantize_rows": (_kernel("tandem.kernels.fp8_quant", "_quantize_rows_kernel"),
                               dict(FP8_MAX=448.0, BLOCK=1024), {"Q": "*fp8e4nv", "K": "i32"}),
         "ngram_match": (_kernel("tandem.kernels.ngram_match", "_ngram_match_kernel"),

@@ -1,6 +1,6 @@
 """silu(gate) * up from the packed gate_up projection, in one launch.
 
-Numerics follow `GatedMLP.forward` in torch: silu is evaluated in float32 and rounded
+Numerics follow `GatedMLP.down` in torch: silu is evaluated in float32 and rounded
 to the input dtype, the product is rounded again.
 """
 import torch

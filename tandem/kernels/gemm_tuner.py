@@ -4,7 +4,9 @@ weight-streaming configs and cuBLAS, measured on the device.
 It runs once, before CUDA-graph capture (it synchronizes; the serving loop never tunes).
 Results are written into each layer's `plan`, and into a gated layer's `silu_plan` (an MLP's
 down projection fed packed gate/up rows: the fused SiLU-mul input is timed against the two
-launches it replaces; judged by the unfused timing it ran 4-6x slower at 8 and 16 rows);
+launches it replaces; judged by the unfused timing it ran 4-6x slower at 8 and 16 rows), and a
+normed layer's `norm_plan` (qkv and gate/up with the residual add + RMSNorm in the prologue,
+timed against the norm kernel + the layer's own plan; `fuse_norm=False` leaves it empty);
 layers of the same shape share one measurement. Each candidate is timed the way decode runs it: back-to-back launches inside
 a CUDA graph, each on a different copy of the weight so the copies together exceed L2
 (a decode step streams ~1 GB of weights; a layer's weight is never cache-resident).
@@ -17,7 +19,8 @@ import torch
 import triton
 
 from tandem.kernels.activation import silu_mul
-from tandem.kernels.small_m_gemm import GemmConfig, k_per_split, small_m_gemm
+from tandem.kernels.norm import fused_add_rms_norm
+from tandem.kernels.small_m_gemm import GemmConfig, NormInput, k_per_split, small_m_gemm, small_m_gemm_add_norm
 from tandem.models.linear import MAX_SMALL_M, Linear, linear, m_bucket
 
 log = logging.getLogger("tandem")
@@ -109,6 +112,29 @@ def tune_gated_shape(weight: torch.Tensor, scale: torch.Tensor | None, x_dtype: 
     return best, best_ms, two_step_ms
 
 
+@torch.no_grad()
+def tune_normed_shape(weight: torch.Tensor, scale: torch.Tensor | None, x_dtype: torch.dtype, m: int,
+                      unfused: GemmConfig | None) -> tuple[GemmConfig | None, float, float]:
+    """The same for a normed layer's fused input (residual add + RMSNorm in the prologue). The
+    baseline is what the caller runs otherwise: the add + norm kernel, then the layer's unfused
+    plan (`unfused`, or cuBLAS). Timed with a residual, as every norm but the first has one."""
+    k = weight.shape[1]
+    weights = _weight_copies(weight)
+    x, residual = (torch.randn(m, k, device=weight.device, dtype=x_dtype) for _ in range(2))
+    norm = NormInput(torch.rand(k, device=weight.device, dtype=x_dtype) + 0.5, 1e-6, residual)
+    plan = {m_bucket(m): unfused} if unfused is not None else None
+
+    def two_step(i: int) -> torch.Tensor:
+        normed, _ = fused_add_rms_norm(x, residual, norm.weight, norm.eps)
+        return linear(normed, weights[i], None, scale, plan)
+
+    two_step_ms = graph_time_ms(two_step, len(weights))
+    best, best_ms = _fastest(
+        lambda cfg: lambda i: small_m_gemm_add_norm(x, norm, weights[i], None, scale, cfg),
+        weights, m, two_step_ms)
+    return best, best_ms, two_step_ms
+
+
 def _weight_copies(weight: torch.Tensor) -> list[torch.Tensor]:
     """Enough copies of the weight that one timing streams them from HBM, not L2."""
     copies = max(2, min(64, STREAM_BYTES // (weight.numel() * weight.element_size())))
@@ -127,30 +153,41 @@ def _fastest(launcher, weights: list[torch.Tensor], m: int, baseline_ms: float) 
     return best, best_ms
 
 
-def tune_model(model: torch.nn.Module, dtype: torch.dtype, max_m: int = MAX_SMALL_M) -> dict:
-    """Fill every `Linear`'s plan (and a gated layer's `silu_plan`) for M buckets up to `max_m`;
-    returns the results by shape {(N, K, weight dtype, M, fused input): (config, ms, baseline
+def tune_model(model: torch.nn.Module, dtype: torch.dtype, max_m: int = MAX_SMALL_M,
+               fuse_norm: bool = True) -> dict:
+    """Fill every `Linear`'s plan (a gated layer's `silu_plan`, and with `fuse_norm` a normed
+    layer's `norm_plan`) for M buckets up to `max_m`; returns the results by shape
+    {(N, K, weight dtype, M, fused input: None, "silu_mul" or "norm"): (config, ms, baseline
     ms)} for logging and benchmarks (the baseline: cuBLAS, or the two launches it replaces)."""
     started = time.monotonic()
     results: dict = {}
     layers = [mod for mod in model.modules() if isinstance(mod, Linear)]
     for layer in layers:
-        w = layer.weight
         for m in (b for b in M_BUCKETS if b <= max_m):
-            key = (w.shape[0], w.shape[1], w.dtype, m, False)
-            if key not in results:
-                results[key] = tune_shape(w, layer.weight_scale, dtype, m)
-            if results[key][0] is not None:
-                layer.plan[m] = results[key][0]
-            if layer.gated:
-                fused = key[:4] + (True,)
-                if fused not in results:
-                    results[fused] = tune_gated_shape(w, layer.weight_scale, dtype, m, results[key][0])
-                if results[fused][0] is not None:
-                    layer.silu_plan[m] = results[fused][0]
+            _tune_layer(layer, dtype, m, fuse_norm, results)
     torch.cuda.empty_cache()  # the timing copies
     log.info("small-M GEMM tuning: %d shapes in %.1fs", len(results), time.monotonic() - started)
-    for (n, k, wdt, m, gated), (cfg, ms, base_ms) in results.items():
+    for (n, k, wdt, m, fused), (cfg, ms, base_ms) in results.items():
         log.debug("N=%d K=%d %s M=%d%s: %s %.1f us (baseline %.1f us)", n, k, wdt, m,
-                  " silu_mul input" if gated else "", cfg, ms * 1e3, base_ms * 1e3)
+                  f" {fused} input" if fused else "", cfg, ms * 1e3, base_ms * 1e3)
     return results
+
+
+def _tune_layer(layer: Linear, dtype: torch.dtype, m: int, fuse_norm: bool, results: dict) -> None:
+    """One layer's plans for one M bucket, measuring each shape once (into `results`)."""
+    w = layer.weight
+    key = (w.shape[0], w.shape[1], w.dtype, m, None)
+    if key not in results:
+        results[key] = tune_shape(w, layer.weight_scale, dtype, m)
+    unfused = results[key][0]
+    if unfused is not None:
+        layer.plan[m] = unfused
+    fused_inputs = [("silu_mul", tune_gated_shape, layer.silu_plan)] if layer.gated else []
+    if layer.normed and fuse_norm:
+        fused_inputs.append(("norm", tune_normed_shape, layer.norm_plan))
+    for name, tune, plan in fused_inputs:
+        fused = key[:4] + (name,)
+        if fused not in results:
+            results[fused] = tune(w, layer.weight_scale, dtype, m, unfused)
+        if results[fused][0] is not None:
+            plan[m] = results[fused][0]

@@ -28,7 +28,9 @@ class Attention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim ** -0.5
-        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        # input_layernorm in front: the layer projects (`_norm_project`), this module takes qkv.
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias,
+                               normed=True)
         # Row-parallel: this rank's input columns, then the all-reduce.
         self.o_proj = Linear(self.q_size, cfg.hidden_size, reduce=tp.all_reduce if tp.size > 1 else None)
         if cfg.qk_norm:
@@ -37,11 +39,12 @@ class Attention(nn.Module):
         self.qk_norm = cfg.qk_norm
         self.rotary = rotary
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, kv: KVCache, backend) -> torch.Tensor:
+    def forward(self, qkv: torch.Tensor, batch: ForwardBatch, kv: KVCache, backend) -> torch.Tensor:
+        """Attention of the projected rows qkv [T, q + 2 kv], then o_proj."""
         k_cache, v_cache = kv.k[self.layer_id], kv.v[self.layer_id]
         # The CPU path never fuses (no kernels): the backend writes the cache itself.
-        fused = x.is_cuda and backend.fused_kv_write
-        q, k, v = self._norm_rope(self.qkv_proj(x), batch, (k_cache, v_cache) if fused else None)
+        fused = qkv.is_cuda and backend.fused_kv_write
+        q, k, v = self._norm_rope(qkv, batch, (k_cache, v_cache) if fused else None)
         # With `fused`, the cache stores are in the RoPE launch, before the attention kernel
         # in the same stream.
         out = backend.forward(q, k, v, k_cache, v_cache, batch, self.scale, kv_written=fused)
@@ -73,13 +76,24 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch,
                 kv: KVCache, backend) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual, x = x, self.input_layernorm(x)
-        else:
-            x, residual = self.input_layernorm.add_forward(x, residual)
-        x = self.self_attn(x, batch, kv, backend)
-        x, residual = self.post_attention_layernorm.add_forward(x, residual)
-        return self.mlp(x), residual
+        qkv, residual = _norm_project(self.input_layernorm, self.self_attn.qkv_proj, x, residual)
+        x = self.self_attn(qkv, batch, kv, backend)
+        gate_up, residual = _norm_project(self.post_attention_layernorm, self.mlp.gate_up_proj, x, residual)
+        return self.mlp.down(gate_up), residual
+
+
+def _norm_project(norm: RMSNorm, proj: Linear, x: torch.Tensor,
+                  residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(proj(norm(x + residual)), x + residual); the first layer has no residual yet: (proj(norm(x)),
+    x). One launch where proj's norm plan covers these rows (small batch on CUDA, issue 21)."""
+    fused = proj.add_norm_forward(x, residual, norm.weight, norm.eps)
+    if fused is not None:
+        return fused
+    if residual is None:
+        residual, x = x, norm(x)
+    else:
+        x, residual = norm.add_forward(x, residual)
+    return proj(x), residual
 
 
 class DecoderModel(nn.Module):

@@ -123,15 +123,19 @@ class GatedMLP(nn.Module):
 
     def __init__(self, hidden: int, intermediate: int, tp: TPGroup = SINGLE):
         super().__init__()
-        self.gate_up_proj = Linear(hidden, 2 * intermediate)
+        self.gate_up_proj = Linear(hidden, 2 * intermediate, normed=True)  # post_attention_layernorm in front
         self.down_proj = Linear(intermediate, hidden, reduce=tp.all_reduce if tp.size > 1 else None, gated=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda:
-            gate_up = self.gate_up_proj(x)
+        return self.down(self.gate_up_proj(x))
+
+    def down(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """down(silu(gate) * up) of the packed gate_up rows (a decoder layer computes gate_up
+        itself, with the norm in front fused where it can)."""
+        if gate_up.is_cuda:
             fused = self.down_proj.silu_mul_forward(gate_up)  # small batch: one launch
             if fused is not None:
                 return fused
             from tandem.kernels.activation import silu_mul
             return self.down_proj(silu_mul(gate_up))
-        return self.down_proj(silu_mul_torch(self.gate_up_proj(x)))
+        return self.down_proj(silu_mul_torch(gate_up))

@@ -3,7 +3,9 @@
 On the CPU it is `F.linear` (FP8 weights are dequantized first, so CI runs that path).
 On CUDA, a layer whose startup tuning (`tandem.kernels.gemm_tuner`) found a faster
 weight-streaming kernel for this many rows uses it; otherwise cuBLAS (`F.linear`, or
-`torch._scaled_mm` for FP8 weights). Parallel (tensor-parallel) layers call the same
+`torch._scaled_mm` for FP8 weights). Layers whose input is an activation or a norm can take
+it fused into that kernel's prologue (`Linear.silu_mul_forward`, `Linear.add_norm_forward`),
+each from a plan of its own. Parallel (tensor-parallel) layers call the same
 function on their shard. The kernel modules are imported on first CUDA use, so
 CPU-only installs never import Triton.
 """
@@ -77,10 +79,14 @@ class Linear(nn.Module):
     `reduce` is applied to the output: a row-parallel layer passes its all-reduce. A `gated`
     layer (an MLP's down projection) is also called on packed (gate, up) rows through
     `silu_mul_forward`, with a plan of its own (`silu_plan`): the fused input is tuned apart,
-    since it was measured 4-6x slower than the two launches at 8 and 16 rows (docs/benchmarks.md)."""
+    since it was measured 4-6x slower than the two launches at 8 and 16 rows (docs/benchmarks.md).
+    A `normed` layer (qkv, gate/up: an RMSNorm in front) likewise takes the residual add + norm
+    in its kernel through `add_norm_forward`, from `norm_plan` (issue 21: at batch 1 the step is
+    bound by its kernel count, and this saves a launch per norm)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False,
-                 reduce: Callable[[torch.Tensor], torch.Tensor] | None = None, gated: bool = False):
+                 reduce: Callable[[torch.Tensor], torch.Tensor] | None = None, gated: bool = False,
+                 normed: bool = False):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
@@ -89,6 +95,8 @@ class Linear(nn.Module):
         self.plan: dict = {}
         self.gated = gated
         self.silu_plan: dict = {}  # gated layers: M bucket -> the fused kernel's config
+        self.normed = normed
+        self.norm_plan: dict = {}  # normed layers: M bucket -> the add + norm kernel's config
         self.reduce = reduce
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -105,12 +113,26 @@ class Linear(nn.Module):
         out = small_m_gemm(gate_up, self.weight, self.bias, self.weight_scale, cfg, silu_mul=True)
         return out if self.reduce is None else self.reduce(out)
 
+    def add_norm_forward(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
+                         eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(self(rms_norm(x + residual)), x + residual) in one launch when the fused kernel was
+        tuned faster for these rows (CUDA); without a residual, (self(rms_norm(x)), x). None
+        otherwise, and the caller runs the norm, then the layer."""
+        cfg = _small_m_config(x, self.norm_plan)
+        if cfg is None:
+            return None
+        from tandem.kernels.small_m_gemm import NormInput, small_m_gemm_add_norm
+        out, residual = small_m_gemm_add_norm(x, NormInput(norm_weight, eps, residual), self.weight,
+                                              self.bias, self.weight_scale, cfg)
+        return (out if self.reduce is None else self.reduce(out)), residual
+
     @torch.no_grad()
     def quantize_fp8_(self) -> None:
         q, scale = quantize_fp8(self.weight)
         self.weight = nn.Parameter(q, requires_grad=False)
         self.weight_scale = scale
-        self.plan, self.silu_plan = {}, {}  # tuned for the 16-bit weight; retune after quantizing
+        # Tuned for the 16-bit weight; retune after quantizing.
+        self.plan, self.silu_plan, self.norm_plan = {}, {}, {}
 
 
 def quantize_model_fp8(model: nn.Module) -> int:
