@@ -459,3 +459,11 @@ def test_the_tuner_fills_norm_plans_only_where_faster_and_when_asked(tmp_path):
         layer = qkv if n == qkv.weight.shape[0] else gate_up
         assert layer.norm_plan.get(m) == cfg
         assert cfg is None or ms < base_ms
+
+
+def test_plan_summary_counts_triton_choices_per_input_and_m():
+    from tandem.kernels.gemm_tuner import plan_summary
+    cfg = GemmConfig(16, 256, 1)
+    results = {(8, 4, None, 1, None): (cfg, 0.0, 0.0), (16, 4, None, 1, None): (None, 0.0, 0.0),
+               (8, 4, None, 1, "norm"): (cfg, 0.0, 0.0), (8, 4, None, 16, "norm"): (None, 0.0, 0.0)}
+    assert plan_summary(results) == "plain M=1 1/2; norm M=1 1/1, M=16 0/1"

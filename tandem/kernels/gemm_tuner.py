@@ -166,11 +166,23 @@ def tune_model(model: torch.nn.Module, dtype: torch.dtype, max_m: int = MAX_SMAL
         for m in (b for b in M_BUCKETS if b <= max_m):
             _tune_layer(layer, dtype, m, fuse_norm, results)
     torch.cuda.empty_cache()  # the timing copies
-    log.info("small-M GEMM tuning: %d shapes in %.1fs", len(results), time.monotonic() - started)
+    log.info("small-M GEMM tuning: %d shapes in %.1fs; %s", len(results), time.monotonic() - started,
+             plan_summary(results))
     for (n, k, wdt, m, fused), (cfg, ms, base_ms) in results.items():
         log.debug("N=%d K=%d %s M=%d%s: %s %.1f us (baseline %.1f us)", n, k, wdt, m,
                   f" {fused} input" if fused else "", cfg, ms * 1e3, base_ms * 1e3)
     return results
+
+
+def plan_summary(results: dict) -> str:
+    """Which (shape, M) cases chose a Triton kernel, by input kind: e.g. "norm M=1 2/2, M=16 0/2"."""
+    chosen: dict[str, dict[int, list[int]]] = {}
+    for (_, _, _, m, fused), (cfg, _, _) in results.items():
+        won = chosen.setdefault(fused or "plain", {}).setdefault(m, [0, 0])
+        won[0] += cfg is not None
+        won[1] += 1
+    return "; ".join(f"{kind} " + ", ".join(f"M={m} {w}/{n}" for m, (w, n) in sorted(by_m.items()))
+                     for kind, by_m in chosen.items())
 
 
 def _tune_layer(layer: Linear, dtype: torch.dtype, m: int, fuse_norm: bool, results: dict) -> None:
