@@ -29,6 +29,7 @@ class DecodeRow:
     gpu_busy: float | None
     host_ms: float  # host work per step outside the sanctioned wait
     graph_replay_ms: float | None = None  # device time of the same forward from its CUDA graph
+    graph_launch_host_ms: float | None = None  # host time to queue that graph's replay
     phases_ms: dict | None = None  # mean host ms per step: schedule, launch, process, wait
 
     @property
@@ -55,11 +56,11 @@ def steady_decode(engine: Engine, batch: int, overlap: bool, steps: int, warmup:
         engine.step()
     wall = time.perf_counter() - start
     summary = engine.timeline.summary(skip=first)
-    graph_ms = replay_ms(engine, batch)
+    graph_ms, launch_host_ms = replay_ms(engine, batch)
     engine.cancel(rids)
     return DecodeRow(batch, overlap, wall / steps * 1e3, batch * steps / wall,
                      summary.get("mean_gpu_forward_ms"), summary.get("gpu_busy_fraction"),
-                     summary["mean_host_ms"], graph_ms, _phases(engine.timeline.records[first:]))
+                     summary["mean_host_ms"], graph_ms, launch_host_ms, _phases(engine.timeline.records[first:]))
 
 
 def _phases(records) -> dict:
@@ -68,21 +69,53 @@ def _phases(records) -> dict:
             for k in ("schedule", "launch", "process", "host_wait")}
 
 
-def replay_ms(engine: Engine, batch: int, repeats: int = 20) -> float | None:
-    """Device time of one decode forward replayed from its CUDA graph (events), or None."""
+def replay_ms(engine: Engine, batch: int, repeats: int = 20) -> tuple[float | None, float | None]:
+    """(device ms of one decode forward replayed from its CUDA graph (events), host ms to queue
+    one replay), or (None, None) without a graph. The host figure is what every graphed step
+    pays on the CPU for the launch itself, whatever the rest of its host work."""
     graphs = engine.runner.graphs
     if graphs is None or batch > graphs.max_batch:
-        return None
+        return None, None
     stream = engine.streams.forward
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    slots = engine.stager.views(0, {"req_slots": graphs.bucket(batch)})["req_slots"]
     torch.cuda.synchronize()
     with torch.cuda.stream(stream):
         start.record(stream)
+        queued = time.perf_counter()
         for _ in range(repeats):
-            graphs.replay(graphs.bucket(batch), 0, engine.stager.views(0, {"req_slots": graphs.bucket(batch)})["req_slots"])
+            graphs.replay(graphs.bucket(batch), 0, slots)
+        host_ms = (time.perf_counter() - queued) / repeats * 1e3
         end.record(stream)
     end.synchronize()
-    return start.elapsed_time(end) / repeats
+    return start.elapsed_time(end) / repeats, host_ms
+
+
+def host_profile(engine: Engine, batch: int, steps: int, prompt_len: int, top: int = 40) -> str:
+    """cProfile of `steps` steady overlapped decode steps at `batch` rows (after the timed runs,
+    so the profiler's cost never reaches their figures): the top functions by cumulative time."""
+    import cProfile
+    import io
+    import pstats
+    engine.cfg.disable_overlap = False
+    params = SamplingParams(max_tokens=steps + 16, temperature=0, ignore_eos=True)
+    rng = random.Random(2)
+    vocab = engine.model_config.vocab_size
+    rids = [engine.add_request([rng.randrange(vocab) for _ in range(prompt_len)], params,
+                               request_id=f"prof-{batch}-{i}") for i in range(batch)]
+    for _ in range(8):
+        engine.step()
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(steps):
+        engine.step()
+    profiler.disable()
+    engine.cancel(rids)
+    while engine.has_unfinished():
+        engine.step()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(top)
+    return f"host profile, batch {batch}, {steps} steps (cProfile):\n" + text.getvalue()
 
 
 def time_to_first_token(engine: Engine, prompts: list[list[int]], switch: bool) -> dict:
@@ -124,6 +157,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ttft-burst", type=int, default=32, help="prompts in the TTFT burst")
     ap.add_argument("--experiment", action="append", default=[], metavar="NAME=VALUE",
                     help="an Experiments switch for an A/B run, e.g. fused_kv_write=off (repeatable)")
+    ap.add_argument("--host-profile", type=int, metavar="BATCH",
+                    help="after the timed runs, cProfile 200 decode steps at BATCH rows and print the top functions")
     ap.add_argument("--json", help="write results here")
     args = ap.parse_args(argv)
     sizes = [int(x) for x in args.batch_sizes.split(",")]
@@ -152,26 +187,30 @@ def main(argv: list[str] | None = None) -> int:
           f"first {switch[False]['first_ms']:.1f} / {switch[True]['first_ms']:.1f} ms, "
           f"mean {switch[False]['mean_ms']:.1f} / {switch[True]['mean_ms']:.1f} ms, "
           f"last {switch[False]['last_ms']:.1f} / {switch[True]['last_ms']:.1f} ms")
+    profile = host_profile(engine, args.host_profile, 200, args.prompt_len) if args.host_profile else None
+    if profile:
+        print(profile)
     engine.close()  # tensor-parallel workers
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "rows": [{**asdict(r), "overhead_ratio": r.overhead_ratio}
                                                     for r in rows],
-                       "ttft_single_1024": single, "ttft_burst": {"off": switch[False], "on": switch[True]}},
+                       "ttft_single_1024": single, "ttft_burst": {"off": switch[False], "on": switch[True]},
+                       "host_profile": profile},
                       f, indent=1)
     return 0
 
 
 def format_table(rows: list[DecodeRow]) -> str:
     by = {(r.batch, r.overlap): r for r in rows}
-    lines = ["| batch | tok/s overlap on | tok/s off | on/off | step ms on | GPU fwd ms | graph replay ms | overhead ratio | GPU busy on | GPU busy off | host ms/step |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| batch | tok/s overlap on | tok/s off | on/off | step ms on | GPU fwd ms | graph replay ms | graph launch host ms | overhead ratio | GPU busy on | GPU busy off | host ms/step |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for b in sorted({r.batch for r in rows}):
         on, off = by[(b, True)], by[(b, False)]
         fmt = lambda x, p="{:.3f}": "n/a" if x is None else p.format(x)  # noqa: E731
         lines.append(f"| {b} | {on.tokens_per_s:,.0f} | {off.tokens_per_s:,.0f} | "
                      f"{on.tokens_per_s / off.tokens_per_s:.2f} | {on.step_ms:.3f} | {fmt(on.gpu_forward_ms)} | "
-                     f"{fmt(on.graph_replay_ms)} | {fmt(on.overhead_ratio, '{:.2f}')} | "
+                     f"{fmt(on.graph_replay_ms)} | {fmt(on.graph_launch_host_ms)} | {fmt(on.overhead_ratio, '{:.2f}')} | "
                      f"{fmt(on.gpu_busy, '{:.1%}')} | {fmt(off.gpu_busy, '{:.1%}')} | {on.host_ms:.3f} |")
     return "\n".join(lines)
 
