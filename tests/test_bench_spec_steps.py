@@ -11,7 +11,7 @@ from tandem.bench import spec_steps
 @pytest.mark.slow  # ~35 s: the built-in model, four generations
 def test_steps_are_grouped_by_kind_with_their_figures(tmp_path):
     out = tmp_path / "steps.json"
-    assert spec_steps.main(["--task", "copy", "--max-tokens", "12", "--json", str(out)]) == 0
+    assert spec_steps.main(["--task", "copy", "--max-tokens", "12", "--host-profile", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     plain, spec = report["plain"], report["spec"]
     assert set(plain["groups"]) == {"decode"} and set(plain["kinds"]) <= {"p", "d"}
@@ -20,3 +20,4 @@ def test_steps_are_grouped_by_kind_with_their_figures(tmp_path):
     assert 0 < verify["accepted"] <= verify["proposed"] and verify["steps"] == spec["kinds"].count("V")
     assert verify["launch_ms"] > 0 and verify["schedule_ms"] > 0
     assert verify["gpu_forward_ms"] is None  # CUDA events only
+    assert "_queue_verify" in spec["host_profile"] and "_queue_verify" not in plain["host_profile"]

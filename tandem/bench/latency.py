@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass
 
 from tandem.bench.presets import preset_dir
 from tandem.config import EngineConfig, Experiments
+from tandem.diagnostics.profile import host_profile
 from tandem.engine import Engine
 from tandem.entrypoints.ranks import build_engine
 from tandem.sampling import SamplingParams
@@ -91,12 +92,9 @@ def replay_ms(engine: Engine, batch: int, repeats: int = 20) -> tuple[float | No
     return start.elapsed_time(end) / repeats, host_ms
 
 
-def host_profile(engine: Engine, batch: int, steps: int, prompt_len: int, top: int = 40) -> str:
-    """cProfile of `steps` steady overlapped decode steps at `batch` rows (after the timed runs,
-    so the profiler's cost never reaches their figures): the top functions by cumulative time."""
-    import cProfile
-    import io
-    import pstats
+def host_profile_steps(engine: Engine, batch: int, steps: int, prompt_len: int) -> str:
+    """cProfile of `steps` steady overlapped decode steps at `batch` rows, after the timed runs
+    (the profiler's cost never reaches their figures)."""
     engine.cfg.disable_overlap = False
     params = SamplingParams(max_tokens=steps + 16, temperature=0, ignore_eos=True)
     rng = random.Random(2)
@@ -105,17 +103,11 @@ def host_profile(engine: Engine, batch: int, steps: int, prompt_len: int, top: i
                                request_id=f"prof-{batch}-{i}") for i in range(batch)]
     for _ in range(8):
         engine.step()
-    profiler = cProfile.Profile()
-    profiler.enable()
-    for _ in range(steps):
-        engine.step()
-    profiler.disable()
+    text = host_profile(lambda: [engine.step() for _ in range(steps)])
     engine.cancel(rids)
     while engine.has_unfinished():
         engine.step()
-    text = io.StringIO()
-    pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(top)
-    return f"host profile, batch {batch}, {steps} steps (cProfile):\n" + text.getvalue()
+    return f"host profile, batch {batch}, {steps} steps (cProfile):\n{text}"
 
 
 def time_to_first_token(engine: Engine, prompts: list[list[int]], switch: bool) -> dict:
@@ -187,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
           f"first {switch[False]['first_ms']:.1f} / {switch[True]['first_ms']:.1f} ms, "
           f"mean {switch[False]['mean_ms']:.1f} / {switch[True]['mean_ms']:.1f} ms, "
           f"last {switch[False]['last_ms']:.1f} / {switch[True]['last_ms']:.1f} ms")
-    profile = host_profile(engine, args.host_profile, 200, args.prompt_len) if args.host_profile else None
+    profile = host_profile_steps(engine, args.host_profile, 200, args.prompt_len) if args.host_profile else None
     if profile:
         print(profile)
     engine.close()  # tensor-parallel workers

@@ -16,6 +16,7 @@ import json
 import statistics
 
 from tandem.bench.spec_tasks import TASKS, add_model_args, timed_chat
+from tandem.diagnostics.profile import host_profile
 from tandem.entrypoints.llm import LLM
 
 FIELDS = ("gpu_forward_ms", "gpu_idle_before_ms", "schedule_ms", "launch_ms", "process_ms", "host_wait_ms",
@@ -38,7 +39,7 @@ def _kind_letter(r) -> str:
 
 
 def profile(model: str | None, spec: dict | None, task: str, batch: int, max_tokens: int,
-            kernels: bool) -> dict:
+            kernels: bool, host: bool = False) -> dict:
     kw = {"timeline": True, "speculative_config": spec}
     if model is not None:
         kw["model"] = model
@@ -61,6 +62,8 @@ def profile(model: str | None, spec: dict | None, task: str, batch: int, max_tok
                 torch.cuda.synchronize()
             out["kernel_table"] = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=30,
                                                             max_name_column_width=60)
+        if host:  # after the timed run: the profiler slows the host several times over
+            out["host_profile"] = host_profile(lambda: timed_chat(llm, task, batch, max_tokens, warm=False))
         return out
     finally:
         llm.close()
@@ -74,10 +77,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--kernels", action="store_true", help="also print the CUDA kernel table of each")
+    ap.add_argument("--host-profile", action="store_true",
+                    help="also print a cProfile of one more run of each (where a step's host time goes)")
     ap.add_argument("--json", help="write the figures here")
     args = ap.parse_args(argv)
     spec = json.loads(args.speculative_config)
-    results = {label: profile(args.model, config, args.task, args.batch, args.max_tokens, args.kernels)
+    results = {label: profile(args.model, config, args.task, args.batch, args.max_tokens, args.kernels,
+                              args.host_profile)
                for label, config in (("plain", None), ("spec", spec))}
     for label, res in results.items():
         for kind, g in res["groups"].items():
@@ -87,6 +93,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{label:5} kinds {res['kinds']}")
         if "kernel_table" in res:
             print(res["kernel_table"])
+        if "host_profile" in res:
+            print(res["host_profile"])
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), **results}, f, indent=1)

@@ -84,6 +84,24 @@ def profile_run(engine, prompts, params, overlap: bool, trace_path: Path) -> dic
     return summary
 
 
+def host_profile(run, top: int = 40) -> str:
+    """cProfile of `run()` (host work: Python and the calls that queue device work), the top
+    functions by cumulative time as text. Run it after a benchmark's timed part: the profiler
+    slows every Python call several times over."""
+    import cProfile
+    import io
+    import pstats
+    profiler = cProfile.Profile()
+    profiler.enable()
+    try:
+        run()
+    finally:
+        profiler.disable()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(top)
+    return text.getvalue()
+
+
 @contextlib.contextmanager
 def step_window(engine, first: int, count: int, rows: int = 25):
     """Profile engine steps [first, first + count) of the block, kernels included; yields a list
