@@ -45,6 +45,17 @@ def test_step_window_profiles_only_the_steps_asked_for(tiny_preset):
     assert "step" not in vars(engine)  # the wrapper is gone
 
 
+def test_host_step_window_profiles_the_python_of_those_steps(tiny_preset):
+    engine = _engine(tiny_preset)
+    engine.add_request([5, 6, 7, 8], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    with step_window(engine, first=2, count=3, host=True) as tables:
+        while engine.has_unfinished():
+            engine.step()
+    assert len(tables) == 1
+    assert "3    " in tables[0] and "engine.py" in tables[0] and "(_run_step)" in tables[0]  # 3 steps' calls
+    assert "step" not in vars(engine)
+
+
 # ---- step timeline ----
 @pytest.mark.parametrize("overlap", [True, False])
 def test_timeline_one_sane_record_per_step(tiny_preset, tmp_path, overlap):

@@ -235,12 +235,13 @@ def run_one(args: argparse.Namespace) -> PrefixRow:
         engine.reset_prefix_cache()
     retries = _alloc_retries(engine.device)
     s0, first = engine.stats(), len(engine.timeline.records)
-    window = (step_window(engine, args.profile_steps[0], args.profile_steps[1]) if args.profile_steps
-              else contextlib.nullcontext([]))
-    with count_compiles() as compiles, window as tables:
+    window = (step_window(engine, *args.profile_steps) if args.profile_steps else contextlib.nullcontext([]))
+    host_window = (step_window(engine, *args.host_profile_steps, rows=40, host=True) if args.host_profile_steps
+                   else contextlib.nullcontext([]))
+    with count_compiles() as compiles, window as tables, host_window as host_tables:
         inputs, outputs, wall, ttft = drive(engine, make_workload(args, vocab, args.seed), "run")
-    for table in tables:
-        print(f"steps {args.profile_steps[0]}..{sum(args.profile_steps)} of the measured run:\n{table}", file=sys.stderr)
+    for steps, table in [(args.profile_steps, t) for t in tables] + [(args.host_profile_steps, t) for t in host_tables]:
+        print(f"steps {steps[0]}..{sum(steps)} of the measured run:\n{table}", file=sys.stderr)
     if engine.kv_tier is not None:
         engine.kv_tier.collect()  # drive() synchronized: every copy's time is known
     s1 = engine.stats()
@@ -305,6 +306,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--profile-steps", type=int, nargs=2, metavar=("FIRST", "COUNT"),
                     help="profile COUNT engine steps of the measured run from step FIRST (its timings then include "
                          "the profiler's); prints the ops by device time to stderr")
+    ap.add_argument("--host-profile-steps", type=int, nargs=2, metavar=("FIRST", "COUNT"),
+                    help="cProfile COUNT engine steps of the measured run from step FIRST; prints the functions by "
+                         "cumulative host time to stderr (where a host-bound step's time goes)")
     ap.add_argument("--json", help="write the rows here")
     return ap
 

@@ -103,27 +103,26 @@ def host_profile(run, top: int = 40) -> str:
 
 
 @contextlib.contextmanager
-def step_window(engine, first: int, count: int, rows: int = 25):
+def step_window(engine, first: int, count: int, rows: int = 25, host: bool = False):
     """Profile engine steps [first, first + count) of the block, kernels included; yields a list
     that then holds the table of ops by device time (by host time on the CPU). For a steady
-    window inside a long run, where a whole-run profile costs more than the run."""
-    from torch.profiler import ProfilerActivity, profile
+    window inside a long run, where a whole-run profile costs more than the run. With `host`,
+    a cProfile of the window's Python instead (top functions by cumulative time): where the
+    host time of those steps goes."""
     cuda = engine.device.type == "cuda"
-    prof = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []))
+    start, table = _host_profiler(rows) if host else _device_profiler(cuda, rows)
     step, seen, tables = engine.step, [0], []
 
     def stop() -> None:
         if cuda:
             torch.cuda.synchronize()  # every kernel of the window lands in it
-        prof.stop()
-        tables.append(prof.key_averages().table(sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total",
-                                                row_limit=rows, max_name_column_width=60))
+        tables.append(table())
 
     def stepped(*args, **kwargs):
         if seen[0] == first:
             if cuda:
                 torch.cuda.synchronize()
-            prof.start()
+            start()
         try:
             return step(*args, **kwargs)
         finally:
@@ -138,6 +137,33 @@ def step_window(engine, first: int, count: int, rows: int = 25):
         del engine.step
         if first < seen[0] < first + count:
             stop()  # the block ended inside the window
+
+
+def _device_profiler(cuda: bool, rows: int):
+    """(start, stop-and-tabulate) of torch.profiler: ops by device time (host time on the CPU)."""
+    from torch.profiler import ProfilerActivity, profile
+    prof = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []))
+
+    def table() -> str:
+        prof.stop()
+        return prof.key_averages().table(sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total",
+                                         row_limit=rows, max_name_column_width=60)
+    return prof.start, table
+
+
+def _host_profiler(rows: int):
+    """(start, stop-and-tabulate) of cProfile: functions by cumulative host time."""
+    import cProfile
+    import io
+    import pstats
+    prof = cProfile.Profile()
+
+    def table() -> str:
+        prof.disable()
+        text = io.StringIO()
+        pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(rows)
+        return text.getvalue()
+    return prof.enable, table
 
 
 def profile_main(argv: list[str] | None = None) -> int:
