@@ -138,6 +138,9 @@ class Experiments:
     # Decode at small batch (issue 21): residual add + RMSNorm run in the prologue of the next
     # projection's small-M GEMM where the tuner found that faster (off: a norm kernel per norm).
     fused_norm_gemm: bool = True
+    # Split-K decode attention: the last split program of each row merges (off: a separate
+    # merge launch per layer).
+    fused_decode_merge: bool = True
 
     @classmethod
     def from_overrides(cls, pairs: list[str]) -> "Experiments":

@@ -106,7 +106,8 @@ class Engine:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
         self.backend = make_attention_backend(cfg.attention_backend, self.device,
                                               cfg.experiments.attention_split_by_context,
-                                              cfg.experiments.fused_kv_write)
+                                              cfg.experiments.fused_kv_write,
+                                              cfg.experiments.fused_decode_merge)
         self.debug = DebugChecks.from_env()  # TANDEM_DEBUG_*: read once, for this engine's life
         self._build_memory()
         self.parallel.connect(self.device)

@@ -24,7 +24,7 @@ import tandem.kernels  # noqa: E402,F401  (its submodules shadow names: read the
 TARGET = GPUTarget("cuda", 90, 32)
 POINTERS = {  # by argument name; anything else in CamelCase or *_ptr is bf16
     "ReqToToken": "*i32", "History": "*i32", "Tokens": "*i32", "Count": "*i32", "hash_ptr": "*i64",
-    "keys_ptr": "*i64", "best_idx_ptr": "*i64", "best_val_ptr": "*fp32", "scores_ptr": "*fp32",
+    "Counters": "*i32", "keys_ptr": "*i64", "best_idx_ptr": "*i64", "best_val_ptr": "*fp32", "scores_ptr": "*fp32",
     "MidO": "*fp32", "MidLse": "*fp32", "Partial": "*fp32", "SqPartial": "*fp32", "Scale": "*fp32", "S": "*fp32",
     "Q8": "*fp8e4nv",
     "Cos": "*fp32", "Sin": "*fp32",
@@ -52,7 +52,7 @@ def kernels() -> dict:
     import tandem.kernels.small_m_gemm  # noqa: F401
     gemm = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, SPLIT=False, HAS_SCALE=False, HAS_BIAS=False, EVEN_K=True,
                 EVEN_N=True, SILU_MUL=False, NORM=False, HAS_RESIDUAL=False, DOT_PRECISION="tf32", PER_LANE=False)
-    split = dict(GROUP=2, HEAD_BLOCKS=1, BLOCK_H=16, BLOCK_N=64, **ATTN)
+    split = dict(GROUP=2, HEAD_BLOCKS=1, BLOCK_H=16, BLOCK_N=64, FUSED_MERGE=False, BLOCK_S=1, **ATTN)
     sizes = {"M": "i32", "N": "i32", "K": "i32"}
     return {
         "silu_mul": (_kernel(ka, "_silu_mul_kernel"), dict(BLOCK=1024), {"I": "i32"}),
@@ -67,6 +67,10 @@ def kernels() -> dict:
         "write_kv": (_kernel("tandem.kernels.kv_write", "_write_kv_kernel"),
                      dict(NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_H=8, BLOCK_D=128), {}),
         "decode_split": (_kernel(da, "_decode_split_kernel"), dict(SPLIT=True, HAS_START=False, **split), {}),
+        # The last split program of each (request, head group) merges: atomics with acq_rel.
+        "decode_split_fused_merge": (_kernel(da, "_decode_split_kernel"),
+                                     dict(SPLIT=True, HAS_START=False, **{**split, "FUSED_MERGE": True,
+                                                                           "BLOCK_S": 32}), {}),
         "decode_suffix": (_kernel(da, "_decode_split_kernel"), dict(SPLIT=True, HAS_START=True, **split), {}),
         "decode_unsplit": (_kernel(da, "_decode_split_kernel"), dict(SPLIT=False, HAS_START=False, **split), {}),
         "decode_merge": (_kernel(da, "_decode_merge_kernel"), dict(HEAD_DIM=128, BLOCK_S=16, BLOCK_D=128, BLOCK_N=64), {}),

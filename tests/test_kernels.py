@@ -15,6 +15,7 @@ from tandem.attention import torch_backend as ref  # noqa: E402
 from tandem.attention.triton_backend import TritonAttention  # noqa: E402
 from tandem.forward_batch import ForwardBatch  # noqa: E402
 from tandem.kernels import decode_attention, decode_num_splits, extend_attention, write_kv  # noqa: E402
+from tandem.kernels.decode_attention import SplitCounters  # noqa: E402
 
 TOL = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 # (query heads, kv heads, head_dim): GQA ratios 1, 3, 8, a single KV head, a group
@@ -119,6 +120,84 @@ def test_decode_zero_length_row_gives_zeros():
         assert torch.isfinite(out[1]).all()
 
 
+# Fused merge (the last split program of each row and head group merges) against the merge
+# launch: batches 1, 3, 9; GQA groups 1, 2, 8 (one KV head); 2, 5, 32 splits; contexts around the
+# 64-key block; padding rows (0). min_split 1 spreads rows over every split, 64 over a few.
+NINE_ROWS = [1, 63, 64, 65, 700, 0, 17, 130, 300]
+FUSED_CASES = [  # (heads, seq_lens, num_splits, min_split, dtype)
+    ((2, 2, 64), [700], 2, 1, torch.float32),
+    ((4, 2, 64), [700], 32, 1, torch.float32),
+    ((8, 1, 64), [65], 5, 1, torch.float16),
+    ((2, 2, 64), [0, 63, 65], 5, 1, torch.float32),
+    ((4, 2, 64), [0, 64, 700], 32, 1, torch.float16),
+    ((8, 1, 64), [1, 63, 0], 2, 1, torch.float32),
+    ((2, 2, 64), NINE_ROWS, 32, 64, torch.float32),
+    ((4, 2, 64), NINE_ROWS, 5, 64, torch.float32),
+    ((8, 1, 64), NINE_ROWS, 2, 1, torch.float32),
+]
+
+
+def _fused_vs_merge_launch(heads, seq_lens, num_splits, min_split, dtype, counters: SplitCounters, seed=0):
+    """Decode twice with `counters` (the second call counts from the zeros the first left)
+    into NaN-filled outputs: each must equal the merge launch's exactly and leave the
+    counters zero. Returns the output."""
+    num_heads, num_kv_heads, head_dim = heads
+    k_cache, v_cache, r2t, req_slots = _paged(seq_lens, num_kv_heads, head_dim, dtype, seed)
+    q = torch.randn(len(seq_lens), num_heads, head_dim, device=DEVICE).to(dtype)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    args = (q, k_cache, v_cache, r2t, req_slots, lens, head_dim ** -0.5, max(seq_lens))
+    kwargs = dict(num_splits=num_splits, min_split_tokens=min_split)
+    launched = decode_attention(*args, **kwargs)
+    for _ in range(2):
+        out = decode_attention(*args, out=torch.full_like(q, float("nan")), counters=counters, **kwargs)
+        assert torch.equal(out, launched)  # NaN left anywhere: a group was never merged
+        assert not counters.get(q.device, 1).any(), "a counter was left non-zero"
+    expected = ref.decode_attention(q.float(), k_cache.float(), v_cache.float(), r2t, req_slots, lens,
+                                    head_dim ** -0.5, max(seq_lens))
+    _close(out, expected, dtype)
+    for row in (i for i, n in enumerate(seq_lens) if n == 0):  # padding rows: zeros, not NaN
+        assert torch.equal(out[row], torch.zeros_like(out[row]))
+    return out
+
+
+@pytest.mark.parametrize("heads,seq_lens,num_splits,min_split,dtype", FUSED_CASES,
+                         ids=lambda v: "x".join(map(str, v)) if isinstance(v, (list, tuple)) else str(v))
+def test_decode_fused_merge_equals_merge_launch(heads, seq_lens, num_splits, min_split, dtype):
+    _fused_vs_merge_launch(heads, seq_lens, num_splits, min_split, dtype, SplitCounters())
+
+
+def test_decode_fused_merge_counters_grow_and_stay_zero():
+    # One pool for grids of 1, 3 and 9 rows (4 counters to start: it grows twice), and back:
+    # the smaller grid reuses the grown buffer, whose counters the larger launches left at zero.
+    counters = SplitCounters(min_size=4)
+    for seq_lens in ([700], [0, 63, 65], NINE_ROWS, [64, 1]):
+        _fused_vs_merge_launch((4, 2, 64), seq_lens, 5, 1, torch.float32, counters)
+    assert counters.get(torch.device(DEVICE), 1).numel() >= 9 * 2
+
+
+def test_decode_fused_merge_needs_counters_reset():
+    # A counter left at 1 (as if a merge had not reset it) shifts who counts last: its group
+    # is then merged before all of its splits arrived, or never. The reset is what prevents it.
+    counters = SplitCounters()
+    counters.get(torch.device(DEVICE), 8)[0] = 1
+    with pytest.raises(AssertionError):
+        _fused_vs_merge_launch((4, 2, 64), [700], 5, 1, torch.float32, counters)
+
+
+def test_decode_fused_merge_single_split_is_direct():
+    # One split: the split kernel writes the output itself and never reads the counters, so
+    # even a poisoned pool (a counter left at 1) gives the right output.
+    counters = SplitCounters()
+    counters.get(torch.device(DEVICE), 8)[0] = 1
+    q = torch.randn(3, 4, 64, device=DEVICE)
+    k_cache, v_cache, r2t, req_slots = _paged([0, 40, 3], 2, 64, torch.float32)
+    lens = torch.tensor([0, 40, 3], dtype=torch.int32, device=DEVICE)
+    args = (q, k_cache, v_cache, r2t, req_slots, lens, 0.125, 40)
+    out = decode_attention(*args, num_splits=1, counters=counters)
+    assert torch.equal(out, decode_attention(*args, num_splits=1))
+    assert torch.equal(out[0], torch.zeros_like(out[0]))
+
+
 def _extend_case(heads, dtype, prefix_lens, extend_lens, **kwargs):
     num_heads, num_kv_heads, head_dim = heads
     seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
@@ -194,6 +273,25 @@ def test_backend_matches_torch_backend(prefix_lens, extend_lens):
     expected = ref.TorchAttention().forward(q, k, v, *caches, batch, d ** -0.5)
     assert torch.equal(k_cache, caches[0]) and torch.equal(v_cache, caches[1])
     _close(out, expected, torch.float32)
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused_merge", "merge_launch"])
+def test_backend_fused_decode_merge(fused):
+    # Rows long enough for split-K (3 splits at this batch): the backend's counters, or none.
+    prefix_lens, extend_lens, heads, kvh, d = [699, 0, 300], [1, 1, 1], 6, 2, 64
+    k_cache, v_cache, r2t, req_slots = _paged([p + e for p, e in zip(prefix_lens, extend_lens)], kvh, d,
+                                              torch.float32)
+    batch = _batch(prefix_lens, extend_lens, r2t, req_slots)
+    assert decode_num_splits(3, kvh, heads // kvh, batch.max_seq_len, torch.device(DEVICE)) > 1
+    q = torch.randn(3, heads, d, device=DEVICE)
+    k, v = torch.randn(3, kvh, d, device=DEVICE), torch.randn(3, kvh, d, device=DEVICE)
+    expected = ref.TorchAttention().forward(q, k, v, k_cache.clone(), v_cache.clone(), batch, d ** -0.5)
+    attn = TritonAttention(fused_decode_merge=fused)
+    assert (attn.split_counters is not None) == fused
+    out = attn.forward(q, k, v, k_cache, v_cache, batch, d ** -0.5)
+    _close(out, expected, torch.float32)
+    if fused:
+        assert not attn.split_counters.get(q.device, 1).any()
 
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])

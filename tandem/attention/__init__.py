@@ -23,9 +23,10 @@ class AttentionBackend(Protocol):
 
 
 def make_attention_backend(name: str, device: torch.device, split_by_context: bool = True,
-                           fused_kv_write: bool = True) -> AttentionBackend:
+                           fused_kv_write: bool = True, fused_decode_merge: bool = True) -> AttentionBackend:
     """`auto` picks Triton on CUDA when it is importable, the torch reference otherwise.
-    `fused_kv_write` applies to Triton only (the reference always writes its own cache)."""
+    `fused_kv_write` and `fused_decode_merge` apply to Triton only (the reference always
+    writes its own cache, and has no split-K kernel)."""
     if name == "torch" or (name == "auto" and device.type != "cuda"):
         return TorchAttention()
     if name in ("auto", "triton"):
@@ -35,5 +36,5 @@ def make_attention_backend(name: str, device: torch.device, split_by_context: bo
             if name == "triton":
                 raise
             return TorchAttention()
-        return TritonAttention(split_by_context, fused_kv_write)
+        return TritonAttention(split_by_context, fused_kv_write, fused_decode_merge)
     raise ValueError(f"attention backend must be one of auto, torch, triton; got {name!r}")

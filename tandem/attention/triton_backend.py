@@ -8,7 +8,7 @@ import torch
 from tandem.forward_batch import ForwardBatch
 from tandem.kernels import decode_attention, extend_attention, write_kv
 from tandem.kernels.cascade_attention import cascade_attention
-from tandem.kernels.decode_attention import MIN_ROW_SPLIT_TOKENS
+from tandem.kernels.decode_attention import MIN_ROW_SPLIT_TOKENS, SplitCounters
 
 
 class TritonAttention:
@@ -16,7 +16,8 @@ class TritonAttention:
 
     name = "triton"
 
-    def __init__(self, split_by_context: bool = True, fused_kv_write: bool = True):
+    def __init__(self, split_by_context: bool = True, fused_kv_write: bool = True,
+                 fused_decode_merge: bool = True):
         # On: each decode row uses only the splits its own length needs (device-side), so a
         # graph captured for the longest context runs short rows with few splits. Off: every
         # row spreads over all splits of the grid (the behaviour before, for comparison).
@@ -24,6 +25,10 @@ class TritonAttention:
         # On: the model's RoPE launch stores the new K/V in the cache and calls forward with
         # kv_written=True, one launch a layer fewer (Experiments.fused_kv_write).
         self.fused_kv_write = fused_kv_write
+        # On: split-K decode merges in the split launch, its last program per row and head
+        # group (Experiments.fused_decode_merge). The counters live as long as the backend:
+        # every layer's launch and every captured graph reuses them (all on one stream).
+        self.split_counters = SplitCounters() if fused_decode_merge else None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch,
@@ -38,7 +43,7 @@ class TritonAttention:
         if batch.is_decode:
             return decode_attention(q, k_cache, v_cache, batch.req_to_token, batch.req_slots,
                                     batch.seq_lens, scale, batch.max_seq_len,
-                                    min_split_tokens=self.min_split_tokens)
+                                    min_split_tokens=self.min_split_tokens, counters=self.split_counters)
         return extend_attention(q, k_cache, v_cache, batch.req_to_token, batch.req_slots,
                                 batch.seq_lens, batch.prefix_lens, batch.qo_indptr, scale,
                                 max(batch.host_extend_lens, default=0))

@@ -1,17 +1,21 @@
 """Paged decode attention (one query token per request), split along the sequence.
 
-Stage 1, grid (request, kv head x head block, split): one program owns the query
+The split kernel, grid (request, kv head x head block, split): one program owns the query
 heads that share a KV head, so each K/V tile is loaded once for the whole GQA group
 and QK / PV are `tl.dot`s of [heads, D] x [D, keys] (heads padded to 16, the smallest
 MMA tile). Each split covers one chunk of the sequence and writes its normalised
-partial output and log-sum-exp; stage 2 merges the splits (flash-decoding).
+partial output and log-sum-exp; the splits are then merged (flash-decoding), either by
+a second launch (`_decode_merge_kernel`, grid (request, head)) or, with a `SplitCounters`
+pool, in the same launch: each program counts its arrival on its (request, head group)'s
+counter and the last of them merges the group's heads (split-K semaphore fix-up). One
+launch a layer fewer, which is what a batch-1 step, bound by kernel count, pays for.
 
 The split count is a host int: the grid's upper bound, fixed for a given (batch,
 num_splits), so the launch is safe to capture in a CUDA graph (a graph is captured
 for the longest context). Each row then chooses on the device, from its own
 `seq_lens`, how many of those splits it uses: no split shorter than `min_split_tokens`,
 so a 512-token row in a graph sized for 40k tokens runs 8 splits, not 32, and the
-unused programs exit at once. The counts are runtime arguments, not constexprs, so a
+unused programs load nothing. The counts are runtime arguments, not constexprs, so a
 new value never triggers a compile mid-serving.
 Softmax runs in base 2 with log2(e) folded into the scale (exp2 is the native op).
 """
@@ -38,21 +42,87 @@ def _split_len(seq_len, num_splits, min_split_tokens, BLOCK_N: tl.constexpr):
     return tl.cdiv(split_len, BLOCK_N) * BLOCK_N
 
 
+@triton.jit
+def _used_splits(seq_len, num_splits, min_split_tokens, BLOCK_N: tl.constexpr):
+    """How many splits a row of `seq_len` keys uses (split 0 always, even when empty)."""
+    return tl.maximum(tl.cdiv(seq_len, _split_len(seq_len, num_splits, min_split_tokens, BLOCK_N)), 1)
+
+
+@triton.jit
+def _merge_head(MidO, MidLse, Out, b, h, used,
+                stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, stride_ob, stride_oh,
+                HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Out[b, h] from the first `used` splits' partials, weighted by exp2(lse - max lse).
+    The one merge of both paths (merge launch, fused merge): identical numerics."""
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_s = offs_s < used
+    mask_d = offs_d < HEAD_DIM
+    lse = tl.load(MidLse + b * stride_lb + h * stride_lh + offs_s, mask=mask_s,
+                  other=float("-inf"))
+    m = tl.max(lse, 0)
+    # A zero-length row (CUDA-graph padding) has no keys at all: emit zeros, not NaN.
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(lse - m)
+    o = tl.load(MidO + b * stride_mb + h * stride_mh + offs_s[:, None] * stride_ms
+                + offs_d[None, :], mask=mask_s[:, None] & mask_d[None, :], other=0.0)
+    denom = tl.sum(w, 0)
+    out = tl.sum(w[:, None] * o, 0) / tl.where(denom > 0, denom, 1.0)
+    tl.store(Out + b * stride_ob + h * stride_oh + offs_d, out.to(Out.dtype.element_ty),
+             mask=mask_d)
+
+
+@triton.jit
+def _merge_if_last(Counters, MidO, MidLse, Out, b, first_head, num_group_heads, used, num_splits,
+                   stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, stride_ob, stride_oh,
+                   HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Count this program's arrival on its (request, head group) counter; the last of the
+    group's `num_splits` programs (used splits or not: all of them count) merges its heads."""
+    counter = Counters + b * tl.num_programs(1) + tl.program_id(1)
+    # All of this program's threads stored their partials before the one thread that increments.
+    tl.debug_barrier()
+    # acq_rel: the partial stores happen-before the increment (release), and the last
+    # program's increment happens-before its reads of the other programs' partials (acquire).
+    arrived = tl.atomic_add(counter, 1, sem="acq_rel")
+    if arrived == num_splits - 1:
+        for i in range(num_group_heads):
+            _merge_head(MidO, MidLse, Out, b, first_head + i, used, stride_mb, stride_mh,
+                        stride_ms, stride_lb, stride_lh, stride_ob, stride_oh,
+                        HEAD_DIM=HEAD_DIM, BLOCK_S=BLOCK_S, BLOCK_D=BLOCK_D)
+        # Counters are zero between launches: every program of this launch has arrived, so
+        # the next launch (or CUDA-graph replay) of the same stream counts from zero.
+        tl.atomic_xchg(counter, 0, sem="relaxed")
+
+
+@triton.jit
+def _store_partials(MidO, MidLse, b, heads, offs_d, mask_h, mask_d, split, acc, m_i, l_i,
+                    stride_mb, stride_mh, stride_ms, stride_lb, stride_lh):
+    """A split's normalised output and base-2 log-sum-exp, for the heads in `mask_h`."""
+    has_keys = l_i > 0  # false only for an empty row (CUDA-graph padding)
+    out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+    lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
+    tl.store(MidO + b * stride_mb + heads[:, None] * stride_mh + split * stride_ms
+             + offs_d[None, :], out, mask=mask_h[:, None] & mask_d[None, :])
+    tl.store(MidLse + b * stride_lb + heads * stride_lh + split, lse, mask=mask_h)
+
+
 # The split count and the log-sum-exp strides (which hold it) vary per eager step: not
 # specialized on, so they do not compile a variant each (one kernel for every count).
 @triton.jit(do_not_specialize=["stride_lb", "stride_lh", "num_splits"])
 def _decode_split_kernel(
-    Q, K, V, ReqToToken, ReqSlots, SeqLens, StartLens, MidO, MidLse, Out,
+    Q, K, V, ReqToToken, ReqSlots, SeqLens, StartLens, MidO, MidLse, Out, Counters,
     stride_qb, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_r2t,
     stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, stride_ob, stride_oh,
     qk_scale, num_splits, min_split_tokens,
     GROUP: tl.constexpr, HEAD_BLOCKS: tl.constexpr, HEAD_DIM: tl.constexpr,
     SPLIT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_START: tl.constexpr,
+    FUSED_MERGE: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1) // HEAD_BLOCKS
-    offs_g = (tl.program_id(1) % HEAD_BLOCKS) * BLOCK_H + tl.arange(0, BLOCK_H)
+    first_g = (tl.program_id(1) % HEAD_BLOCKS) * BLOCK_H
+    offs_g = first_g + tl.arange(0, BLOCK_H)
     heads = kv_head * GROUP + offs_g
     mask_h = offs_g < GROUP
     offs_d = tl.arange(0, BLOCK_D)
@@ -93,21 +163,21 @@ def _decode_split_kernel(
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
         m_i = m_new
 
-    has_keys = l_i > 0  # false only for an empty row (CUDA-graph padding)
-    out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
-    mask_hd = mask_h[:, None] & mask_d[None, :]
     if SPLIT:
         # Splits past this row's last one write nothing; the merge reads only used splits.
         used = (start < seq_len) | (split == 0)
-        mask_h = offs_g < tl.where(used, GROUP, 0)
-        mask_hd = mask_h[:, None] & mask_d[None, :]
-        lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
-        tl.store(MidO + b * stride_mb + heads[:, None] * stride_mh + split * stride_ms
-                 + offs_d[None, :], out, mask=mask_hd)
-        tl.store(MidLse + b * stride_lb + heads * stride_lh + split, lse, mask=mask_h)
+        _store_partials(MidO, MidLse, b, heads, offs_d, offs_g < tl.where(used, GROUP, 0), mask_d, split,
+                        acc, m_i, l_i, stride_mb, stride_mh, stride_ms, stride_lb, stride_lh)
+        if FUSED_MERGE:  # never with HAS_START: the merge counts splits from key 0
+            _merge_if_last(Counters, MidO, MidLse, Out, b, kv_head * GROUP + first_g,
+                           tl.minimum(GROUP - first_g, BLOCK_H),
+                           _used_splits(seq_len, num_splits, min_split_tokens, BLOCK_N), num_splits,
+                           stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, stride_ob, stride_oh,
+                           HEAD_DIM=HEAD_DIM, BLOCK_S=BLOCK_S, BLOCK_D=BLOCK_D)
     else:
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # l_i 0: an empty row gives zeros
         tl.store(Out + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
-                 out.to(Out.dtype.element_ty), mask=mask_hd)
+                 out.to(Out.dtype.element_ty), mask=mask_h[:, None] & mask_d[None, :])
 
 
 @triton.jit
@@ -118,25 +188,11 @@ def _decode_merge_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     b = tl.program_id(0)
-    h = tl.program_id(1)
-    offs_s = tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, BLOCK_D)
     seq_len = tl.load(SeqLens + b)
-    used = tl.maximum(tl.cdiv(seq_len, _split_len(seq_len, num_splits, min_split_tokens, BLOCK_N)), 1)
-    mask_s = offs_s < used
-    mask_d = offs_d < HEAD_DIM
-    lse = tl.load(MidLse + b * stride_lb + h * stride_lh + offs_s, mask=mask_s,
-                  other=float("-inf"))
-    m = tl.max(lse, 0)
-    # A zero-length row (CUDA-graph padding) has no keys at all: emit zeros, not NaN.
-    m = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp2(lse - m)
-    o = tl.load(MidO + b * stride_mb + h * stride_mh + offs_s[:, None] * stride_ms
-                + offs_d[None, :], mask=mask_s[:, None] & mask_d[None, :], other=0.0)
-    denom = tl.sum(w, 0)
-    out = tl.sum(w[:, None] * o, 0) / tl.where(denom > 0, denom, 1.0)
-    tl.store(Out + b * stride_ob + h * stride_oh + offs_d, out.to(Out.dtype.element_ty),
-             mask=mask_d)
+    _merge_head(MidO, MidLse, Out, b, tl.program_id(1),
+                _used_splits(seq_len, num_splits, min_split_tokens, BLOCK_N),
+                stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, stride_ob, stride_oh,
+                HEAD_DIM=HEAD_DIM, BLOCK_S=BLOCK_S, BLOCK_D=BLOCK_D)
 
 
 @functools.lru_cache(maxsize=None)
@@ -167,16 +223,50 @@ def decode_num_splits(batch_size: int, num_kv_heads: int, group: int, max_seq_le
     return max(1, min(by_occupancy, by_length, MAX_SPLITS))
 
 
+class SplitCounters:
+    """The fused merge's arrival counters: int32, one per (request, kv head x head block)
+    program group, one buffer per device, shared by every launch of the owner's forward
+    stream (launches on one stream never overlap, so one buffer serves all layers).
+
+    Lifetime rules: a counter is zero between launches (the merging program resets it), so
+    the buffer is zeroed once, at allocation. A buffer that grows stays alive (`_retired`):
+    CUDA graphs captured with it keep its address. It never grows during a capture: the
+    capture's warm-up run, outside it, already sized it for that grid."""
+
+    def __init__(self, min_size: int = 4096):
+        self.min_size = min_size  # 16 KiB: 256 requests x 16 head groups without growing
+        self._buffers: dict[torch.device, torch.Tensor] = {}
+        self._retired: list[torch.Tensor] = []
+
+    def get(self, device: torch.device, size: int) -> torch.Tensor:
+        """At least `size` zero counters on `device`."""
+        device = torch.device(device)
+        buf = self._buffers.get(device)
+        if buf is not None and buf.numel() >= size:
+            return buf
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"SplitCounters: a grid of {size} program groups first seen during "
+                               "CUDA-graph capture; run it once before capturing")
+        if buf is not None:
+            self._retired.append(buf)
+        grown = max(size, self.min_size, 2 * buf.numel() if buf is not None else 0)
+        self._buffers[device] = torch.zeros(grown, dtype=torch.int32, device=device)
+        return self._buffers[device]
+
+
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      req_to_token: torch.Tensor, req_slots: torch.Tensor, seq_lens: torch.Tensor,
                      scale: float, max_seq_len: int, out: torch.Tensor | None = None, *,
                      num_splits: int | None = None, block_n: int | None = None,
-                     min_split_tokens: int = MIN_ROW_SPLIT_TOKENS) -> torch.Tensor:
+                     min_split_tokens: int = MIN_ROW_SPLIT_TOKENS,
+                     counters: SplitCounters | None = None) -> torch.Tensor:
     """q [B, H, D] -> [B, H, D]; matches `torch_backend.decode_attention`.
 
     `num_splits` fixes the grid (e.g. for a CUDA graph captured once and replayed at
     other lengths): the most splits any row uses; rows shorter than
     `num_splits * min_split_tokens` use fewer. Any values are correct for any `seq_lens`.
+    `counters`: merge the splits in the split launch (the last program of each row and
+    head group merges); None: a separate merge launch. Same arithmetic, same result.
     """
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
@@ -194,23 +284,27 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                                        q.device)
     if block_n is None:
         block_n = default_block_n(head_dim)
-    if num_splits > 1:
-        mid_o = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32,
-                            device=q.device)
-        mid_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
-    else:  # stage 1 writes `out` directly; the mid buffers are never touched
-        mid_o, mid_lse = out, out
+    if num_splits == 1:  # the split kernel writes `out` directly; no mid buffers
+        _launch_split(q, k_cache, v_cache, req_to_token, req_slots, seq_lens, None, out, out, out,
+                      scale, num_splits, min_split_tokens, block_n)
+        return out
+    mid_o = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
+    mid_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
+    if counters is not None:
+        groups = batch * num_kv_heads * _head_block(num_heads // num_kv_heads)[1]
+        _launch_split(q, k_cache, v_cache, req_to_token, req_slots, seq_lens, None, mid_o, mid_lse, out,
+                      scale, num_splits, min_split_tokens, block_n, counters=counters.get(q.device, groups))
+        return out
     _launch_split(q, k_cache, v_cache, req_to_token, req_slots, seq_lens, None, mid_o, mid_lse, out,
                   scale, num_splits, min_split_tokens, block_n)
-    if num_splits > 1:
-        _decode_merge_kernel[(batch, num_heads)](
-            mid_o, mid_lse, out, seq_lens,
-            mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0),
-            mid_lse.stride(1), out.stride(0), out.stride(1), num_splits, min_split_tokens,
-            HEAD_DIM=head_dim, BLOCK_S=triton.next_power_of_2(num_splits),
-            BLOCK_D=triton.next_power_of_2(head_dim),
-            BLOCK_N=block_n, num_warps=4,
-        )
+    _decode_merge_kernel[(batch, num_heads)](
+        mid_o, mid_lse, out, seq_lens,
+        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0),
+        mid_lse.stride(1), out.stride(0), out.stride(1), num_splits, min_split_tokens,
+        HEAD_DIM=head_dim, BLOCK_S=triton.next_power_of_2(num_splits),
+        BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_N=block_n, num_warps=4,
+    )
     return out
 
 
@@ -229,17 +323,21 @@ def decode_suffix_partials(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 def _launch_split(q, k_cache, v_cache, req_to_token, req_slots, seq_lens, start_lens, mid_o, mid_lse,
                   out, scale: float, num_splits: int, min_split_tokens: int, block_n: int,
-                  force_split: bool = False) -> None:
-    """Stage 1 of the decode kernel. `start_lens` None: each row from key 0."""
+                  force_split: bool = False, counters: torch.Tensor | None = None) -> None:
+    """The split kernel. `start_lens` None: each row from key 0. `counters` (zeros, one per
+    request x head group): its last program per group merges into `out` (no merge launch)."""
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     group = num_heads // num_kv_heads
     block_h, head_blocks = _head_block(group)
     split = force_split or num_splits > 1
+    fused = counters is not None
+    assert not (fused and start_lens is not None), "the fused merge counts a row's splits from key 0"
     precision = "ieee" if k_cache.dtype == torch.float32 else "tf32"
     _decode_split_kernel[(batch, num_kv_heads * head_blocks, num_splits)](
         q, k_cache, v_cache, req_to_token, req_slots, seq_lens,
         start_lens if start_lens is not None else seq_lens, mid_o, mid_lse, out,
+        counters if fused else seq_lens,  # unread unless fused
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1), req_to_token.stride(0),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2) if split else 0,
@@ -247,5 +345,7 @@ def _launch_split(q, k_cache, v_cache, req_to_token, req_slots, seq_lens, start_
         scale * LOG2E, num_splits, min_split_tokens,
         GROUP=group, HEAD_BLOCKS=head_blocks, HEAD_DIM=head_dim, SPLIT=split,
         BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(head_dim),
-        DOT_PRECISION=precision, HAS_START=start_lens is not None, num_warps=4, num_stages=2,
+        DOT_PRECISION=precision, HAS_START=start_lens is not None, FUSED_MERGE=fused,
+        # The merge's split tile; 1 when unused, so the unfused kernel stays one variant.
+        BLOCK_S=triton.next_power_of_2(num_splits) if fused else 1, num_warps=4, num_stages=2,
     )
