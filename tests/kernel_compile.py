@@ -126,17 +126,32 @@ def signature(fn, constexprs: dict, overrides: dict) -> dict:
     return sig
 
 
+def check_pdl_order(ptx: str) -> None:
+    """A PDL kernel's griddepcontrol.wait comes before its first global memory access (the
+    ordering rule of tandem.kernels.pdl), in the code the device runs."""
+    wait = ptx.find("griddepcontrol.wait")
+    accesses = [i for i in (ptx.find(op) for op in ("ld.global", "st.global", "cp.async", "atom.global", "red.global"))
+                if i >= 0]
+    if wait < 0 or (accesses and min(accesses) < wait):
+        raise AssertionError("PDL kernel touches global memory before griddepcontrol.wait")
+
+
 def main(names: list[str]) -> int:
     failed = 0
     for name, (fn, constexprs, overrides) in kernels().items():
         if names and name not in names:
             continue
         start = time.perf_counter()
+        pdl = "USE_PDL" in fn.arg_names  # the H200 launches these with PDL (tandem.kernels.pdl)
+        if pdl:
+            constexprs = {"USE_PDL": True, **constexprs}
         try:
             src = ASTSource(fn=fn, signature=signature(fn, constexprs, overrides),
                             constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()})
-            compile(src, target=TARGET)
-            print(f"ok      {name} ({time.perf_counter() - start:.1f} s)", flush=True)
+            compiled = compile(src, target=TARGET, options={"launch_pdl": True} if pdl else None)
+            if pdl:
+                check_pdl_order(compiled.asm["ptx"])
+            print(f"ok      {name} ({time.perf_counter() - start:.1f} s){' pdl' if pdl else ''}", flush=True)
         except Exception:  # noqa: BLE001 - report every kernel, then fail
             failed += 1
             print(f"FAILED  {name}\n{traceback.format_exc()}", flush=True)

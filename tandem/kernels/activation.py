@@ -7,9 +7,12 @@ import torch
 import triton
 import triton.language as tl
 
+from tandem.kernels.pdl import pdl_options, pdl_prologue
+
 
 @triton.jit
-def _silu_mul_kernel(X, Out, stride_x, stride_o, I, BLOCK: tl.constexpr):
+def _silu_mul_kernel(X, Out, stride_x, stride_o, I, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_prologue(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < I
@@ -29,6 +32,6 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         block = min(1024, triton.next_power_of_2(inter))
         _silu_mul_kernel[(num_tokens, triton.cdiv(inter, block))](
             gate_up, out, gate_up.stride(0), out.stride(0), inter, BLOCK=block,
-            num_warps=4,
+            num_warps=4, **pdl_options(gate_up.device),
         )
     return out

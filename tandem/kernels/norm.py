@@ -10,14 +10,17 @@ import torch
 import triton
 import triton.language as tl
 
+from tandem.kernels.pdl import pdl_options, pdl_prologue
+
 
 @triton.jit
 def _rms_norm_kernel(
     X, Res, Out, ResOut, W,
     stride_x, stride_r, stride_o, stride_ro,
     N, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    pdl_prologue(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_N)
     mask = offs < N
@@ -54,7 +57,7 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
             x2.stride(0), r2.stride(0), out.stride(0), res_out.stride(0),
             n, eps,
             HAS_RESIDUAL=residual is not None, BLOCK_N=block,
-            num_warps=max(1, min(8, block // 256)),
+            num_warps=max(1, min(8, block // 256)), **pdl_options(x.device),
         )
     return out.view(x.shape), res_out.view(x.shape)
 

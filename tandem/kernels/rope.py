@@ -24,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tandem.kernels.pdl import pdl_options, pdl_prologue
+
 
 @triton.jit
 def _norm_rope_heads(X, XO, W, t, h0, stride_t, stride_h, stride_ot, stride_oh, num_heads,
@@ -84,8 +86,9 @@ def _qk_norm_rope_kernel(
     stride_vt, stride_vh, stride_kct, stride_kch, stride_vct, stride_vch,
     num_q_heads, num_k_heads, eps,
     HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
-    BLOCK_HALF: tl.constexpr, HAS_NORM: tl.constexpr, HAS_CACHE: tl.constexpr,
+    BLOCK_HALF: tl.constexpr, HAS_NORM: tl.constexpr, HAS_CACHE: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    pdl_prologue(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     hb = tl.program_id(1)
     dtype = QO.dtype.element_ty
@@ -177,7 +180,7 @@ def rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.T
         num_q_heads, num_k_heads, eps,
         HEAD_DIM=head_dim, HALF=half, BLOCK_H=block_h, BLOCK_HALF=block_half,
         HAS_NORM=has_norm, HAS_CACHE=cache is not None,
-        num_warps=max(1, min(4, block_h * block_half // 64)),
+        num_warps=max(1, min(4, block_h * block_half // 64)), **pdl_options(q.device),
     )
     return out_q, out_k
 

@@ -30,6 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tandem.kernels.pdl import pdl_options, pdl_prologue
+
 
 @dataclass(frozen=True)
 class GemmConfig:
@@ -83,8 +85,9 @@ def _small_m_gemm_kernel(
     SPLIT: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, SILU_MUL: tl.constexpr,
     NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, PER_LANE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, PER_LANE: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    pdl_prologue(USE_PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -158,7 +161,9 @@ def _small_m_gemm_kernel(
 
 @triton.jit
 def _split_reduce_kernel(Partial, SqPartial, Bias, Out, M, N, K, stride_ps, stride_om, split_k, eps,
-                         HAS_BIAS: tl.constexpr, NORM: tl.constexpr, BLOCK: tl.constexpr):
+                         HAS_BIAS: tl.constexpr, NORM: tl.constexpr, BLOCK: tl.constexpr,
+                         USE_PDL: tl.constexpr):
+    pdl_prologue(USE_PDL)
     m = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < N
@@ -243,12 +248,12 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, sc
         HAS_SCALE=scale is not None, HAS_BIAS=bias is not None, EVEN_K=even_k,
         EVEN_N=n % cfg.block_n == 0, SILU_MUL=silu_mul, NORM=norm is not None, HAS_RESIDUAL=add,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # fp32 tests: exact
-        PER_LANE=cfg.per_lane, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        PER_LANE=cfg.per_lane, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_options(x.device),
     )
     if splits > 1:
         block = 1024
         _split_reduce_kernel[(m, triton.cdiv(n, block))](
             partial, sq, bias if bias is not None else partial, out, m, n, k, partial.stride(0),
             out.stride(0), splits, eps, HAS_BIAS=bias is not None, NORM=norm is not None,
-            BLOCK=block, num_warps=4)
+            BLOCK=block, num_warps=4, **pdl_options(x.device))
     return out.reshape(*x.shape[:-1], n), new_residual
