@@ -27,4 +27,4 @@ def test_every_triton_kernel_compiles_for_sm90():
                           text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
     assert done.stdout.count("ok ") >= 18, done.stdout
-    assert done.stdout.count(" pdl") >= 10, done.stdout  # the decode path's kernels, order checked
+    assert done.stdout.count(" pdl") >= 14, done.stdout  # the decode path's kernels, order checked

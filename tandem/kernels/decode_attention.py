@@ -25,6 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tandem.kernels.pdl import pdl_options, pdl_prologue
+
 LOG2E = 1.4426950408889634
 MIN_TOKENS_PER_SPLIT = 256  # host choice: below this a split's fixed cost outweighs the parallelism
 # Device choice per row. Measured on the H200 (batch 1 and 16, contexts 128-8192): 64 is as
@@ -117,8 +119,9 @@ def _decode_split_kernel(
     GROUP: tl.constexpr, HEAD_BLOCKS: tl.constexpr, HEAD_DIM: tl.constexpr,
     SPLIT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_START: tl.constexpr,
-    FUSED_MERGE: tl.constexpr, BLOCK_S: tl.constexpr,
+    FUSED_MERGE: tl.constexpr, BLOCK_S: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    pdl_prologue(USE_PDL)
     b = tl.program_id(0)
     kv_head = tl.program_id(1) // HEAD_BLOCKS
     first_g = (tl.program_id(1) % HEAD_BLOCKS) * BLOCK_H
@@ -186,7 +189,9 @@ def _decode_merge_kernel(
     stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, stride_ob, stride_oh, num_splits,
     min_split_tokens,
     HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_prologue(USE_PDL)
     b = tl.program_id(0)
     seq_len = tl.load(SeqLens + b)
     _merge_head(MidO, MidLse, Out, b, tl.program_id(1),
@@ -303,7 +308,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         mid_lse.stride(1), out.stride(0), out.stride(1), num_splits, min_split_tokens,
         HEAD_DIM=head_dim, BLOCK_S=triton.next_power_of_2(num_splits),
         BLOCK_D=triton.next_power_of_2(head_dim),
-        BLOCK_N=block_n, num_warps=4,
+        BLOCK_N=block_n, num_warps=4, **pdl_options(q.device),
     )
     return out
 
@@ -348,4 +353,5 @@ def _launch_split(q, k_cache, v_cache, req_to_token, req_slots, seq_lens, start_
         DOT_PRECISION=precision, HAS_START=start_lens is not None, FUSED_MERGE=fused,
         # The merge's split tile; 1 when unused, so the unfused kernel stays one variant.
         BLOCK_S=triton.next_power_of_2(num_splits) if fused else 1, num_warps=4, num_stages=2,
+        **pdl_options(q.device),
     )
