@@ -177,7 +177,8 @@ def test_decode_fused_merge_counters_grow_and_stay_zero():
 
 def test_decode_fused_merge_needs_counters_reset():
     # A counter left at 1 (as if a merge had not reset it) shifts who counts last: its group
-    # is then merged before all of its splits arrived, or never. The reset is what prevents it.
+    # is then merged before all of its splits arrived (on the GPU that may still read right by
+    # luck), and the count stays off by one after the launch (always). The reset prevents both.
     counters = SplitCounters()
     counters.get(torch.device(DEVICE), 8)[0] = 1
     with pytest.raises(AssertionError):

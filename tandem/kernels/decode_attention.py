@@ -246,6 +246,8 @@ class SplitCounters:
     def get(self, device: torch.device, size: int) -> torch.Tensor:
         """At least `size` zero counters on `device`."""
         device = torch.device(device)
+        if device.type == "cuda" and device.index is None:  # one key per GPU: "cuda" is "cuda:N"
+            device = torch.device("cuda", torch.cuda.current_device())
         buf = self._buffers.get(device)
         if buf is not None and buf.numel() >= size:
             return buf
