@@ -139,8 +139,9 @@ class Experiments:
     # projection's small-M GEMM where the tuner found that faster (off: a norm kernel per norm).
     fused_norm_gemm: bool = True
     # Split-K decode attention: the last split program of each row merges (off: a separate
-    # merge launch per layer).
-    fused_decode_merge: bool = True
+    # merge launch per layer). Off until measured on the H200: session 11's engine runs with it
+    # did not finish inside their time limit (kernel tests passed there; docs/benchmarks.md).
+    fused_decode_merge: bool = False
 
     @classmethod
     def from_overrides(cls, pairs: list[str]) -> "Experiments":

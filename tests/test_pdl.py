@@ -9,7 +9,7 @@ import torch
 from kernel_setup import HAS_CUDA  # first: it sets up Triton's interpreter
 
 from tandem.kernels import pdl  # noqa: E402
-from tandem.kernels.pdl import NO_PDL_ENV, pdl_options, uses_pdl  # noqa: E402
+from tandem.kernels.pdl import PDL_ENV, pdl_options, uses_pdl  # noqa: E402
 
 
 def test_the_cpu_never_launches_with_pdl():
@@ -18,15 +18,18 @@ def test_the_cpu_never_launches_with_pdl():
 
 
 def test_the_debug_switch_is_read_from_the_environment(monkeypatch):
-    pdl._disabled.cache_clear()
+    pdl._enabled.cache_clear()
     try:
-        monkeypatch.setenv(NO_PDL_ENV, "1")
-        assert pdl._disabled()
-        pdl._disabled.cache_clear()
-        monkeypatch.setenv(NO_PDL_ENV, "0")
-        assert not pdl._disabled()
+        monkeypatch.setenv(PDL_ENV, "1")
+        assert pdl._enabled()
+        pdl._enabled.cache_clear()
+        monkeypatch.setenv(PDL_ENV, "0")
+        assert not pdl._enabled()
+        pdl._enabled.cache_clear()
+        monkeypatch.delenv(PDL_ENV)
+        assert not pdl._enabled()  # opt-in until measured
     finally:
-        pdl._disabled.cache_clear()
+        pdl._enabled.cache_clear()
 
 
 @pytest.mark.gpu
@@ -35,7 +38,6 @@ def test_a_graph_of_dependent_pdl_kernels_matches_plain_launches(monkeypatch):
     from tandem.kernels.activation import silu_mul
     from tandem.kernels.norm import fused_add_rms_norm
     from tandem.kernels.small_m_gemm import GemmConfig, NormInput, small_m_gemm, small_m_gemm_add_norm
-    assert uses_pdl(torch.device("cuda"))
     torch.manual_seed(0)
     hidden, inter, layers = 256, 512, 24
     dt = torch.bfloat16
@@ -54,20 +56,21 @@ def test_a_graph_of_dependent_pdl_kernels_matches_plain_launches(monkeypatch):
         return x
 
     inputs = [torch.randn_like(x0) for _ in range(3)]
-    monkeypatch.setenv(NO_PDL_ENV, "1")  # the same kernels launched the plain way: the expected bits
-    pdl._disabled.cache_clear()
+    expected = [chain(x.clone()) for x in inputs]  # plain launches (PDL is opt-in): the expected bits
+    monkeypatch.setenv(PDL_ENV, "1")
+    pdl._enabled.cache_clear()
     try:
-        expected = [chain(x.clone()) for x in inputs]
+        assert uses_pdl(torch.device("cuda"))
+        static_in = x0.clone()
+        chain(static_in)  # compile the PDL variants outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_out = chain(static_in)
+        for x, want in zip(inputs, expected):
+            static_in.copy_(x)
+            graph.replay()
+            assert torch.equal(static_out, want)
     finally:
-        monkeypatch.delenv(NO_PDL_ENV)
-        pdl._disabled.cache_clear()
-    static_in = x0.clone()
-    chain(static_in)  # compile the PDL variants outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = chain(static_in)
-    for x, want in zip(inputs, expected):
-        static_in.copy_(x)
-        graph.replay()
-        assert torch.equal(static_out, want)
+        monkeypatch.delenv(PDL_ENV)
+        pdl._enabled.cache_clear()

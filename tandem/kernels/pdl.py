@@ -14,7 +14,9 @@ results, no overwrite of memory an earlier kernel still reads. Work that is not 
 (cuBLAS, torch ops, copies, event waits) keeps the plain stream order. CUDA graphs capture the
 launch attribute as programmatic edges.
 
-Debug switch: TANDEM_NO_PDL=1 (read once per process) launches every kernel the plain way.
+Opt-in until measured on the H200 (session 11's engine runs did not finish in their time limit,
+see docs/benchmarks.md): TANDEM_PDL=1 (read once per process) launches these kernels with PDL;
+unset, every kernel launches the plain way and USE_PDL=False compiles the prologue away.
 """
 import functools
 import os
@@ -23,12 +25,12 @@ import torch
 import triton
 import triton.language as tl
 
-NO_PDL_ENV = "TANDEM_NO_PDL"
+PDL_ENV = "TANDEM_PDL"
 
 
 @functools.lru_cache(maxsize=None)
-def _disabled() -> bool:
-    return os.environ.get(NO_PDL_ENV, "") not in ("", "0")
+def _enabled() -> bool:
+    return os.environ.get(PDL_ENV, "") not in ("", "0")
 
 
 @functools.lru_cache(maxsize=None)
@@ -37,8 +39,8 @@ def _capable(device_index: int) -> bool:
 
 
 def uses_pdl(device: torch.device) -> bool:
-    """Kernels on `device` launch with PDL: CUDA, compute capability >= 9.0, not switched off."""
-    if device.type != "cuda" or _disabled():
+    """Kernels on `device` launch with PDL: CUDA, compute capability >= 9.0, switched on."""
+    if device.type != "cuda" or not _enabled():
         return False
     return _capable(device.index if device.index is not None else torch.cuda.current_device())
 
