@@ -88,18 +88,13 @@ def host_profile(run, top: int = 40) -> str:
     """cProfile of `run()` (host work: Python and the calls that queue device work), the top
     functions by cumulative time as text. Run it after a benchmark's timed part: the profiler
     slows every Python call several times over."""
-    import cProfile
-    import io
-    import pstats
-    profiler = cProfile.Profile()
-    profiler.enable()
+    start, table = _host_profiler(top)
+    start()
     try:
         run()
     finally:
-        profiler.disable()
-    text = io.StringIO()
-    pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(top)
-    return text.getvalue()
+        text = table()  # stops the profiler
+    return text
 
 
 @contextlib.contextmanager

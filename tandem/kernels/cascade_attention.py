@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from tandem.cascade_layout import MAX_PARTS, WORK_INTS, CascadeInputs, max_group_rows
-from tandem.kernels.decode_attention import (LOG2E, MIN_ROW_SPLIT_TOKENS, _split_len, decode_num_splits,
+from tandem.kernels.decode_attention import (LOG2E, MIN_ROW_SPLIT_TOKENS, _used_splits, decode_num_splits,
                                              decode_suffix_partials, default_block_n)
 
 
@@ -102,7 +102,7 @@ def _cascade_merge_kernel(
     seq_len = tl.load(SeqLens + b)
     shared = tl.load(SharedLens + b)
     suffix = seq_len - shared
-    used_suffix = tl.maximum(tl.cdiv(suffix, _split_len(suffix, suffix_splits, min_split_tokens, BLOCK_N)), 1)
+    used_suffix = _used_splits(suffix, suffix_splits, min_split_tokens, BLOCK_N)
     used = used_suffix + tl.load(SharedParts + b)  # + the row's group's work items (0: no group)
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)

@@ -297,13 +297,12 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         return out
     mid_o = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
     mid_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
-    if counters is not None:
-        groups = batch * num_kv_heads * _head_block(num_heads // num_kv_heads)[1]
-        _launch_split(q, k_cache, v_cache, req_to_token, req_slots, seq_lens, None, mid_o, mid_lse, out,
-                      scale, num_splits, min_split_tokens, block_n, counters=counters.get(q.device, groups))
-        return out
+    groups = batch * num_kv_heads * _head_block(num_heads // num_kv_heads)[1]
+    pool = counters.get(q.device, groups) if counters is not None else None
     _launch_split(q, k_cache, v_cache, req_to_token, req_slots, seq_lens, None, mid_o, mid_lse, out,
-                  scale, num_splits, min_split_tokens, block_n)
+                  scale, num_splits, min_split_tokens, block_n, counters=pool)
+    if pool is not None:  # the split launch merged
+        return out
     _decode_merge_kernel[(batch, num_heads)](
         mid_o, mid_lse, out, seq_lens,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0),
