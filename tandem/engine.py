@@ -104,10 +104,7 @@ class Engine:
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
-        self.backend = make_attention_backend(cfg.attention_backend, self.device,
-                                              cfg.experiments.attention_split_by_context,
-                                              cfg.experiments.fused_kv_write,
-                                              cfg.experiments.fused_decode_merge)
+        self.backend = make_attention_backend(cfg.attention_backend, self.device, cfg.experiments)
         self.debug = DebugChecks.from_env()  # TANDEM_DEBUG_*: read once, for this engine's life
         self._build_memory()
         self.parallel.connect(self.device)

@@ -351,7 +351,7 @@ def test_backend_never_syncs(prefix_lens, extend_lens):
     t = sum(extend_lens)
     q = torch.randn(t, 6, 64, device=DEVICE).half()
     k, v = torch.randn(t, 2, 64, device=DEVICE).half(), torch.randn(t, 2, 64, device=DEVICE).half()
-    backend = TritonAttention()
+    backend = TritonAttention(fused_decode_merge=True)  # its counter pool's host code too
     backend.forward(q, k, v, k_cache, v_cache, batch, 0.125)  # compile first
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")

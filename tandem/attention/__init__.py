@@ -4,6 +4,7 @@ from typing import Protocol
 import torch
 
 from tandem.attention.torch_backend import TorchAttention
+from tandem.config import Experiments
 from tandem.forward_batch import ForwardBatch
 
 __all__ = ["AttentionBackend", "TorchAttention", "make_attention_backend"]
@@ -22,11 +23,12 @@ class AttentionBackend(Protocol):
                 kv_written: bool = False) -> torch.Tensor: ...
 
 
-def make_attention_backend(name: str, device: torch.device, split_by_context: bool = True,
-                           fused_kv_write: bool = True, fused_decode_merge: bool = True) -> AttentionBackend:
+def make_attention_backend(name: str, device: torch.device,
+                           experiments: Experiments | None = None) -> AttentionBackend:
     """`auto` picks Triton on CUDA when it is importable, the torch reference otherwise.
-    `fused_kv_write` and `fused_decode_merge` apply to Triton only (the reference always
-    writes its own cache, and has no split-K kernel)."""
+    The attention switches of `experiments` (default: `Experiments()`) apply to Triton only
+    (the reference always writes its own cache, and has no split-K kernel)."""
+    exp = experiments if experiments is not None else Experiments()
     if name == "torch" or (name == "auto" and device.type != "cuda"):
         return TorchAttention()
     if name in ("auto", "triton"):
@@ -36,5 +38,5 @@ def make_attention_backend(name: str, device: torch.device, split_by_context: bo
             if name == "triton":
                 raise
             return TorchAttention()
-        return TritonAttention(split_by_context, fused_kv_write, fused_decode_merge)
+        return TritonAttention(exp.attention_split_by_context, exp.fused_kv_write, exp.fused_decode_merge)
     raise ValueError(f"attention backend must be one of auto, torch, triton; got {name!r}")

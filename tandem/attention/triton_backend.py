@@ -5,6 +5,7 @@ forward never reads a device value.
 """
 import torch
 
+from tandem.config import Experiments
 from tandem.forward_batch import ForwardBatch
 from tandem.kernels import decode_attention, extend_attention, write_kv
 from tandem.kernels.cascade_attention import cascade_attention
@@ -16,8 +17,10 @@ class TritonAttention:
 
     name = "triton"
 
-    def __init__(self, split_by_context: bool = True, fused_kv_write: bool = True,
-                 fused_decode_merge: bool = True):
+    # Defaults: the engine's (`Experiments`), one place for them.
+    def __init__(self, split_by_context: bool = Experiments.attention_split_by_context,
+                 fused_kv_write: bool = Experiments.fused_kv_write,
+                 fused_decode_merge: bool = Experiments.fused_decode_merge):
         # On: each decode row uses only the splits its own length needs (device-side), so a
         # graph captured for the longest context runs short rows with few splits. Off: every
         # row spreads over all splits of the grid (the behaviour before, for comparison).
