@@ -205,7 +205,8 @@ class EngineConfig:
     attention_backend: Literal["auto", "torch", "triton"] = knob(
         "auto", "auto: Triton on CUDA when importable, else the torch reference")
     cuda_graph: AutoOnOff = knob("auto", "decode steps replay CUDA graphs (auto: on with CUDA + Triton)")
-    cuda_graph_max_batch: int = knob(256, "largest decode batch captured in a graph")
+    cuda_graph_max_batch: int = knob(512, "largest decode batch captured in a graph (capped by "
+                                                  "max_running_requests)")
     warm_up: AutoOnOff = knob("auto", "run every kernel shape class at start (auto: on with CUDA)")
     small_m_gemm: AutoOnOff = knob("auto", "weight-streaming Triton GEMMs for <= 16 rows, tuned per "
                                            "shape at startup (auto: on with CUDA; off: cuBLAS everywhere)")

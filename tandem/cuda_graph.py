@@ -25,8 +25,11 @@ DECODE_FIELDS = ("req_slots", "positions", "out_cache_loc", "seq_lens")
 
 
 def default_buckets(max_batch: int) -> list[int]:
-    sizes = [1, 2, 4, 8] + list(range(16, 257, 16))
-    return sorted({min(s, max_batch) for s in sizes})
+    """Decode batch sizes captured in graphs: fine steps up to 256 rows, then every 32 rows
+    up to `max_batch` (a batch pads to the next bucket, so past 256 the padding stays <= 12%),
+    and `max_batch` itself, so no decode step up to the maximum runs eagerly."""
+    sizes = [1, 2, 4, 8] + list(range(16, 257, 16)) + list(range(288, max_batch + 32, 32))
+    return sorted({min(s, max_batch) for s in sizes if s > 0})
 
 
 def decode_sizes(bucket: int) -> dict[str, int]:

@@ -219,7 +219,6 @@ def run_one(args: argparse.Namespace) -> PrefixRow:
                                  dtype=args.dtype, enable_prefix_caching=args.cache == "on",
                                  max_total_tokens=args.max_total_tokens, max_model_len=args.max_model_len,
                                  max_running_requests=args.max_running_requests,
-                                 cuda_graph_max_batch=min(args.max_running_requests, 512),
                                  host_kv_cache_gb=args.host_kv_cache_gb,
                                  timeline=True, seed=0, warm_up="off",  # drive() below warms up
                                  experiments=Experiments(cascade_attention=args.cascade)))
