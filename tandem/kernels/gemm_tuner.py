@@ -1,5 +1,6 @@
 """Startup autotune of the small-M GEMM: per (N, K, M bucket, dtypes), the fastest of a few
-weight-streaming configs and cuBLAS, measured on the device.
+weight-streaming configs and cuBLAS, measured on the device. Buckets run to 16 rows, and to 64
+for FP8 layers (`linear.max_small_m`).
 
 It runs once, before CUDA-graph capture (it synchronizes; the serving loop never tunes).
 Results are written into each layer's `plan`, and into a gated layer's `silu_plan` (an MLP's
@@ -35,9 +36,11 @@ _TILES_M1 = ((4, 1024, 4), (8, 512, 4), (8, 1024, 4), (16, 256, 4), (16, 512, 4)
              (16, 512, 8))
 _TILES_DOT = ((16, 256, 4), (32, 256, 4), (64, 128, 4), (32, 128, 4))
 # A 32- or 64-row dot tile (FP8 weights at 17-64 rows): the x tile is 2-4x larger and the
-# accumulator BLOCK_M x BLOCK_N, so BLOCK_K shrinks and wide N tiles get 8 warps; more columns
-# per program also reread the (L2-resident) x rows fewer times.
-_TILES_DOT_WIDE = ((32, 128, 4), (64, 128, 4), (64, 64, 4), (128, 64, 4), (128, 64, 8), (128, 128, 8))
+# accumulator BLOCK_M x BLOCK_N, so BLOCK_K shrinks and the widest N tile gets 8 warps; more
+# columns per program reread the (L2-resident) x rows fewer times, fewer leave more programs
+# for small N. Only four: each tile is ~6 compiles per bucket (split or not, three inputs),
+# paid at startup on a cold Triton cache.
+_TILES_DOT_WIDE = ((32, 128, 4), (64, 128, 4), (64, 64, 4), (128, 64, 8))
 # M = 2..8 per lane (GemmConfig.per_lane): the accumulator holds M x block_n x block_k fp32,
 # 8192 of them (64 registers a thread at 4 warps), so the tile shrinks as M grows.
 _LANE_ELEMENTS = 8192
