@@ -31,7 +31,7 @@ def _engine(path, **kw) -> Engine:
 
 
 def _host_gb(engine: Engine, tokens: int) -> float:
-    return tokens * HostKVPool.bytes_per_token(engine.kv) / 2**30
+    return tokens * HostKVPool.bytes_per_token([engine.kv]) / 2**30
 
 
 @pytest.mark.parametrize("overlap", [True, False])
