@@ -457,8 +457,9 @@ def test_self_drafting_with_a_small_pool_and_host_tier_accepts_every_proposal(ti
     reference = _engine(tiny_text_model, max_total_tokens=20000, speculative_config=_self_draft(tiny_text_model))
     want = run_chats(reference, rounds)
     engine = _tiered_self_draft_engine(tiny_text_model, 300, disable_overlap=not overlap)
-    got = run_chats(engine, rounds)
-    assert got == want
+    # Exact for every request that was not aborted; an abort fires at a token count, and a
+    # verify step emits several tokens, so the step it lands in follows the schedule.
+    assert_same_tokens(want, run_chats(engine, rounds), [s for specs in rounds for s in specs])
     s = engine.stats()
     assert s["host_cache_hit_tokens"] > 300 and s["host_write_back_bytes"] > 0, s
     assert s["num_preemptions"] > 0, "the pool must be small enough to preempt"
