@@ -383,6 +383,32 @@ def test_tensor_parallel_ranks_replay_the_host_tier_copies(tmp_path):
         engine.close()
 
 
+@pytest.mark.slow
+def test_tensor_parallel_ranks_move_the_drafts_kv_too(tmp_path):
+    """Two ranks (gloo), the checkpoint drafting for itself (whole on every rank): each rank's
+    replayed copies move its target shard and its draft KV; outputs equal one rank with an
+    unbounded pool and every proposal is accepted."""
+    from tandem.entrypoints.ranks import build_engine
+    from tiny_models import make_tiny_model
+    path = make_tiny_model(tmp_path, "llama", vocab_size=1000)
+    rounds = chat_specs(conversations=6, turns=3, seed=8)
+    for specs in rounds:
+        for s in specs:
+            s.params = s.params.clone(max_tokens=s.params.max_tokens + 12)
+    opts = dict(model=str(path), device="cpu", dtype="float32", max_running_requests=16,
+                speculative_config=_self_draft(path))
+    want = run_chats(Engine(EngineConfig(**opts, max_total_tokens=20000)), rounds)
+    engine = build_engine(EngineConfig(**opts, tensor_parallel_size=2, max_total_tokens=300,
+                                       chunked_prefill_size=48, max_prefill_tokens=96, host_kv_cache_gb=0.01))
+    try:
+        assert_same_tokens(want, run_chats(engine, rounds), [s for specs in rounds for s in specs])
+        s = engine.stats()
+        assert s["host_cache_hit_tokens"] > 200, s
+        assert s["spec_decode_num_accepted_tokens"] == s["spec_decode_num_draft_tokens"] > 100, s
+    finally:
+        engine.close()
+
+
 def test_warm_up_leaves_no_host_tier_figures(tiny_text_model):
     engine = _engine(tiny_text_model, max_total_tokens=200, max_prefill_tokens=64, max_running_requests=8,
                      host_kv_cache_gb=0.01, warm_up="on")
