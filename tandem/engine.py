@@ -240,15 +240,16 @@ class Engine:
             raise ValueError(f"host_kv_cache_gb must be >= 0; got {cfg.host_kv_cache_gb}")
         if cfg.host_kv_cache_gb == 0 or not cfg.enable_prefix_caching:
             return None
-        if self.draft_kv is not None:
-            raise ValueError("host_kv_cache_gb is not supported with a draft model yet")
-        per_token = HostKVPool.bytes_per_token(self.kv)
+        # Every cache the pool's slots index moves with them: a draft's KV shares the target's.
+        caches = [self.kv] + ([self.draft_kv] if self.draft_kv is not None else [])
+        per_token = HostKVPool.bytes_per_token(caches)
         num = self.parallel.agree_min("host_kv_tokens", HostKVPool.num_slots_for(cfg.host_kv_cache_gb, per_token))
         if num < 1:
             raise ValueError(f"host_kv_cache_gb={cfg.host_kv_cache_gb} holds no token ({per_token} bytes each)")
-        host = HostKVPool(self.kv, num, pin=self.device.type == "cuda")
-        log.info("host KV tier: %d tokens (%.1f GiB pinned)", num, num * per_token / 2**30)
-        return KVTierCopier(self.kv, host, self.streams)
+        host = HostKVPool(caches, num, pin=self.device.type == "cuda")
+        log.info("host KV tier: %d tokens (%.1f GiB pinned%s)", num, num * per_token / 2**30,
+                 ", target and draft KV" if len(caches) > 1 else "")
+        return KVTierCopier(caches, host, self.streams)
 
     def _plan_device_memory(self, per_token: int) -> MemoryBudget:
         """Profile the largest step, then give the pool what is left of total x utilization."""

@@ -12,7 +12,7 @@ from tandem.memory.host_kv import HostKVPool
 from tandem.sampling import SamplingParams
 from test_host_kv import chat_specs, run_chats
 from tiny_models import make_cycling_model
-from workload import assert_kv_conserved, run_workload, step_without_host_syncs
+from workload import assert_kv_conserved, assert_same_tokens, run_workload, step_without_host_syncs
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -31,7 +31,7 @@ def _engine(path, **kw) -> Engine:
 
 
 def _host_gb(engine: Engine, tokens: int) -> float:
-    return tokens * HostKVPool.bytes_per_token(engine.kv) / 2**30
+    return tokens * HostKVPool.bytes_per_token([engine.kv]) / 2**30
 
 
 @pytest.mark.parametrize("overlap", [True, False])
@@ -46,6 +46,39 @@ def test_small_pool_with_host_tier_equals_unbounded_pool_on_cuda(cycling_model, 
     s = engine.stats()
     assert s["host_cache_hit_tokens"] > 500 and s["host_load_seconds"] > 0, s
     assert_kv_conserved(engine)
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_self_drafting_with_host_tier_on_cuda(cycling_model, overlap):
+    """The CPU test's twin (test_host_kv.py, self-drafting with a small pool and a host tier):
+    the draft's KV goes to the pinned pool and back with the target's on the copy stream, so
+    the checkpoint drafting for itself still has every proposal accepted after load-backs (a
+    tier that moved the target's KV only fell to ~30-50% on the CPU), and greedy outputs equal
+    the run without a tier."""
+    spec = {"model": str(cycling_model), "num_speculative_tokens": 3}
+    rounds = chat_specs(conversations=10, turns=4, seed=3, vocab=VOCAB)
+    for specs in rounds:  # longer replies: verify steps after each turn's load-back
+        for s in specs:
+            s.params = s.params.clone(max_tokens=s.params.max_tokens + 12)
+    kw = dict(speculative_config=spec, cuda_graph_max_batch=16)
+    unbounded = _engine(cycling_model, max_total_tokens=20000, **kw)
+    want = run_chats(unbounded, rounds)
+    per_token = HostKVPool.bytes_per_token([unbounded.kv, unbounded.draft_kv])
+    unbounded.close()
+    engine = _engine(cycling_model, max_total_tokens=400, chunked_prefill_size=48, max_prefill_tokens=96,
+                     disable_overlap=not overlap, host_kv_cache_gb=300 * per_token / 2**30, **kw)
+    tier = engine.kv_tier
+    assert tier.host.data.is_pinned() and tier.caches == [engine.kv, engine.draft_kv]
+    assert tier.host.token_bytes == per_token
+    assert_same_tokens(want, run_chats(engine, rounds), [s for specs in rounds for s in specs])
+    s = engine.stats()
+    assert s["host_cache_hit_tokens"] > 300 and s["host_load_seconds"] > 0, s
+    assert s["spec_decode_num_draft_tokens"] > 200, s
+    assert s["spec_decode_num_accepted_tokens"] == s["spec_decode_num_draft_tokens"], s
+    assert_kv_conserved(engine)
+    host = tier.host.host_slots
+    assert host.num_free + s["host_cache_tokens"] == host.count
+    engine.close()
 
 
 def test_host_tier_loop_has_no_hidden_sync(cycling_model):

@@ -18,7 +18,7 @@ from tandem.overlap.streams import StreamSet
 from tandem.request import Request
 from tandem.sampling import SamplingParams
 from tiny_models import TEST_DEVICE
-from workload import Spec, assert_kv_conserved, run_workload
+from workload import Spec, assert_kv_conserved, assert_same_tokens, run_workload
 
 
 # ---- the tree across tiers ----
@@ -187,8 +187,8 @@ def test_write_back_then_load_restores_the_kv():
     for t in kv.k + kv.v:
         t.copy_(torch.randn_like(t))
     want = [t[[3, 7, 8]].clone() for t in kv.k + kv.v]
-    host = HostKVPool(kv, 10, pin=False)
-    copier = KVTierCopier(kv, host, StreamSet.create(torch.device("cpu")))
+    host = HostKVPool([kv], 10, pin=False)
+    copier = KVTierCopier([kv], host, StreamSet.create(torch.device("cpu")))
     copier.chunk_tokens = 2  # several chunks
     copier.write_back([3, 7, 8], [5, 6, 2])
     for t in kv.k + kv.v:
@@ -200,6 +200,34 @@ def test_write_back_then_load_restores_the_kv():
         assert torch.equal(got[[11, 12, 13]], expect)
     s = copier.stats
     assert s.load_tokens == s.write_back_tokens == 3 and s.load_bytes == 3 * host.token_bytes
+
+
+def test_a_draft_cache_moves_with_the_targets():
+    """Two caches of other shapes (a draft's KV shares the target's slots): one host row per
+    token holds both, and a write-back then load restores both at the new slots."""
+    cpu = torch.device("cpu")
+    target, draft = KVCache(3, 20, 2, 4, torch.float32, cpu), KVCache(1, 20, 1, 8, torch.float32, cpu)
+    caches = [target, draft]
+    for t in target.k + target.v + draft.k + draft.v:
+        t.copy_(torch.randn_like(t))
+    want = [t[[3, 7, 8]].clone() for t in target.k + target.v + draft.k + draft.v]
+    host = HostKVPool(caches, 10, pin=False)
+    assert host.token_parts == [2 * 3 * 2 * 4 * 4, 2 * 1 * 1 * 8 * 4] and host.token_bytes == sum(host.token_parts)
+    assert HostKVPool.bytes_per_token(caches) == host.token_bytes == host.data[0].nbytes
+    copier = KVTierCopier(caches, host, StreamSet.create(cpu))
+    copier.chunk_tokens = 2  # several chunks
+    copier.write_back([3, 7, 8], [5, 6, 2])
+    assert torch.equal(host.part(host.data, 1)[5, 1], draft.v[0][3])  # the draft's V after its K
+    for t in target.k + target.v + draft.k + draft.v:
+        t.zero_()
+    copier.load([5, 6, 2], [11, 12, 13])
+    copier.fence(StreamSet.create(cpu).forward)
+    copier.collect()
+    for got, expect in zip(target.k + target.v + draft.k + draft.v, want):
+        assert torch.equal(got[[11, 12, 13]], expect)
+    assert copier.stats.load_bytes == copier.stats.write_back_bytes == 3 * host.token_bytes
+    with pytest.raises(ValueError, match="one dtype"):
+        HostKVPool([target, KVCache(1, 20, 1, 8, torch.float16, cpu)], 4, pin=False)
 
 
 def test_contiguous_runs():
@@ -280,7 +308,7 @@ def test_small_pool_with_host_tier_equals_unbounded_pool(tiny_text_model, overla
 
 
 def engine_bytes_per_token(engine: Engine) -> int:
-    return HostKVPool.bytes_per_token(engine.kv)
+    return HostKVPool.bytes_per_token([engine.kv])
 
 
 def test_zero_host_tier_is_todays_cache(tiny_text_model):
@@ -355,6 +383,32 @@ def test_tensor_parallel_ranks_replay_the_host_tier_copies(tmp_path):
         engine.close()
 
 
+@pytest.mark.slow
+def test_tensor_parallel_ranks_move_the_drafts_kv_too(tmp_path):
+    """Two ranks (gloo), the checkpoint drafting for itself (whole on every rank): each rank's
+    replayed copies move its target shard and its draft KV; outputs equal one rank with an
+    unbounded pool and every proposal is accepted."""
+    from tandem.entrypoints.ranks import build_engine
+    from tiny_models import make_tiny_model
+    path = make_tiny_model(tmp_path, "llama", vocab_size=1000)
+    rounds = chat_specs(conversations=6, turns=3, seed=8)
+    for specs in rounds:
+        for s in specs:
+            s.params = s.params.clone(max_tokens=s.params.max_tokens + 12)
+    opts = dict(model=str(path), device="cpu", dtype="float32", max_running_requests=16,
+                speculative_config=_self_draft(path))
+    want = run_chats(Engine(EngineConfig(**opts, max_total_tokens=20000)), rounds)
+    engine = build_engine(EngineConfig(**opts, tensor_parallel_size=2, max_total_tokens=300,
+                                       chunked_prefill_size=48, max_prefill_tokens=96, host_kv_cache_gb=0.01))
+    try:
+        assert_same_tokens(want, run_chats(engine, rounds), [s for specs in rounds for s in specs])
+        s = engine.stats()
+        assert s["host_cache_hit_tokens"] > 200, s
+        assert s["spec_decode_num_accepted_tokens"] == s["spec_decode_num_draft_tokens"] > 100, s
+    finally:
+        engine.close()
+
+
 def test_warm_up_leaves_no_host_tier_figures(tiny_text_model):
     engine = _engine(tiny_text_model, max_total_tokens=200, max_prefill_tokens=64, max_running_requests=8,
                      host_kv_cache_gb=0.01, warm_up="on")
@@ -375,3 +429,90 @@ def test_ngram_speculation_and_lpm_with_host_tier(tiny_text_model):
     assert run_chats(engine, rounds) == want
     assert engine.stats()["host_cache_hit_tokens"] > 100
     assert_kv_conserved(engine)
+
+
+# ---- a draft model with the host tier ----
+def _self_draft(path, k: int = 3) -> dict:
+    """The checkpoint drafting for itself: in float32 on the CPU every proposal is accepted
+    (tests/test_speculative_draft.py), as long as the draft reads its own KV."""
+    return {"model": str(path), "num_speculative_tokens": k}
+
+
+def _spec_chat_rounds() -> list[list[Spec]]:
+    rounds = chat_specs(conversations=10, turns=4, seed=3)
+    for specs in rounds:  # longer replies: verify steps after each turn's load-back
+        for s in specs:
+            s.params = s.params.clone(max_tokens=s.params.max_tokens + 12)
+    return rounds
+
+
+def _tiered_self_draft_engine(path, host_tokens: int, **kw) -> Engine:
+    return _engine(path, max_total_tokens=400, chunked_prefill_size=48, max_prefill_tokens=96,
+                   host_kv_cache_gb=host_tokens * _target_and_draft_bytes(path) / 2**30,
+                   speculative_config=_self_draft(path), **kw)
+
+
+def _target_and_draft_bytes(path) -> int:
+    engine = _engine(path, max_total_tokens=64, speculative_config=_self_draft(path))
+    per_token = HostKVPool.bytes_per_token([engine.kv, engine.draft_kv])
+    engine.close()
+    return per_token
+
+
+def test_host_tier_with_a_draft_holds_both_caches_per_token(tiny_text_model):
+    """The engine no longer refuses the pair; the tier's budget pays for the draft's KV too."""
+    gb = 0.001
+    engine = _engine(tiny_text_model, max_total_tokens=300, host_kv_cache_gb=gb,
+                     speculative_config=_self_draft(tiny_text_model))
+    host, per_token = engine.kv_tier.host, HostKVPool.bytes_per_token([engine.kv, engine.draft_kv])
+    assert engine.kv_tier.caches == [engine.kv, engine.draft_kv]
+    assert host.token_bytes == per_token == 2 * HostKVPool.bytes_per_token([engine.kv])  # a self-draft: twice
+    assert host.host_slots.count == int(gb * 2**30) // per_token == engine.stats()["host_cache_capacity_tokens"]
+    engine.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("overlap", [True, False])
+def test_self_drafting_with_a_small_pool_and_host_tier_accepts_every_proposal(tiny_text_model, overlap):
+    """A pool far smaller than the chats' histories, a host tier smaller than them too (it evicts
+    as well), the checkpoint drafting for itself: greedy outputs equal the run without a tier
+    (unbounded pool), and every proposal is accepted after the load-backs. A load that moved
+    the target's KV only would leave the draft reading another request's KV at those slots
+    (acceptance fell to ~30%: the control test below)."""
+    rounds = _spec_chat_rounds()
+    reference = _engine(tiny_text_model, max_total_tokens=20000, speculative_config=_self_draft(tiny_text_model))
+    want = run_chats(reference, rounds)
+    engine = _tiered_self_draft_engine(tiny_text_model, 300, disable_overlap=not overlap)
+    # Exact for every request that was not aborted; an abort fires at a token count, and a
+    # verify step emits several tokens, so the step it lands in follows the schedule.
+    assert_same_tokens(want, run_chats(engine, rounds), [s for specs in rounds for s in specs])
+    s = engine.stats()
+    assert s["host_cache_hit_tokens"] > 300 and s["host_write_back_bytes"] > 0, s
+    assert s["num_preemptions"] > 0, "the pool must be small enough to preempt"
+    assert s["spec_decode_verify_steps"] > 30 and s["spec_decode_num_draft_tokens"] > 200, s
+    assert s["spec_decode_num_accepted_tokens"] == s["spec_decode_num_draft_tokens"], s
+    assert_kv_conserved(engine)
+    host = engine.kv_tier.host.host_slots
+    assert host.num_free + s["host_cache_tokens"] == host.count
+    engine.reset_prefix_cache()
+    assert engine.stats()["host_cache_tokens"] == 0 and host.num_free == host.count
+    engine.close()
+
+
+@pytest.mark.slow
+def test_the_workload_needs_the_drafts_copy(tiny_text_model):
+    """Control for the test above: the same run with the copier moving the target's cache only
+    (the draft's host part is left unwritten and never loaded) still gives the target's greedy
+    outputs, but proposals after a load-back read stale draft KV and many are rejected. So
+    the exact acceptance above is the draft's copy at work, not a workload without loads."""
+    rounds = _spec_chat_rounds()
+    engine = _tiered_self_draft_engine(tiny_text_model, 300)
+    engine.kv_tier.caches = engine.kv_tier.caches[:1]  # the target's only
+    want = run_chats(_engine(tiny_text_model, max_total_tokens=20000), rounds)
+    # Verification keeps the target's tokens (an aborted request may see more or fewer).
+    assert_same_tokens(want, run_chats(engine, rounds), [s for specs in rounds for s in specs])
+    s = engine.stats()
+    assert s["host_cache_hit_tokens"] > 100, s
+    assert s["spec_decode_num_accepted_tokens"] < 0.9 * s["spec_decode_num_draft_tokens"], s
+    assert_kv_conserved(engine)
+    engine.close()

@@ -1,5 +1,10 @@
 """Copies between the device KV pool and its host tier, on a stream of their own.
 
+Every copy moves the slots' K and V in each cache the pool's slots index (the target's, and a
+draft model's when there is one: `HostKVPool`), in one chunked transfer per run of host slots;
+the rules below hold for each cache alike (a cache is only ever read or written at these
+slots by the same steps as the target's).
+
 Ordering and lifetime rules (docs/async-model.md, "Host KV tier"):
 - Write-back (GPU -> host) reads GPU slots of unreferenced tree nodes. Every step that wrote
   or read them has completed (a node is unlocked only once its requests were released, after
@@ -92,8 +97,9 @@ class CopyPace:
 
 
 class KVTierCopier:
-    def __init__(self, kv: KVCache, host: HostKVPool, streams: StreamSet):
-        self.kv, self.host, self.streams = kv, host, streams
+    def __init__(self, caches: list[KVCache], host: HostKVPool, streams: StreamSet):
+        assert len(caches) == len(host.shapes), "one host part per cache"
+        self.caches, self.host, self.streams = list(caches), host, streams
         self.stream = torch.cuda.Stream(streams.device) if streams.is_cuda else NullStream()
         self.chunk_tokens = max(1, CHUNK_BYTES // host.token_bytes)
         self.stats = TierCopyStats()
@@ -142,23 +148,32 @@ class KVTierCopier:
 
     def _write_back_chunk(self, gpu_slots: list[int], host_slots: list[int], keep_alive: list) -> None:
         idx = self._device_index(gpu_slots, keep_alive)
-        kv = self.kv
-        staging = torch.stack([k.index_select(0, idx) for k in kv.k] + [v.index_select(0, idx) for v in kv.v], 1)
-        keep_alive.append(staging)  # allocated on this stream; kept until the D2H read it
+        staging = self._staging(len(gpu_slots), keep_alive)  # one row per token, the host rows' layout
+        for c, kv in enumerate(self.caches):
+            part, layers = self.host.part(staging, c), len(kv.k)
+            for layer, (k, v) in enumerate(zip(kv.k, kv.v)):
+                part[:, layer].copy_(k.index_select(0, idx))
+                part[:, layers + layer].copy_(v.index_select(0, idx))
         for at, first, n in contiguous_runs(host_slots):
             self.host.data[first:first + n].copy_(staging[at:at + n], non_blocking=True)
 
     def _load_chunk(self, host_slots: list[int], gpu_slots: list[int], keep_alive: list) -> None:
         idx = self._device_index(gpu_slots, keep_alive)
-        staging = torch.empty((len(gpu_slots),) + tuple(self.host.data.shape[1:]), dtype=self.host.data.dtype,
-                              device=self.streams.device)
-        keep_alive.append(staging)
+        staging = self._staging(len(gpu_slots), keep_alive)
         for at, first, n in contiguous_runs(host_slots):
             staging[at:at + n].copy_(self.host.data[first:first + n], non_blocking=True)
-        layers = self.host.num_layers
-        for layer, (k, v) in enumerate(zip(self.kv.k, self.kv.v)):
-            k.index_copy_(0, idx, staging[:, layer])
-            v.index_copy_(0, idx, staging[:, layers + layer])
+        for c, kv in enumerate(self.caches):
+            part, layers = self.host.part(staging, c), len(kv.k)
+            for layer, (k, v) in enumerate(zip(kv.k, kv.v)):
+                k.index_copy_(0, idx, part[:, layer])
+                v.index_copy_(0, idx, part[:, layers + layer])
+
+    def _staging(self, n: int, keep_alive: list) -> torch.Tensor:
+        """Device rows for n tokens (allocated on the copy stream; kept until the copy's end
+        event: the async D2H / H2D reads or writes it)."""
+        staging = torch.empty((n, self.host.data.shape[1]), dtype=self.host.data.dtype, device=self.streams.device)
+        keep_alive.append(staging)
+        return staging
 
     # ---- ordering and bookkeeping ----
     def fence(self, forward_stream) -> list[tuple[str, list[int], list[int]]]:
