@@ -386,3 +386,15 @@ def test_ngram_match_kernel_is_the_proposer_rule(seed):
         n = int(count[i])
         assert tokens[i, :n].tolist() == want, (r, k, min_n, max_n, window)
         assert tokens[i, n:].eq(0).all()
+
+
+# The merge reads MERGE_TILE splits at a time (one compiled variant for any count): split counts
+# below, at, just above and well past the tile, for the merge launch and the fused merge.
+@pytest.mark.parametrize("num_splits", [1, 3, 8, 9, 17, 64])
+def test_decode_merge_tiles_any_split_count(num_splits):
+    seq_lens = [700, 1, 0, 130]
+    heads = (4, 2, 64)
+    out = _decode_case(heads, torch.float32, seq_lens, num_splits=num_splits, block_n=16, min_split_tokens=1)
+    assert torch.equal(out[2], torch.zeros_like(out[2]))
+    if num_splits > 1:  # the fused merge equals the merge launch exactly, and the reference
+        _fused_vs_merge_launch(heads, seq_lens, num_splits, 1, torch.float32, SplitCounters())

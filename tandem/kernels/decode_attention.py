@@ -9,6 +9,8 @@ a second launch (`_decode_merge_kernel`, grid (request, head)) or, with a `Split
 pool, in the same launch: each program counts its arrival on its (request, head group)'s
 counter and the last of them merges the group's heads (split-K semaphore fix-up). One
 launch a layer fewer, which is what a batch-1 step, bound by kernel count, pays for.
+Both merges, and cascade's, are one `_merge_head`: MERGE_TILE splits at a time with a running
+max, so no kernel variant is compiled per split count.
 
 The split count is a host int: the grid's upper bound, fixed for a given (batch,
 num_splits), so the launch is safe to capture in a CUDA graph (a graph is captured
@@ -50,34 +52,54 @@ def _used_splits(seq_len, num_splits, min_split_tokens, BLOCK_N: tl.constexpr):
     return tl.maximum(tl.cdiv(seq_len, _split_len(seq_len, num_splits, min_split_tokens, BLOCK_N)), 1)
 
 
+# Splits a merge iteration reads (a constexpr global: Triton reads only those in kernels). Rows use
+# a few; the merge loops over them, so no kernel variant is compiled per split count.
+MERGE_TILE = tl.constexpr(8)
+
+
 @triton.jit
-def _merge_head(MidO, MidLse, Out, b, h, used,
+def _merge_head(MidO, MidLse, Out, b, h, used, used_first, second_offset,
                 stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, stride_ob, stride_oh,
-                HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Out[b, h] from the first `used` splits' partials, weighted by exp2(lse - max lse).
-    The one merge of both paths (merge launch, fused merge): identical numerics."""
-    offs_s = tl.arange(0, BLOCK_S)
+                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Out[b, h] from a row's `used` partials, weighted by exp2(lse - max lse): the one merge
+    of the merge launch, the fused merge (split kernel) and cascade's merge, so all three
+    compute identically. The row's i-th used partial is split i for i < `used_first`, else
+    split `second_offset + i - used_first` (cascade: suffix splits, then the group's shared
+    parts; decode passes used_first = used). MERGE_TILE splits at a time with a running max
+    (online softmax): one compiled variant for every split count, and a row reads only the
+    splits it used (a tile as wide as cascade's buffer cost ~100 us a layer at 512 rows)."""
+    offs_s = tl.arange(0, MERGE_TILE)
     offs_d = tl.arange(0, BLOCK_D)
-    mask_s = offs_s < used
     mask_d = offs_d < HEAD_DIM
-    lse = tl.load(MidLse + b * stride_lb + h * stride_lh + offs_s, mask=mask_s,
-                  other=float("-inf"))
-    m = tl.max(lse, 0)
-    # A zero-length row (CUDA-graph padding) has no keys at all: emit zeros, not NaN.
-    m = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp2(lse - m)
-    o = tl.load(MidO + b * stride_mb + h * stride_mh + offs_s[:, None] * stride_ms
-                + offs_d[None, :], mask=mask_s[:, None] & mask_d[None, :], other=0.0)
-    denom = tl.sum(w, 0)
-    out = tl.sum(w[:, None] * o, 0) / tl.where(denom > 0, denom, 1.0)
-    tl.store(Out + b * stride_ob + h * stride_oh + offs_d, out.to(Out.dtype.element_ty),
-             mask=mask_d)
+    lse_row = MidLse + b * stride_lb + h * stride_lh
+    o_row = MidO + b * stride_mb + h * stride_mh
+    # Scalars built from tensors: their type stays the same across loop iterations.
+    m = tl.max(tl.full([MERGE_TILE], float("-inf"), tl.float32), 0)
+    denom = tl.sum(tl.zeros([MERGE_TILE], tl.float32), 0)
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    for start in range(0, used, MERGE_TILE):
+        i = start + offs_s
+        valid = i < used
+        split = tl.where(i < used_first, i, second_offset + i - used_first)
+        lse = tl.load(lse_row + split, mask=valid, other=float("-inf"))
+        m_new = tl.maximum(m, tl.max(lse, 0))
+        # A zero-length row (CUDA-graph padding) has no keys at all: zeros, not NaN.
+        base = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m - base)
+        w = tl.exp2(lse - base)
+        o = tl.load(o_row + split[:, None] * stride_ms + offs_d[None, :], mask=valid[:, None] & mask_d[None, :],
+                    other=0.0)
+        acc = acc * alpha + tl.sum(w[:, None] * o, 0)
+        denom = denom * alpha + tl.sum(w, 0)
+        m = m_new
+    out = acc / tl.where(denom > 0, denom, 1.0)
+    tl.store(Out + b * stride_ob + h * stride_oh + offs_d, out.to(Out.dtype.element_ty), mask=mask_d)
 
 
 @triton.jit
 def _merge_if_last(Counters, MidO, MidLse, Out, b, first_head, num_group_heads, used, num_splits,
                    stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, stride_ob, stride_oh,
-                   HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
     """Count this program's arrival on its (request, head group) counter; the last of the
     group's `num_splits` programs (used splits or not: all of them count) merges its heads."""
     counter = Counters + b * tl.num_programs(1) + tl.program_id(1)
@@ -88,9 +110,9 @@ def _merge_if_last(Counters, MidO, MidLse, Out, b, first_head, num_group_heads, 
     arrived = tl.atomic_add(counter, 1, sem="acq_rel")
     if arrived == num_splits - 1:
         for i in range(num_group_heads):
-            _merge_head(MidO, MidLse, Out, b, first_head + i, used, stride_mb, stride_mh,
+            _merge_head(MidO, MidLse, Out, b, first_head + i, used, used, 0, stride_mb, stride_mh,
                         stride_ms, stride_lb, stride_lh, stride_ob, stride_oh,
-                        HEAD_DIM=HEAD_DIM, BLOCK_S=BLOCK_S, BLOCK_D=BLOCK_D)
+                        HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D)
         # Counters are zero between launches: every program of this launch has arrived, so
         # the next launch (or CUDA-graph replay) of the same stream counts from zero.
         tl.atomic_xchg(counter, 0, sem="relaxed")
@@ -119,7 +141,7 @@ def _decode_split_kernel(
     GROUP: tl.constexpr, HEAD_BLOCKS: tl.constexpr, HEAD_DIM: tl.constexpr,
     SPLIT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_START: tl.constexpr,
-    FUSED_MERGE: tl.constexpr, BLOCK_S: tl.constexpr, USE_PDL: tl.constexpr,
+    FUSED_MERGE: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     pdl_prologue(USE_PDL)
     b = tl.program_id(0)
@@ -176,28 +198,29 @@ def _decode_split_kernel(
                            tl.minimum(GROUP - first_g, BLOCK_H),
                            _used_splits(seq_len, num_splits, min_split_tokens, BLOCK_N), num_splits,
                            stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, stride_ob, stride_oh,
-                           HEAD_DIM=HEAD_DIM, BLOCK_S=BLOCK_S, BLOCK_D=BLOCK_D)
+                           HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D)
     else:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # l_i 0: an empty row gives zeros
         tl.store(Out + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
                  out.to(Out.dtype.element_ty), mask=mask_h[:, None] & mask_d[None, :])
 
 
-@triton.jit
+# Like the split kernel's: the split count and the strides holding it vary per eager step.
+@triton.jit(do_not_specialize=["stride_mb", "stride_mh", "stride_lb", "stride_lh", "num_splits"])
 def _decode_merge_kernel(
     MidO, MidLse, Out, SeqLens,
     stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, stride_ob, stride_oh, num_splits,
     min_split_tokens,
-    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     pdl_prologue(USE_PDL)
     b = tl.program_id(0)
     seq_len = tl.load(SeqLens + b)
-    _merge_head(MidO, MidLse, Out, b, tl.program_id(1),
-                _used_splits(seq_len, num_splits, min_split_tokens, BLOCK_N),
+    used = _used_splits(seq_len, num_splits, min_split_tokens, BLOCK_N)
+    _merge_head(MidO, MidLse, Out, b, tl.program_id(1), used, used, 0,
                 stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, stride_ob, stride_oh,
-                HEAD_DIM=HEAD_DIM, BLOCK_S=BLOCK_S, BLOCK_D=BLOCK_D)
+                HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D)
 
 
 @functools.lru_cache(maxsize=None)
@@ -307,8 +330,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         mid_o, mid_lse, out, seq_lens,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0),
         mid_lse.stride(1), out.stride(0), out.stride(1), num_splits, min_split_tokens,
-        HEAD_DIM=head_dim, BLOCK_S=triton.next_power_of_2(num_splits),
-        BLOCK_D=triton.next_power_of_2(head_dim),
+        HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_N=block_n, num_warps=4, **pdl_options(q.device),
     )
     return out
@@ -352,7 +374,6 @@ def _launch_split(q, k_cache, v_cache, req_to_token, req_slots, seq_lens, start_
         GROUP=group, HEAD_BLOCKS=head_blocks, HEAD_DIM=head_dim, SPLIT=split,
         BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(head_dim),
         DOT_PRECISION=precision, HAS_START=start_lens is not None, FUSED_MERGE=fused,
-        # The merge's split tile; 1 when unused, so the unfused kernel stays one variant.
-        BLOCK_S=triton.next_power_of_2(num_splits) if fused else 1, num_warps=4, num_stages=2,
+        num_warps=4, num_stages=2,
         **pdl_options(q.device),
     )
