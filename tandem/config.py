@@ -142,6 +142,10 @@ class Experiments:
     # merge launch per layer). Off until measured on the H200: session 11's engine runs with it
     # did not finish inside their time limit (kernel tests passed there; docs/benchmarks.md).
     fused_decode_merge: bool = False
+    # Decode at small batch (issue 21): Qwen3's q/k norm, RoPE and the new K/V's store run inside
+    # the decode attention kernel (Triton backend, decode batches without cascade or verify rows);
+    # off: the RoPE launch (+ its KV write) before attention. Off until measured on the H200.
+    fused_rope_attention: bool = False
 
     @classmethod
     def from_overrides(cls, pairs: list[str]) -> "Experiments":

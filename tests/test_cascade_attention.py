@@ -153,3 +153,11 @@ def test_kernel_benchmark_runs_tiny():
     torch.testing.assert_close(out, ref.decode_attention(*args, 0.3, 79), atol=1e-4, rtol=1e-4)
     row = bench.run_case(case, torch.float32, torch.device(DEVICE), reps=1)
     assert set(row) == set(bench.COLUMNS) and row["single_ms"] > 0 and row["shared_gb_s"] > 0
+
+
+@pytest.mark.parametrize("suffix_splits", [1, 3, 8, 9, 17, 64])
+def test_cascade_merge_tiles_any_split_count(suffix_splits):
+    # Suffix splits + shared parts per row cross the merge's MERGE_TILE (8) boundary: chunks of 16
+    # keys give the 150-token group 10 parts, so its rows merge up to 64 + 10 partials.
+    _case((8, 2, 32), torch.float32, [(150, [151, 170, 1500]), (20, [21, 72])], [1, 700], part_len=16,
+          suffix_splits=suffix_splits, min_split_tokens=16)

@@ -4,6 +4,8 @@ Without CUDA the kernels run in Triton's interpreter on the CPU (float32/float16
 only: the interpreter's bfloat16 `tl.dot` is wrong); with CUDA they run compiled,
 bfloat16 included. References are computed in float32 from the same (rounded) inputs.
 """
+import dataclasses
+
 import pytest
 import torch
 
@@ -351,12 +353,22 @@ def test_backend_never_syncs(prefix_lens, extend_lens):
     t = sum(extend_lens)
     q = torch.randn(t, 6, 64, device=DEVICE).half()
     k, v = torch.randn(t, 2, 64, device=DEVICE).half(), torch.randn(t, 2, 64, device=DEVICE).half()
-    backend = TritonAttention(fused_decode_merge=True)  # its counter pool's host code too
-    backend.forward(q, k, v, k_cache, v_cache, batch, 0.125)  # compile first
+    # Its counter pool's host code too, and for decode the in-kernel RoPE (fused_rope_attention).
+    backend = TritonAttention(fused_decode_merge=True, fused_rope_attention=True)
+    qkv = torch.cat([q, k, v], 1).flatten(1)
+    cos = torch.randn(64, 64, device=DEVICE)
+    u = UnrotatedQKV(qkv, 6, 2, 64, batch.positions, cos, cos.flip(0), torch.ones(64, device=DEVICE).half(),
+                     torch.ones(64, device=DEVICE).half())
+    assert backend.rope_in_attention(batch) == batch.is_decode
+    calls = [lambda: backend.forward(q, k, v, k_cache, v_cache, batch, 0.125),
+             lambda: backend.forward_unrotated(u, k_cache, v_cache, batch, 0.125)]
+    for call in calls:
+        call()  # compile first
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        backend.forward(q, k, v, k_cache, v_cache, batch, 0.125)
+        for call in calls:
+            call()
     finally:
         torch.cuda.set_sync_debug_mode("default")
 
@@ -386,3 +398,124 @@ def test_ngram_match_kernel_is_the_proposer_rule(seed):
         n = int(count[i])
         assert tokens[i, :n].tolist() == want, (r, k, min_n, max_n, window)
         assert tokens[i, n:].eq(0).all()
+
+
+# The merge reads MERGE_TILE splits at a time (one compiled variant for any count): split counts
+# below, at, just above and well past the tile, for the merge launch and the fused merge.
+@pytest.mark.parametrize("num_splits", [1, 3, 8, 9, 17, 64])
+def test_decode_merge_tiles_any_split_count(num_splits):
+    seq_lens = [700, 1, 0, 130]
+    heads = (4, 2, 64)
+    out = _decode_case(heads, torch.float32, seq_lens, num_splits=num_splits, block_n=16, min_split_tokens=1)
+    assert torch.equal(out[2], torch.zeros_like(out[2]))
+    if num_splits > 1:  # the fused merge equals the merge launch exactly, and the reference
+        _fused_vs_merge_launch(heads, seq_lens, num_splits, 1, torch.float32, SplitCounters())
+
+
+# ---- RoPE (and Qwen3's q/k norm) and the new K/V's store inside the decode kernel ----
+from tandem.attention.unrotated import UnrotatedQKV, norm_rope_rows  # noqa: E402
+from tandem.kernels.rope import CacheOut, qkv_norm_rope  # noqa: E402
+
+
+def _unrotated_case(heads, seq_lens, dtype, norm: bool, seed: int = 0):
+    """Paged caches (the new token's slot poisoned with NaN), a packed qkv projection output, and
+    its UnrotatedQKV; the new token of row b is key seq_lens[b] - 1, at slot loc[b] (slot 0 for a
+    padding row of length 0)."""
+    num_heads, num_kv_heads, head_dim = heads
+    k_cache, v_cache, r2t, req_slots = _paged(seq_lens, num_kv_heads, head_dim, dtype, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    batch = len(seq_lens)
+    qkv = (3 * torch.randn(batch, (num_heads + 2 * num_kv_heads) * head_dim, generator=g)).to(dtype).to(DEVICE)
+    loc = torch.tensor([int(r2t[s, n - 1]) if n else 0 for s, n in zip(req_slots.tolist(), seq_lens)],
+                       dtype=torch.int64, device=DEVICE)
+    positions = torch.tensor([max(n - 1, 0) for n in seq_lens], dtype=torch.int64, device=DEVICE)
+    for cache in (k_cache, v_cache):
+        cache[loc] = float("nan")
+    max_pos = max(seq_lens) + 8
+    inv = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    freqs = torch.outer(torch.arange(max_pos).float(), inv)
+    emb = torch.cat((freqs, freqs), -1)
+    weights = {}
+    if norm:
+        weights = dict(q_weight=(1 + 0.3 * torch.randn(head_dim, generator=g)).to(dtype).to(DEVICE),
+                       k_weight=(1 + 0.3 * torch.randn(head_dim, generator=g)).to(dtype).to(DEVICE), eps=1e-6)
+    u = UnrotatedQKV(qkv, num_heads, num_kv_heads, head_dim, positions, emb.cos().to(DEVICE), emb.sin().to(DEVICE),
+                     **weights)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    return u, k_cache, v_cache, r2t, req_slots, lens, loc
+
+
+def _unfused(u, k_cache, v_cache, r2t, req_slots, lens, loc, fused_kv_write: bool, **kwargs):
+    """The path before: the RoPE launch (storing K/V, or write_kv after it), then decode attention."""
+    qkv = u.qkv.clone()
+    norm = (u.q_weight, u.k_weight, u.eps) if u.has_norm else ()
+    cache = CacheOut(k_cache, v_cache, loc) if fused_kv_write else None
+    q, k, v = qkv_norm_rope(qkv, u.positions, u.cos, u.sin, u.num_heads, u.num_kv_heads, u.head_dim, *norm,
+                            cache=cache)
+    if not fused_kv_write:
+        write_kv(k_cache, v_cache, loc, k, v)
+    return decode_attention(q, k_cache, v_cache, r2t, req_slots, lens, u.head_dim ** -0.5, int(lens.max()),
+                            **kwargs)
+
+
+ROPE_HEADS = [(16, 8, 128), (8, 1, 64), (6, 2, 64), (80, 1, 64), (3, 1, 96)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("norm", [True, False], ids=["qk_norm", "no_norm"])
+@pytest.mark.parametrize("num_splits", [1, 3, 8])
+@pytest.mark.parametrize("heads", ROPE_HEADS, ids=lambda h: "h{}kv{}d{}".format(*h))
+def test_decode_rope_in_kernel_equals_unfused(heads, num_splits, norm, dtype):
+    # Rows: the new token alone (1), within the first key block, across several splits, and a
+    # padding row (0, whose K/V go to slot 0 as the RoPE kernel's do).
+    seq_lens = [1, 37, 200, 0, 129]
+    args = _unrotated_case(heads, seq_lens, dtype, norm)
+    u, k_cache, v_cache, r2t, req_slots, lens, loc = args
+    kwargs = dict(num_splits=num_splits, block_n=16, min_split_tokens=16)
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    expected = _unfused(u, ref_k, ref_v, r2t, req_slots, lens, loc, fused_kv_write=num_splits != 3, **kwargs)
+    for counters in ((None, SplitCounters()) if num_splits > 1 else (None,)):
+        k, v = k_cache.clone(), v_cache.clone()
+        qkv_before = u.qkv.clone()
+        out = decode_attention(u.q, k, v, r2t, req_slots, lens, u.head_dim ** -0.5, max(seq_lens),
+                               rope=u, loc=loc, counters=counters, **kwargs)
+        assert torch.equal(u.qkv, qkv_before), "the projection output is read, never rotated in place"
+        assert torch.equal(k, ref_k) and torch.equal(v, ref_v), "KV cache differs from the RoPE launch's"
+        if HAS_CUDA:  # compiled: the two kernels may contract multiply-adds differently
+            _close(out, expected.float(), dtype)
+        else:  # the interpreter: same q, same keys, same tiles, same bits
+            assert torch.equal(out, expected)
+    # And the reference: torch norm + RoPE, the reference write and attention.
+    q, kr, vr = norm_rope_rows(u)
+    ck, cv = k_cache.clone(), v_cache.clone()
+    ref.write_kv(ck, cv, loc, kr, vr)
+    want = ref.decode_attention(q.float(), ck.float(), cv.float(), r2t, req_slots, lens, u.head_dim ** -0.5,
+                                max(seq_lens))
+    _close(out, want, dtype)
+
+
+@pytest.mark.parametrize("prefix_lens,extend_lens", [([0, 12], [20, 3]), ([30, 0, 70], [1, 1, 1])],
+                         ids=["extend", "decode"])
+def test_backend_forward_unrotated_matches_torch_backend(prefix_lens, extend_lens):
+    # Decode: the in-kernel path; extend (not rope_in_attention): norm_rope_rows, then forward.
+    # Both against the reference backend, cache contents included.
+    from tandem.attention import TorchAttention
+    seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
+    k_cache, v_cache, r2t, req_slots = _paged(seq_lens, 2, 64, torch.float32)
+    batch = _batch(prefix_lens, extend_lens, r2t, req_slots)
+    g = torch.Generator().manual_seed(3)
+    qkv = torch.randn(sum(extend_lens), 10 * 64, generator=g).to(DEVICE)
+    emb = torch.randn(128, 32, generator=g).repeat(1, 2).to(DEVICE)
+    u = UnrotatedQKV(qkv, 6, 2, 64, batch.positions, emb.cos(), emb.sin(),
+                     (1 + 0.2 * torch.randn(64, generator=g)).to(DEVICE), (1 + 0.2 * torch.randn(64, generator=g)).to(DEVICE))
+    triton_attn = TritonAttention(fused_rope_attention=True)
+    assert triton_attn.rope_in_attention(batch) == batch.is_decode
+    assert not TorchAttention().rope_in_attention(batch)
+    caches = (k_cache.clone(), v_cache.clone())
+    out = triton_attn.forward_unrotated(u, k_cache, v_cache, batch, 0.125)
+    expected = TorchAttention().forward_unrotated(u, *caches, batch, 0.125)
+    _close(out, expected.float(), torch.float32)
+    _close(k_cache, caches[0], torch.float32)
+    _close(v_cache, caches[1], torch.float32)
+    # Verify rows and cascade batches keep RoPE out of the kernel.
+    assert not triton_attn.rope_in_attention(dataclasses.replace(batch, query_rows=True))

@@ -19,8 +19,8 @@ import triton
 import triton.language as tl
 
 from tandem.cascade_layout import MAX_PARTS, WORK_INTS, CascadeInputs, max_group_rows
-from tandem.kernels.decode_attention import (LOG2E, MIN_ROW_SPLIT_TOKENS, _used_splits, decode_num_splits,
-                                             decode_suffix_partials, default_block_n)
+from tandem.kernels.decode_attention import (LOG2E, MIN_ROW_SPLIT_TOKENS, _merge_head, _used_splits,
+                                             decode_num_splits, decode_suffix_partials, default_block_n)
 
 
 # Per-step ints (the suffix split count, and the strides of the mid buffers, which hold
@@ -84,50 +84,22 @@ def _shared_prefix_kernel(
     tl.store(MidLse + rows * stride_lb + heads * stride_lh + split_idx, lse, mask=mask_m)
 
 
-MERGE_TILE = 8  # splits a merge iteration reads: a row uses a few (suffix splits + its group's parts)
-
-
 @triton.jit(do_not_specialize=["stride_mb", "stride_mh", "stride_lb", "stride_lh", "suffix_splits"])
 def _cascade_merge_kernel(
     MidO, MidLse, Out, SeqLens, SharedLens, SharedParts,
     stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, stride_ob, stride_oh,
     suffix_splits, min_split_tokens,
-    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    # The row's used splits only, BLOCK_S at a time with a running max (online softmax): a
-    # tile as wide as the buffer (suffix splits + MAX_PARTS, 64) cost ~100 us a layer at 512
-    # rows on the H200 (a third of the step) to read mostly masked lanes.
+    # The row's used splits only (decode's `_merge_head`, MERGE_TILE at a time): its used
+    # suffix splits first, then its group's work items, stored from split `suffix_splits` on.
     b = tl.program_id(0)
-    h = tl.program_id(1)
-    seq_len = tl.load(SeqLens + b)
-    shared = tl.load(SharedLens + b)
-    suffix = seq_len - shared
+    suffix = tl.load(SeqLens + b) - tl.load(SharedLens + b)
     used_suffix = _used_splits(suffix, suffix_splits, min_split_tokens, BLOCK_N)
     used = used_suffix + tl.load(SharedParts + b)  # + the row's group's work items (0: no group)
-    offs_s = tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, BLOCK_D)
-    mask_d = offs_d < HEAD_DIM
-    lse_row = MidLse + b * stride_lb + h * stride_lh
-    o_row = MidO + b * stride_mb + h * stride_mh
-    m = tl.max(tl.full([BLOCK_S], float("-inf"), tl.float32), 0)
-    denom = tl.sum(tl.zeros([BLOCK_S], tl.float32), 0)
-    acc = tl.zeros([BLOCK_D], tl.float32)
-    for start in range(0, used, BLOCK_S):
-        i = start + offs_s  # the row's i-th used split: suffix splits first, then its shared parts
-        valid = i < used
-        split = tl.where(i < used_suffix, i, suffix_splits + i - used_suffix)
-        lse = tl.load(lse_row + split, mask=valid, other=float("-inf"))
-        m_new = tl.maximum(m, tl.max(lse, 0))
-        base = tl.where(m_new == float("-inf"), 0.0, m_new)  # a padding row (no keys at all): zeros, not NaN
-        alpha = tl.exp2(m - base)
-        w = tl.exp2(lse - base)
-        o = tl.load(o_row + split[:, None] * stride_ms + offs_d[None, :], mask=valid[:, None] & mask_d[None, :],
-                    other=0.0)
-        acc = acc * alpha + tl.sum(w[:, None] * o, 0)
-        denom = denom * alpha + tl.sum(w, 0)
-        m = m_new
-    out = acc / tl.where(denom > 0, denom, 1.0)
-    tl.store(Out + b * stride_ob + h * stride_oh + offs_d, out.to(Out.dtype.element_ty), mask=mask_d)
+    _merge_head(MidO, MidLse, Out, b, tl.program_id(1), used, used_suffix, suffix_splits,
+                stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, stride_ob, stride_oh,
+                HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D)
 
 
 def cascade_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -164,7 +136,7 @@ def cascade_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         mid_o, mid_lse, out, seq_lens, c.shared_lens, c.shared_parts,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(1), suffix_splits, min_split_tokens,
-        HEAD_DIM=head_dim, BLOCK_S=MERGE_TILE, BLOCK_D=block_d, BLOCK_N=block_n,
+        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n,
         num_warps=4,
     )
     return out
