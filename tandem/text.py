@@ -242,6 +242,10 @@ class _StopMatcher:
     def push(self, text: str) -> tuple[str, str | None]:
         if len(self._next) == 1:
             return text, None
+        if self._state == 0 and self._next[0].keys().isdisjoint(text):
+            # From the root, a character that starts no stop string leads back to the root:
+            # nothing matches and nothing is held (one C-level check, not a Python loop).
+            return text, None
         state, base = self._state, len(self._pending)
         for i, ch in enumerate(text):
             state = self._step(state, ch)
