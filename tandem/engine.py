@@ -939,14 +939,17 @@ def _merged(outs: list[StepOutput]) -> StepOutput:
 
 def _step_record(batch: ScheduledBatch, t_start: float, t_launch: float, t_end: float) -> StepRecord:
     """A timeline record of a launched step: its shape (for rooflines) and host times."""
-    rows = batch.rows
+    tokens = context = pairs = 0
+    for r in batch.rows:  # one pass: this runs on every step, over every row
+        n = r.num_new
+        tokens += n
+        context += r.start + n
+        pairs += n * r.start + n * (n + 1) // 2
     return StepRecord(
-        batch.step, len(rows), batch.num_tokens, batch.is_decode,
-        context_tokens=sum(r.start + r.num_new for r in rows),
-        attn_pairs=sum(r.num_new * r.start + r.num_new * (r.num_new + 1) // 2 for r in rows),
+        batch.step, len(batch.rows), tokens, batch.is_decode, context_tokens=context, attn_pairs=pairs,
         host_start=t_start, schedule_ms=(t_launch - t_start) * 1e3, launch_ms=(t_end - t_launch) * 1e3,
         num_sampled=len(batch.sample_rows),
-        verify_k=sum(r.spec_k for r in rows) if batch.is_verify else None)
+        verify_k=sum(r.spec_k for r in batch.rows) if batch.is_verify else None)
 
 
 # Waiting requests whose host-tier prefixes are loaded ahead of admission (the queue's head).

@@ -188,3 +188,27 @@ def test_engine_stream_keeps_its_tokens_through_a_burst(tiny_text_model, mixed):
     assert gap_steps <= 3, gap_steps  # overlap: a token lands one step after its decode
     # In seconds: a few steps of ~15 (one slow step on loaded CI cores took 0.28 of a 0.4 s burst).
     assert gap_s < burst_s / 3, (gap_s, burst_s)
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+def test_decode_only_steps_skip_prefill_work(monkeypatch, mixed):
+    """Once every prompt is prefilled and cached and nothing waits, a step plans decodes
+    only, without sizing a prefill step or asking the cache to cache a prompt again; the
+    batch's derived facts are computed once."""
+    sched = _scheduler(mixed)
+    reqs = [_request(f"r{i}", PROMPT_LEN, i * 7, max_samples=20) for i in range(8)]
+    for req in reqs:
+        sched.add(req)
+    step = 0
+    while any(not r.prefill_done for r in reqs) or sched.waiting:
+        _run_step(sched, step)
+        step += 1
+    _run_step(sched, step)  # the last prompt chunk's tokens get cached in this plan
+    step += 1
+    cached, sized = [], []
+    monkeypatch.setattr(sched.cache, "cache_prefill", cached.append)
+    monkeypatch.setattr(sched, "_separate_prefill_budget", lambda: sized.append(1) or 1 << 20)
+    batch = _run_step(sched, step)
+    assert [r.req for r in batch.rows] == reqs and batch.is_decode and not batch.has_prefill
+    assert (cached, sized) == ([], [])
+    assert batch.sample_rows is batch.sample_rows and batch.num_tokens == len(reqs)

@@ -11,7 +11,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from tandem.text import RequestText, TextDelta, _StopMatcher
+from tandem.text import RequestText, TextDelta, _decodes_with_backend, _StopMatcher, ids_decoder
 
 REPL = "\ufffd"
 
@@ -394,3 +394,60 @@ def test_stop_matching_cost_does_not_grow_with_the_number_of_stop_strings():
     for _ in range(2000):
         assert matcher.push("xy")[1] is None
     assert time.perf_counter() - start < 0.5
+
+
+# ---- the fast path: the Rust backend's decode instead of transformers' decode ----
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_backend_decode_equals_tokenizer_decode(tok, skip):
+    """Every window the streaming decoder may ask for decodes to what `decode` gives: random
+    slices of real text with special tokens (skipped or shown) and characters cut mid-way."""
+    assert _decodes_with_backend(tok)
+    fast = ids_decoder(tok, skip)
+    rng = random.Random(0)
+    ids = enc(tok, " ".join(TEXTS) + "".join(POOL))
+    specials = [t for t in tok.all_special_ids if t is not None]
+    for at in sorted(rng.sample(range(len(ids)), 12), reverse=True):
+        ids.insert(at, rng.choice(specials))
+    for _ in range(400):
+        a = rng.randrange(len(ids))
+        window = ids[a:a + rng.randint(0, 12)]
+        assert fast(window) == tok.decode(window, skip_special_tokens=skip, clean_up_tokenization_spaces=False)
+
+
+def test_clean_up_never_applied_on_the_fast_path(smollm):
+    """A tokenizer configured to clean up spaces still streams the raw decode, as before."""
+    ids = enc(smollm, "a , b . c ! don 't")
+    cleaning = PreTrainedTokenizerFast(tokenizer_object=smollm.backend_tokenizer, clean_up_tokenization_spaces=True)
+    # transformers 5 skips the clean-up for BPE models unless told to corrupt their output
+    cleaning.clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output = True
+    assert cleaning.decode(ids) != "a , b . c ! don 't"  # the clean-up is on
+    assert _decodes_with_backend(cleaning)
+    _, _, rt = stream(cleaning, [], ids)
+    assert rt.text == "a , b . c ! don 't"
+
+
+class _ShoutingDecode(PreTrainedTokenizerFast):
+    def decode(self, token_ids, **kw):
+        return super().decode(token_ids, **kw).upper()
+
+
+class _ShoutingPrivateDecode(PreTrainedTokenizerFast):
+    def _decode(self, token_ids, **kw):
+        return super()._decode(token_ids, **kw).upper()
+
+
+@pytest.mark.parametrize("cls", [_ShoutingDecode, _ShoutingPrivateDecode])
+def test_subclass_overriding_decode_keeps_its_decode(smollm, cls):
+    shouting = cls(tokenizer_object=smollm.backend_tokenizer)
+    assert not _decodes_with_backend(shouting)
+    _, _, rt = stream(shouting, enc(smollm, "Say:"), enc(smollm, "quiet words 😀"))
+    assert rt.text == "QUIET WORDS 😀"
+
+
+def test_decode_patched_on_the_instance_is_used(smollm):
+    patched = PreTrainedTokenizerFast(tokenizer_object=smollm.backend_tokenizer)
+    patched.decode = lambda ids, **kw: "x" * len(ids)
+    assert not _decodes_with_backend(patched)
+    assert ids_decoder(patched, True)([1, 2, 3]) == "xxx"

@@ -1,5 +1,6 @@
 """What the scheduler hands the runner: host-side facts about one step, no tensors."""
 from dataclasses import dataclass
+from functools import cached_property
 
 from tandem.request import Request
 
@@ -36,26 +37,30 @@ class Row:
 
 @dataclass
 class ScheduledBatch:
+    """One planned step. Immutable once built (nobody edits `rows` or a row's fields after the
+    scheduler returns it), so its derived facts are computed once: the engine, the runner and
+    the step record each read them, and at 256 rows each scan is host time on every step."""
+
     step: int
     rows: list[Row]
 
-    @property
+    @cached_property
     def is_decode(self) -> bool:
         return all(r.prefill_ids is None for r in self.rows)
 
-    @property
+    @cached_property
     def has_prefill(self) -> bool:
-        return any(r.prefill_ids is not None for r in self.rows)
+        return not self.is_decode  # any(prefill row) is not all(decode rows), empty included
 
-    @property
+    @cached_property
     def num_tokens(self) -> int:
         return sum(r.num_new for r in self.rows)
 
-    @property
+    @cached_property
     def is_verify(self) -> bool:
         """A speculative step: every row is a verify row (lengths on the device)."""
         return bool(self.rows) and self.rows[0].spec_k is not None
 
-    @property
+    @cached_property
     def sample_rows(self) -> list[Row]:
         return [r for r in self.rows if r.sample_index is not None]

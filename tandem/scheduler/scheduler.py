@@ -176,11 +176,12 @@ class Scheduler:
                     rows = self._plan(step, drain)
             for row in rows:
                 self._commit(row, step)
-            self._count_prefill_steps(step, rows)
+            batch = ScheduledBatch(step=step, rows=rows)
+            self._count_prefill_steps(batch)
         except BaseException:
             self.rollback(step)
             raise
-        return ScheduledBatch(step=step, rows=rows) if rows else None
+        return batch if rows else None
 
     def rollback(self, step: int) -> None:
         """Undo the plan of `step` (its launch failed, or planning itself did): as if it was
@@ -214,17 +215,30 @@ class Scheduler:
 
     def _plan(self, step: int, drain: Callable[[], None]) -> list[Row]:
         self.running = [r for r in self.running if not r.finished]
-        for req in self.running:  # prompt chunks launched in earlier steps become reusable
-            self.cache.cache_prefill(req)
+        prefilling = self._cache_launched_prefills()
         if self.cfg.enable_mixed_batch:
-            prefill_work = bool(self.waiting) or any(not r.prefill_done for r in self.running)
-            decode = self._decode_rows(step, drain, beside_prefill=prefill_work)
+            decode = self._decode_rows(step, drain, beside_prefill=bool(self.waiting or prefilling))
             if decode and decode[0].spec_k is not None:
                 return decode  # a verify step carries no prefill
-            return decode + self._prefill_rows(self._mixed_prefill_budget(len(decode)))
+            return decode + self._prefill_rows(self._mixed_prefill_budget(len(decode)), prefilling)
         if self._decode_turn():
-            return self._decode_rows(step, drain) or self._prefill_rows(self.cfg.max_prefill_tokens)
-        return self._prefill_rows(self._separate_prefill_budget()) or self._decode_rows(step, drain)
+            return self._decode_rows(step, drain) or self._prefill_rows(self.cfg.max_prefill_tokens, prefilling)
+        if not (self.waiting or prefilling):  # decode only: skip sizing a prefill step (a scan)
+            return self._decode_rows(step, drain)
+        return self._prefill_rows(self._separate_prefill_budget(), prefilling) or self._decode_rows(step, drain)
+
+    def _cache_launched_prefills(self) -> list[Request]:
+        """Prompt chunks launched in earlier steps become reusable (cached); returns the running
+        requests with prefill left. One pass over the running requests, the only one a
+        decode-only step makes for prefill: a request whose prompt is all cached is skipped
+        (cache_prefill would do nothing for it)."""
+        prefilling, caching = [], self.cache.enabled
+        for req in self.running:
+            if caching and req.cached_len < req.prefill_target:
+                self.cache.cache_prefill(req)
+            if not req.prefill_done:
+                prefilling.append(req)
+        return prefilling
 
     def _separate_prefill_budget(self) -> int:
         """A stream decoding beside a burst waits one prefill step (see _decode_turn). Prefill
@@ -250,13 +264,16 @@ class Scheduler:
         return (self._prefill_steps_in_a_row >= self.cfg.max_prefill_steps_between_decodes
                 and any(r.can_decode for r in self.running))
 
-    def _count_prefill_steps(self, step: int, rows: list[Row]) -> None:
+    def _count_prefill_steps(self, batch: ScheduledBatch) -> None:
+        rows = batch.rows
         if any(r.prefill_ids is None for r in rows):
             self._prefill_steps_in_a_row = 0
         elif rows:
             self._prefill_steps_in_a_row += 1
         # A mixed step's decodes count as prefill time: the pace errs slow, the steps short.
-        self.prefill_pace.planned(step, sum(r.num_new for r in rows if r.prefill_ids is not None))
+        # A decode step (is_decode is cached: the runner and the step record read it too) has none.
+        prefill_tokens = 0 if batch.is_decode else sum(r.num_new for r in rows if r.prefill_ids is not None)
+        self.prefill_pace.planned(batch.step, prefill_tokens)
 
     def _mixed_prefill_budget(self, num_decodes: int) -> int:
         """Decode first: while requests decode, a step carries all of them plus at most
@@ -300,13 +317,15 @@ class Scheduler:
                 drain()
                 self.running = [r for r in self.running if not r.finished]
                 reqs = [r for r in self.running if r.can_decode]
-        if sum(map(_needs_slot, reqs)) > self.cache.available():
+        need = sum(map(_needs_slot, reqs))
+        if need > self.cache.available():
             drain()  # finishes may free enough; if not, nothing is in flight for preemption
             self.running = [r for r in self.running if not r.finished]
             while sum(r.can_decode and _needs_slot(r) for r in self.running) > self.cache.available():
                 self._preempt(self.running[-1])
             reqs = [r for r in self.running if r.can_decode]
-        slots = iter(self._alloc(sum(map(_needs_slot, reqs))))
+            need = sum(map(_needs_slot, reqs))
+        slots = iter(self._alloc(need))
         # A slot a verify reserved at the next position is used as it is.
         return [Row(r, r.num_computed, [next(slots) if _needs_slot(r) else r.kv_slots[r.num_computed]], None,
                     r.num_scheduled_samples) for r in reqs]
@@ -325,10 +344,15 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(req)
 
-    def _prefill_rows(self, budget: int) -> list[Row]:
+    def _prefill_rows(self, budget: int, prefilling: list[Request]) -> list[Row]:
+        """Chunks of the running prefills (`prefilling`: the plan's scan), then admissions."""
+        # This plan's drain may have finished or preempted some of them since the scan.
+        prefilling = [r for r in prefilling if r.status is Status.RUNNING]
+        if not prefilling and not self.waiting:
+            return []
         rows: list[Row] = []
         reserve = sum(r.can_decode for r in self.running)  # keep room for next decodes
-        for req in [r for r in self.running if not r.prefill_done]:
+        for req in prefilling:
             row = self._chunk(req, budget, reserve)
             if row is None:
                 return rows
@@ -336,7 +360,7 @@ class Scheduler:
             budget -= row.num_new
         if budget <= 0 or not self.waiting:
             return rows
-        pending = self._pending_prefixes([r for r in self.running if not r.prefill_done])
+        pending = self._pending_prefixes(prefilling)
         reused = sum(len(r.cached_prefix) for r in rows if r.cached_prefix is not None)
         for req in self._admission_order():
             if budget <= 0 or len(self.running) >= self.cfg.max_running_requests:
