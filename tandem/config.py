@@ -139,8 +139,8 @@ class Experiments:
     # projection's small-M GEMM where the tuner found that faster (off: a norm kernel per norm).
     fused_norm_gemm: bool = True
     # Split-K decode attention: the last split program of each row merges (off: a separate
-    # merge launch per layer). Off until measured on the H200: session 11's engine runs with it
-    # did not finish inside their time limit (kernel tests passed there; docs/benchmarks.md).
+    # merge launch per layer). Off: on the H200 (session 13) it saved 7 us of a 0.95 ms batch-1
+    # step and took back PDL's 59 us gain when both were on (docs/benchmarks.md).
     fused_decode_merge: bool = False
     # Decode at small batch (issue 21): Qwen3's q/k norm, RoPE and the new K/V's store run inside
     # the decode attention kernel (Triton backend, decode batches without cascade or verify rows);

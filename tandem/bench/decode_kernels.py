@@ -9,7 +9,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from tandem.bench.presets import preset_dir
-from tandem.config import EngineConfig
+from tandem.config import EngineConfig, Experiments
 from tandem.engine import Engine
 from tandem.sampling import SamplingParams
 
@@ -46,8 +46,11 @@ def main() -> None:
     ap.add_argument("--batch", type=int, action="append")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--experiment", action="append", default=[], metavar="NAME=VALUE",
+                    help="an Experiments switch, e.g. fused_rope_attention=on (repeatable)")
     args = ap.parse_args()
-    engine = Engine(EngineConfig(model=preset_dir(args.preset), dummy_weights=True))
+    engine = Engine(EngineConfig(model=preset_dir(args.preset), dummy_weights=True,
+                                 experiments=Experiments.from_overrides(args.experiment)))
     for b in args.batch or [1]:
         profile_batch(engine, b, args.steps, args.prompt_len)
 
