@@ -52,8 +52,7 @@ def kernels() -> dict:
     import tandem.kernels.small_m_gemm  # noqa: F401
     gemm = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, SPLIT=False, HAS_SCALE=False, HAS_BIAS=False, EVEN_K=True,
                 EVEN_N=True, SILU_MUL=False, NORM=False, HAS_RESIDUAL=False, DOT_PRECISION="tf32", PER_LANE=False)
-    split = dict(GROUP=2, HEAD_BLOCKS=1, BLOCK_H=16, BLOCK_N=64, FUSED_MERGE=False, ROPE=False, HAS_NORM=False,
-                 BLOCK_HALF=1, **ATTN)
+    split = dict(GROUP=2, HEAD_BLOCKS=1, BLOCK_H=16, BLOCK_N=64, FUSED_MERGE=False, **ATTN)
     sizes = {"M": "i32", "N": "i32", "K": "i32"}
     return {
         "silu_mul": (_kernel(ka, "_silu_mul_kernel"), dict(BLOCK=1024), {"I": "i32"}),
@@ -71,12 +70,6 @@ def kernels() -> dict:
         # The last split program of each (request, head group) merges: atomics with acq_rel.
         "decode_split_fused_merge": (_kernel(da, "_decode_split_kernel"),
                                      dict(SPLIT=True, HAS_START=False, **{**split, "FUSED_MERGE": True}), {}),
-        # Experiments.fused_rope_attention: q/k norm + RoPE and the new K/V's store in the split kernel.
-        "decode_split_rope_norm_fused_merge": (_kernel(da, "_decode_split_kernel"),
-                                               dict(SPLIT=True, HAS_START=False, **{**split, "FUSED_MERGE": True,
-                                                    "ROPE": True, "HAS_NORM": True, "BLOCK_HALF": 64}), {}),
-        "decode_unsplit_rope": (_kernel(da, "_decode_split_kernel"),
-                                dict(SPLIT=False, HAS_START=False, **{**split, "ROPE": True, "BLOCK_HALF": 64}), {}),
         "decode_suffix": (_kernel(da, "_decode_split_kernel"), dict(SPLIT=True, HAS_START=True, **split), {}),
         "decode_unsplit": (_kernel(da, "_decode_split_kernel"), dict(SPLIT=False, HAS_START=False, **split), {}),
         "decode_merge": (_kernel(da, "_decode_merge_kernel"), dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_N=64), {}),

@@ -4,8 +4,6 @@ Without CUDA the kernels run in Triton's interpreter on the CPU (float32/float16
 only: the interpreter's bfloat16 `tl.dot` is wrong); with CUDA they run compiled,
 bfloat16 included. References are computed in float32 from the same (rounded) inputs.
 """
-import dataclasses
-
 import pytest
 import torch
 
@@ -353,22 +351,12 @@ def test_backend_never_syncs(prefix_lens, extend_lens):
     t = sum(extend_lens)
     q = torch.randn(t, 6, 64, device=DEVICE).half()
     k, v = torch.randn(t, 2, 64, device=DEVICE).half(), torch.randn(t, 2, 64, device=DEVICE).half()
-    # Its counter pool's host code too, and for decode the in-kernel RoPE (fused_rope_attention).
-    backend = TritonAttention(fused_decode_merge=True, fused_rope_attention=True)
-    qkv = torch.cat([q, k, v], 1).flatten(1)
-    cos = torch.randn(64, 64, device=DEVICE)
-    u = UnrotatedQKV(qkv, 6, 2, 64, batch.positions, cos, cos.flip(0), torch.ones(64, device=DEVICE).half(),
-                     torch.ones(64, device=DEVICE).half())
-    assert backend.rope_in_attention(batch) == batch.is_decode
-    calls = [lambda: backend.forward(q, k, v, k_cache, v_cache, batch, 0.125),
-             lambda: backend.forward_unrotated(u, k_cache, v_cache, batch, 0.125)]
-    for call in calls:
-        call()  # compile first
+    backend = TritonAttention(fused_decode_merge=True)  # its counter pool's host code too
+    backend.forward(q, k, v, k_cache, v_cache, batch, 0.125)  # compile first
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        for call in calls:
-            call()
+        backend.forward(q, k, v, k_cache, v_cache, batch, 0.125)
     finally:
         torch.cuda.set_sync_debug_mode("default")
 
@@ -492,30 +480,3 @@ def test_decode_rope_in_kernel_equals_unfused(heads, num_splits, norm, dtype):
     want = ref.decode_attention(q.float(), ck.float(), cv.float(), r2t, req_slots, lens, u.head_dim ** -0.5,
                                 max(seq_lens))
     _close(out, want, dtype)
-
-
-@pytest.mark.parametrize("prefix_lens,extend_lens", [([0, 12], [20, 3]), ([30, 0, 70], [1, 1, 1])],
-                         ids=["extend", "decode"])
-def test_backend_forward_unrotated_matches_torch_backend(prefix_lens, extend_lens):
-    # Decode: the in-kernel path; extend (not rope_in_attention): norm_rope_rows, then forward.
-    # Both against the reference backend, cache contents included.
-    from tandem.attention import TorchAttention
-    seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
-    k_cache, v_cache, r2t, req_slots = _paged(seq_lens, 2, 64, torch.float32)
-    batch = _batch(prefix_lens, extend_lens, r2t, req_slots)
-    g = torch.Generator().manual_seed(3)
-    qkv = torch.randn(sum(extend_lens), 10 * 64, generator=g).to(DEVICE)
-    emb = torch.randn(128, 32, generator=g).repeat(1, 2).to(DEVICE)
-    u = UnrotatedQKV(qkv, 6, 2, 64, batch.positions, emb.cos(), emb.sin(),
-                     (1 + 0.2 * torch.randn(64, generator=g)).to(DEVICE), (1 + 0.2 * torch.randn(64, generator=g)).to(DEVICE))
-    triton_attn = TritonAttention(fused_rope_attention=True)
-    assert triton_attn.rope_in_attention(batch) == batch.is_decode
-    assert not TorchAttention().rope_in_attention(batch)
-    caches = (k_cache.clone(), v_cache.clone())
-    out = triton_attn.forward_unrotated(u, k_cache, v_cache, batch, 0.125)
-    expected = TorchAttention().forward_unrotated(u, *caches, batch, 0.125)
-    _close(out, expected.float(), torch.float32)
-    _close(k_cache, caches[0], torch.float32)
-    _close(v_cache, caches[1], torch.float32)
-    # Verify rows and cascade batches keep RoPE out of the kernel.
-    assert not triton_attn.rope_in_attention(dataclasses.replace(batch, query_rows=True))

@@ -12,13 +12,6 @@ launch a layer fewer, which is what a batch-1 step, bound by kernel count, pays 
 Both merges, and cascade's, are one `_merge_head`: MERGE_TILE splits at a time with a running
 max, so no kernel variant is compiled per split count.
 
-With ROPE (Experiments.fused_rope_attention; `rope=` an `UnrotatedQKV`) the split kernel also
-replaces the RoPE launch before it: each program (norms and) rotates its q heads and its KV
-head's new key in registers (`rope.norm_rope_tile`, the RoPE kernel's roundings), uses them for
-the row's last key instead of reading the cache, and one program per (row, KV head), the first
-head block of the split holding that key, stores the new K/V at the row's slot. No program
-reads that slot in the launch, so the store races with nothing; one launch a layer fewer.
-
 The split count is a host int: the grid's upper bound, fixed for a given (batch,
 num_splits), so the launch is safe to capture in a CUDA graph (a graph is captured
 for the longest context). Each row then chooses on the device, from its own
@@ -177,7 +170,7 @@ def _decode_split_kernel(
     slot_row = ReqToToken + tl.load(ReqSlots + b).to(tl.int64) * stride_r2t
 
     if ROPE:
-        # The projection's rows, not yet rotated (`UnrotatedQKV`): every program (norms and)
+        # The projection's rows, not yet rotated (`rope_args`): every program (norms and)
         # rotates its q heads and its KV head's new key in registers (a row x a few heads).
         # Key `new_key` (the row's last) is this token's: read from registers, never from
         # the cache, whose slot one program of the row (`writes_new`) stores below.
