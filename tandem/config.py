@@ -142,10 +142,6 @@ class Experiments:
     # merge launch per layer). Off: on the H200 (session 13) it saved 7 us of a 0.95 ms batch-1
     # step and took back PDL's 59 us gain when both were on (docs/benchmarks.md).
     fused_decode_merge: bool = False
-    # Decode at small batch (issue 21): Qwen3's q/k norm, RoPE and the new K/V's store run inside
-    # the decode attention kernel (Triton backend, decode batches without cascade or verify rows);
-    # off: the RoPE launch (+ its KV write) before attention. Off until measured on the H200.
-    fused_rope_attention: bool = False
 
     @classmethod
     def from_overrides(cls, pairs: list[str]) -> "Experiments":

@@ -29,9 +29,6 @@ class ForwardBatch:
     is_decode: bool  # every request has exactly one new token
     max_seq_len: int
     cascade: CascadeInputs | None = None  # decode only: two-level attention over shared prefixes
-    # Decode rows that are query tokens of a verify step (`query_rows_batch`): several rows of one
-    # request, each reading the K/V the others write in the same layer.
-    query_rows: bool = False
 
 
 def query_rows_batch(input_ids: torch.Tensor, positions: torch.Tensor, locs: torch.Tensor,
@@ -50,4 +47,4 @@ def query_rows_batch(input_ids: torch.Tensor, positions: torch.Tensor, locs: tor
         qo_indptr=torch.arange(t + 1, device=input_ids.device), req_to_token=req_to_token,
         # Decode kernels read device lengths; these host fields only size extend kernels.
         host_req_slots=[0] * t, host_seq_lens=[1] * t, host_extend_lens=[1] * t,
-        is_decode=True, max_seq_len=max_seq_len, query_rows=True)
+        is_decode=True, max_seq_len=max_seq_len)

@@ -239,12 +239,9 @@ def test_empty_batch():
     assert q.shape == (0, 2, 64) and k.shape == v.shape == (0, 1, 64)
 
 
-@pytest.mark.parametrize("variant,backend,fused_kv_write,rope_in_attention", [
-    ("qwen3", "triton", True, False), ("qwen2", "triton", True, False), ("qwen3", "triton", False, False),
-    ("qwen2", "torch", False, False),
-    # Experiments.fused_rope_attention: the decode step's norm, RoPE and K/V store in the decode kernel.
-    ("qwen3", "triton", True, True), ("qwen2", "triton", False, True)])
-def test_model_forward_with_kernels(tmp_path, monkeypatch, variant, backend, fused_kv_write, rope_in_attention):
+@pytest.mark.parametrize("variant,backend,fused_kv_write", [("qwen3", "triton", True), ("qwen2", "triton", True),
+                                                            ("qwen3", "triton", False), ("qwen2", "torch", False)])
+def test_model_forward_with_kernels(tmp_path, monkeypatch, variant, backend, fused_kv_write):
     """A tiny model's prefill + decode logits are unchanged when its modules use the
     kernels: checks the wiring (eps, head counts, q/k/v as in-place views of qkv fed to
     the attention backend, the KV-cache write fused into RoPE or not). Reference: the CPU
@@ -288,14 +285,8 @@ def test_model_forward_with_kernels(tmp_path, monkeypatch, variant, backend, fus
         return torch.cat(logits)
 
     expected = run(TorchAttention(), "cpu")
-    attn = (TritonAttention(fused_kv_write=fused_kv_write, fused_rope_attention=rope_in_attention)
-            if backend == "triton" else TorchAttention())
+    attn = TritonAttention(fused_kv_write=fused_kv_write) if backend == "triton" else TorchAttention()
     assert attn.fused_kv_write == fused_kv_write
-    rope_rows = []  # tokens of each RoPE launch: with rope_in_attention, the prefill's only
-    from tandem.kernels import rope as rope_kernels
-    launch = rope_kernels.qkv_norm_rope
-    monkeypatch.setattr(rope_kernels, "qkv_norm_rope", lambda qkv, *a, **k: rope_rows.append(qkv.shape[0])
-                        or launch(qkv, *a, **k))
     if fused_kv_write:  # the RoPE launch writes the cache: the backend must not
         from tandem.attention import triton_backend
         monkeypatch.setattr(triton_backend, "write_kv", _unreachable)
@@ -309,7 +300,6 @@ def test_model_forward_with_kernels(tmp_path, monkeypatch, variant, backend, fus
     got = run(attn, DEVICE)
     monkeypatch.undo()
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
-    assert rope_rows == [7] * cfg.num_layers + ([] if rope_in_attention else [1] * cfg.num_layers)
 
 
 def _unreachable(*args, **kwargs):

@@ -6,7 +6,6 @@ import torch
 from tandem.attention.torch_backend import TorchAttention
 from tandem.config import Experiments
 from tandem.forward_batch import ForwardBatch
-from tandem.attention.unrotated import UnrotatedQKV
 
 __all__ = ["AttentionBackend", "TorchAttention", "make_attention_backend"]
 
@@ -22,17 +21,6 @@ class AttentionBackend(Protocol):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, batch: ForwardBatch, scale: float,
                 kv_written: bool = False) -> torch.Tensor: ...
-
-    def rope_in_attention(self, batch: ForwardBatch) -> bool:
-        """Whether `forward_unrotated` does (norm,) RoPE and the K/V store inside its kernel for
-        this batch (Experiments.fused_rope_attention): the model then skips its RoPE launch."""
-        ...
-
-    def forward_unrotated(self, u: UnrotatedQKV, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                          batch: ForwardBatch, scale: float) -> torch.Tensor:
-        """`forward` of the projection output before its norm and RoPE (`u`): stores the rotated
-        new K and V, attends with the rotated q."""
-        ...
 
 
 def make_attention_backend(name: str, device: torch.device,
@@ -50,6 +38,5 @@ def make_attention_backend(name: str, device: torch.device,
             if name == "triton":
                 raise
             return TorchAttention()
-        return TritonAttention(exp.attention_split_by_context, exp.fused_kv_write, exp.fused_decode_merge,
-                               exp.fused_rope_attention)
+        return TritonAttention(exp.attention_split_by_context, exp.fused_kv_write, exp.fused_decode_merge)
     raise ValueError(f"attention backend must be one of auto, torch, triton; got {name!r}")

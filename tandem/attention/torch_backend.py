@@ -7,7 +7,6 @@ its row of `req_to_token`. Slot 0 is a dummy slot that padding rows may write to
 import torch
 import torch.nn.functional as F
 
-from tandem.attention.unrotated import UnrotatedQKV, norm_rope_rows
 from tandem.forward_batch import ForwardBatch
 
 
@@ -122,12 +121,3 @@ class TorchAttention:
                                     batch.seq_lens, scale, batch.max_seq_len)
         return extend_attention(q, k_cache, v_cache, batch.req_to_token, batch.host_req_slots,
                                 batch.host_seq_lens, batch.host_extend_lens, scale)
-
-    def rope_in_attention(self, batch: ForwardBatch) -> bool:
-        return False  # the reference keeps RoPE, the store and attention apart
-
-    def forward_unrotated(self, u: UnrotatedQKV, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                          batch: ForwardBatch, scale: float) -> torch.Tensor:
-        """The reference of the fused path: `norm_rope_rows`, then `forward`."""
-        q, k, v = norm_rope_rows(u)
-        return self.forward(q, k, v, k_cache, v_cache, batch, scale)

@@ -28,7 +28,6 @@ import triton
 import triton.language as tl
 
 from tandem.kernels.pdl import pdl_options, pdl_prologue
-from tandem.kernels.rope import norm_rope_tile
 
 LOG2E = 1.4426950408889634
 MIN_TOKENS_PER_SPLIT = 256  # host choice: below this a split's fixed cost outweighs the parallelism
@@ -136,16 +135,13 @@ def _store_partials(MidO, MidLse, b, heads, offs_d, mask_h, mask_d, split, acc, 
 @triton.jit(do_not_specialize=["stride_lb", "stride_lh", "num_splits"])
 def _decode_split_kernel(
     Q, K, V, ReqToToken, ReqSlots, SeqLens, StartLens, MidO, MidLse, Out, Counters,
-    KNew, VNew, QW, KW, Pos, Cos, Sin, Loc,
     stride_qb, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_r2t,
     stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, stride_ob, stride_oh,
-    stride_knb, stride_knh, stride_vnb, stride_vnh, stride_cos, stride_sin,
-    qk_scale, num_splits, min_split_tokens, eps,
+    qk_scale, num_splits, min_split_tokens,
     GROUP: tl.constexpr, HEAD_BLOCKS: tl.constexpr, HEAD_DIM: tl.constexpr,
     SPLIT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_START: tl.constexpr,
-    FUSED_MERGE: tl.constexpr, ROPE: tl.constexpr, HAS_NORM: tl.constexpr, BLOCK_HALF: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    FUSED_MERGE: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     pdl_prologue(USE_PDL)
     b = tl.program_id(0)
@@ -169,28 +165,8 @@ def _decode_split_kernel(
     end = tl.minimum(start + split_len, seq_len)
     slot_row = ReqToToken + tl.load(ReqSlots + b).to(tl.int64) * stride_r2t
 
-    if ROPE:
-        # The projection's rows, not yet rotated (`rope_args`): every program (norms and)
-        # rotates its q heads and its KV head's new key in registers (a row x a few heads).
-        # Key `new_key` (the row's last) is this token's: read from registers, never from
-        # the cache, whose slot one program of the row (`writes_new`) stores below.
-        pos = tl.load(Pos + b).to(tl.int64)
-        act = Q.dtype.element_ty  # tables rounded to the activation dtype first, as torch does
-        cos = tl.load(Cos + pos * stride_cos + offs_d, mask=mask_d, other=0.0).to(act).to(tl.float32)
-        sin = tl.load(Sin + pos * stride_sin + offs_d, mask=mask_d, other=0.0).to(act).to(tl.float32)
-        q = norm_rope_tile(Q + b * stride_qb, stride_qh, heads, mask_h, QW, cos, sin, eps, HEAD_DIM,
-                           HEAD_DIM // 2, BLOCK_HALF, BLOCK_D, HAS_NORM).to(K.dtype.element_ty)
-        one = tl.arange(0, 1)
-        k_new = tl.reshape(norm_rope_tile(KNew + b * stride_knb, stride_knh, kv_head + one, one == 0, KW, cos, sin,
-                                          eps, HEAD_DIM, HEAD_DIM // 2, BLOCK_HALF, BLOCK_D, HAS_NORM),
-                           [BLOCK_D]).to(K.dtype.element_ty)
-        v_new = tl.load(VNew + b * stride_vnb + kv_head * stride_vnh + offs_d, mask=mask_d,
-                        other=0.0).to(V.dtype.element_ty)
-        new_key = seq_len - 1  # -1 for a padding row (no keys): matches no key
-    else:
-        q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-                    mask=mask_h[:, None] & mask_d[None, :], other=0.0).to(K.dtype.element_ty)
-        new_key = -1
+    q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=mask_h[:, None] & mask_d[None, :], other=0.0).to(K.dtype.element_ty)
     # Every executed iteration has >= 1 valid key, so -inf never meets -inf below.
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
@@ -199,11 +175,8 @@ def _decode_split_kernel(
         offs_n = start_n + tl.arange(0, BLOCK_N)
         mask_n = offs_n < end
         slots = tl.load(slot_row + offs_n, mask=mask_n, other=0).to(tl.int64)
-        mask_kv = mask_n & (offs_n != new_key)  # the new key's slot is being written: not read
         k = tl.load(K + slots[None, :] * stride_kt + kv_head * stride_kh + offs_d[:, None],
-                    mask=mask_kv[None, :] & mask_d[:, None], other=0.0)  # [D, N]
-        if ROPE:
-            k = tl.where((offs_n == new_key)[None, :], k_new[:, None], k)
+                    mask=mask_n[None, :] & mask_d[:, None], other=0.0)  # [D, N]
         qk = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
         qk = tl.where(mask_n[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
@@ -211,21 +184,9 @@ def _decode_split_kernel(
         p = tl.exp2(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(V + slots[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :],
-                    mask=mask_kv[:, None] & mask_d[None, :], other=0.0)  # [N, D]
-        if ROPE:
-            v = tl.where((offs_n == new_key)[:, None], v_new[None, :], v)
+                    mask=mask_n[:, None] & mask_d[None, :], other=0.0)  # [N, D]
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
         m_i = m_new
-
-    if ROPE:
-        # Exactly one program per (row, KV head) stores the new K/V: the first head block of the
-        # split holding the row's last key (split 0 for a padding row, which stores where Loc
-        # says, slot 0, as the RoPE kernel does). No program reads that slot in this launch.
-        writes_new = (split == tl.maximum(seq_len - 1, 0) // split_len) & (first_g == 0)
-        if writes_new:
-            loc = tl.load(Loc + b).to(tl.int64)
-            tl.store(K + loc * stride_kt + kv_head * stride_kh + offs_d, k_new, mask=mask_d)
-            tl.store(V + loc * stride_vt + kv_head * stride_vh + offs_d, v_new, mask=mask_d)
 
     if SPLIT:
         # Splits past this row's last one write nothing; the merge reads only used splits.
@@ -328,8 +289,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      scale: float, max_seq_len: int, out: torch.Tensor | None = None, *,
                      num_splits: int | None = None, block_n: int | None = None,
                      min_split_tokens: int = MIN_ROW_SPLIT_TOKENS,
-                     counters: SplitCounters | None = None, rope=None,
-                     loc: torch.Tensor | None = None) -> torch.Tensor:
+                     counters: SplitCounters | None = None) -> torch.Tensor:
     """q [B, H, D] -> [B, H, D]; matches `torch_backend.decode_attention`.
 
     `num_splits` fixes the grid (e.g. for a CUDA graph captured once and replayed at
@@ -337,11 +297,6 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     `num_splits * min_split_tokens` use fewer. Any values are correct for any `seq_lens`.
     `counters`: merge the splits in the split launch (the last program of each row and
     head group merges); None: a separate merge launch. Same arithmetic, same result.
-    `rope` (an `UnrotatedQKV`: q is its unrotated `rope.q`) and `loc` [B]: the RoPE launch
-    and the KV write happen in this one (Experiments.fused_rope_attention): each row's q and
-    new key are (normed and) rotated in the kernel, its new K/V stored at cache slot loc[b],
-    and that slot holds key seq_lens[b] - 1 (one new token per row, each row its own
-    request). Same cache contents and output as the RoPE launch, write_kv and the plain call.
     """
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
@@ -359,19 +314,16 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                                        q.device)
     if block_n is None:
         block_n = default_block_n(head_dim)
-    if rope is not None:
-        assert loc is not None and loc.shape == (batch,) and rope.qkv.shape[0] == batch
-        assert q.data_ptr() == rope.q.data_ptr() and q.stride() == rope.q.stride(), "q is rope.q"
     if num_splits == 1:  # the split kernel writes `out` directly; no mid buffers
         _launch_split(q, k_cache, v_cache, req_to_token, req_slots, seq_lens, None, out, out, out,
-                      scale, num_splits, min_split_tokens, block_n, rope=rope, loc=loc)
+                      scale, num_splits, min_split_tokens, block_n)
         return out
     mid_o = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
     mid_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
     groups = batch * num_kv_heads * _head_block(num_heads // num_kv_heads)[1]
     pool = counters.get(q.device, groups) if counters is not None else None
     _launch_split(q, k_cache, v_cache, req_to_token, req_slots, seq_lens, None, mid_o, mid_lse, out,
-                  scale, num_splits, min_split_tokens, block_n, counters=pool, rope=rope, loc=loc)
+                  scale, num_splits, min_split_tokens, block_n, counters=pool)
     if pool is not None:  # the split launch merged
         return out
     _decode_merge_kernel[(batch, num_heads)](
@@ -399,11 +351,9 @@ def decode_suffix_partials(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 def _launch_split(q, k_cache, v_cache, req_to_token, req_slots, seq_lens, start_lens, mid_o, mid_lse,
                   out, scale: float, num_splits: int, min_split_tokens: int, block_n: int,
-                  force_split: bool = False, counters: torch.Tensor | None = None, rope=None,
-                  loc: torch.Tensor | None = None) -> None:
+                  force_split: bool = False, counters: torch.Tensor | None = None) -> None:
     """The split kernel. `start_lens` None: each row from key 0. `counters` (zeros, one per
-    request x head group): its last program per group merges into `out` (no merge launch).
-    `rope`, `loc`: q is unrotated, RoPE and the new K/V's store in the kernel (`decode_attention`)."""
+    request x head group): its last program per group merges into `out` (no merge launch)."""
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     group = num_heads // num_kv_heads
@@ -411,35 +361,19 @@ def _launch_split(q, k_cache, v_cache, req_to_token, req_slots, seq_lens, start_
     split = force_split or num_splits > 1
     fused = counters is not None
     assert not (fused and start_lens is not None), "the fused merge counts a row's splits from key 0"
-    assert not (rope is not None and start_lens is not None), "RoPE in the kernel: plain decode rows only"
     precision = "ieee" if k_cache.dtype == torch.float32 else "tf32"
-    if rope is not None:
-        k_new, v_new = rope.k, rope.v
-        has_norm = rope.q_weight is not None
-        assert head_dim % 2 == 0 and rope.cos.stride(1) == 1 and rope.sin.stride(1) == 1
-        new_rows = (k_new, v_new, rope.q_weight if has_norm else q, rope.k_weight if has_norm else q,
-                    rope.positions, rope.cos, rope.sin, loc)
-        new_strides = (k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
-                       rope.cos.stride(0), rope.sin.stride(0))
-        eps = rope.eps
-    else:  # placeholders, never read (ROPE=False)
-        has_norm, new_rows, new_strides, eps = False, (q,) * 4 + (seq_lens,) * 4, (0,) * 6, 0.0
     _decode_split_kernel[(batch, num_kv_heads * head_blocks, num_splits)](
         q, k_cache, v_cache, req_to_token, req_slots, seq_lens,
         start_lens if start_lens is not None else seq_lens, mid_o, mid_lse, out,
         counters if fused else seq_lens,  # unread unless fused
-        *new_rows,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1), req_to_token.stride(0),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2) if split else 0,
         mid_lse.stride(0), mid_lse.stride(1), out.stride(0), out.stride(1),
-        *new_strides,
-        scale * LOG2E, num_splits, min_split_tokens, eps,
+        scale * LOG2E, num_splits, min_split_tokens,
         GROUP=group, HEAD_BLOCKS=head_blocks, HEAD_DIM=head_dim, SPLIT=split,
         BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(head_dim),
         DOT_PRECISION=precision, HAS_START=start_lens is not None, FUSED_MERGE=fused,
-        ROPE=rope is not None, HAS_NORM=has_norm,
-        BLOCK_HALF=triton.next_power_of_2(head_dim // 2) if rope is not None else 1,
         num_warps=4, num_stages=2,
         **pdl_options(q.device),
     )

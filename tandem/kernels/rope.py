@@ -28,50 +28,6 @@ from tandem.kernels.pdl import pdl_options, pdl_prologue
 
 
 @triton.jit
-def _head_rstd(x1, x2, eps, HEAD_DIM: tl.constexpr):
-    """1 / RMS of each head row [H, half] x 2 (float32): the sum of squares half by half, in
-    the same order wherever it is computed (this kernel, the decode kernel's fused RoPE)."""
-    ss = tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)
-    return 1.0 / tl.sqrt(ss / HEAD_DIM + eps)
-
-
-@triton.jit
-def _rms_scale(x, rstd, w, dtype: tl.constexpr):
-    """`RMSNorm`'s roundings: x * rstd rounded to the activation dtype, times the weight, rounded."""
-    return ((x * rstd[:, None]).to(dtype).to(tl.float32) * w[None, :]).to(dtype).to(tl.float32)
-
-
-@triton.jit
-def norm_rope_tile(X, stride_h, heads, mask_h, W, cos, sin, eps, HEAD_DIM: tl.constexpr,
-                   HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr,
-                   HAS_NORM: tl.constexpr):
-    """Head rows `heads` of one token (X: its row, rows `stride_h` apart), (normed and)
-    rotated, [H, BLOCK_D] in the activation dtype, lanes laid out as d (not in halves): the
-    decode kernel's fused RoPE (`tandem.kernels.decode_attention`). The same roundings as
-    `_norm_rope_heads`, element by element, so the same bits: the norm's sum of squares half
-    by half (`_head_rstd`); cos/sin [BLOCK_D] float32, already rounded to the activation dtype."""
-    dtype = X.dtype.element_ty
-    offs_d = tl.arange(0, BLOCK_D)
-    mask = mask_h[:, None] & (offs_d < HEAD_DIM)[None, :]
-    first = offs_d < HALF
-    partner = tl.where(first, offs_d + HALF, offs_d - HALF)  # rotate_half's source lane
-    row = X + heads[:, None].to(tl.int64) * stride_h
-    x = tl.load(row + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
-    xp = tl.load(row + partner[None, :], mask=mask, other=0.0).to(tl.float32)
-    if HAS_NORM:
-        offs = tl.arange(0, BLOCK_HALF)
-        mask_half = mask_h[:, None] & (offs < HALF)[None, :]
-        x1 = tl.load(row + offs[None, :], mask=mask_half, other=0.0).to(tl.float32)
-        x2 = tl.load(row + HALF + offs[None, :], mask=mask_half, other=0.0).to(tl.float32)
-        rstd = _head_rstd(x1, x2, eps, HEAD_DIM)
-        x = _rms_scale(x, rstd, tl.load(W + offs_d, mask=offs_d < HEAD_DIM, other=0.0).to(tl.float32), dtype)
-        xp = _rms_scale(xp, rstd, tl.load(W + partner, mask=offs_d < HEAD_DIM, other=0.0).to(tl.float32), dtype)
-    # x*cos + rotate_half(x)*sin, rotate_half(x) = (-x2, x1): each product rounded, then the sum.
-    rot = (xp * sin[None, :]).to(dtype).to(tl.float32)
-    return ((x * cos[None, :]).to(dtype).to(tl.float32) + tl.where(first[None, :], -rot, rot)).to(dtype)
-
-
-@triton.jit
 def _norm_rope_heads(X, XO, W, t, h0, stride_t, stride_h, stride_ot, stride_oh, num_heads,
                      cos1, sin1, cos2, sin2, eps, Cache, slot, stride_ct, stride_ch,
                      HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
@@ -84,11 +40,12 @@ def _norm_rope_heads(X, XO, W, t, h0, stride_t, stride_h, stride_ot, stride_oh, 
     x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
     if HAS_NORM:
-        rstd = _head_rstd(x1, x2, eps, HEAD_DIM)
+        ss = tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)
+        rstd = 1.0 / tl.sqrt(ss / HEAD_DIM + eps)
         w1 = tl.load(W + offs, mask=offs < HALF, other=0.0).to(tl.float32)
         w2 = tl.load(W + HALF + offs, mask=offs < HALF, other=0.0).to(tl.float32)
-        x1 = _rms_scale(x1, rstd, w1, dtype)
-        x2 = _rms_scale(x2, rstd, w2, dtype)
+        x1 = ((x1 * rstd[:, None]).to(dtype).to(tl.float32) * w1[None, :]).to(dtype).to(tl.float32)
+        x2 = ((x2 * rstd[:, None]).to(dtype).to(tl.float32) * w2[None, :]).to(dtype).to(tl.float32)
     # out = x*cos + rotate_half(x)*sin, rotate_half(x) = (-x2, x1); each product rounded.
     o1 = ((x1 * cos1[None, :]).to(dtype).to(tl.float32) - (x2 * sin1[None, :]).to(dtype).to(tl.float32)).to(dtype)
     o2 = ((x2 * cos2[None, :]).to(dtype).to(tl.float32) + (x1 * sin2[None, :]).to(dtype).to(tl.float32)).to(dtype)

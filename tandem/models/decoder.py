@@ -10,7 +10,6 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from tandem.attention.unrotated import UnrotatedQKV
 from tandem.config import ModelConfig
 from tandem.distributed.group import SINGLE, TPGroup
 from tandem.distributed.sharding import Shard
@@ -43,14 +42,6 @@ class Attention(nn.Module):
     def forward(self, qkv: torch.Tensor, batch: ForwardBatch, kv: KVCache, backend) -> torch.Tensor:
         """Attention of the projected rows qkv [T, q + 2 kv], then o_proj."""
         k_cache, v_cache = kv.k[self.layer_id], kv.v[self.layer_id]
-        if backend.rope_in_attention(batch):
-            # Experiments.fused_rope_attention: (q/k norm,) RoPE and the K/V store in the decode
-            # kernel; no RoPE launch here (on the CPU too: the Triton backend's interpreter).
-            norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else ()
-            u = UnrotatedQKV(qkv, self.num_heads, self.num_kv_heads, self.head_dim, batch.positions,
-                             self.rotary.cos, self.rotary.sin, *norm)
-            out = backend.forward_unrotated(u, k_cache, v_cache, batch, self.scale)
-            return self.o_proj(out.reshape(-1, self.q_size))
         # The CPU path never fuses (no kernels): the backend writes the cache itself.
         fused = qkv.is_cuda and backend.fused_kv_write
         q, k, v = self._norm_rope(qkv, batch, (k_cache, v_cache) if fused else None)
