@@ -93,13 +93,6 @@ def kernels() -> dict:
         "small_m_gemm_m1_norm": (_kernel("tandem.kernels.small_m_gemm", "_small_m_gemm_kernel"),
                                  {**gemm, "BLOCK_M": 1, "BLOCK_N": 8, "BLOCK_K": 512, "HAS_BIAS": True, "NORM": True},
                                  sizes),
-        # FP8 layers at 17-64 rows: 64- and 32-row dot tiles (gemm_tuner._TILES_DOT_WIDE).
-        "small_m_gemm_fp8_m64": (_kernel("tandem.kernels.small_m_gemm", "_small_m_gemm_kernel"),
-                                 {**gemm, "BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "HAS_SCALE": True},
-                                 {**sizes, "W": "*fp8e4nv"}),
-        "small_m_gemm_fp8_m32_split_norm": (_kernel("tandem.kernels.small_m_gemm", "_small_m_gemm_kernel"),
-                                            {**gemm, "BLOCK_M": 32, "SPLIT": True, "HAS_SCALE": True, "NORM": True,
-                                             "HAS_RESIDUAL": True}, {**sizes, "W": "*fp8e4nv"}),
         "split_reduce": (_kernel("tandem.kernels.small_m_gemm", "_split_reduce_kernel"),
                          dict(HAS_BIAS=True, NORM=False, BLOCK=1024), sizes),
         "split_reduce_norm": (_kernel("tandem.kernels.small_m_gemm", "_split_reduce_kernel"),

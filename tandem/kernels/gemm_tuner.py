@@ -1,6 +1,5 @@
 """Startup autotune of the small-M GEMM: per (N, K, M bucket, dtypes), the fastest of a few
-weight-streaming configs and cuBLAS, measured on the device. Buckets run to 16 rows, and to 64
-for FP8 layers (`linear.max_small_m`).
+weight-streaming configs and cuBLAS, measured on the device.
 
 It runs once, before CUDA-graph capture (it synchronizes; the serving loop never tunes).
 Results are written into each layer's `plan`, and into a gated layer's `silu_plan` (an MLP's
@@ -21,26 +20,19 @@ import triton
 
 from tandem.kernels.activation import silu_mul
 from tandem.kernels.norm import fused_add_rms_norm
-from tandem.kernels.small_m_gemm import (GemmConfig, NormInput, dot_block_m, k_per_split, small_m_gemm,
-                                         small_m_gemm_add_norm)
-from tandem.models.linear import Linear, linear, m_bucket, max_small_m
+from tandem.kernels.small_m_gemm import GemmConfig, NormInput, k_per_split, small_m_gemm, small_m_gemm_add_norm
+from tandem.models.linear import MAX_SMALL_M, Linear, linear, m_bucket
 
 log = logging.getLogger("tandem")
 
-M_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # 32 and 64: FP8 layers only (`linear.max_small_m`)
+M_BUCKETS = (1, 2, 4, 8, 16)
 STREAM_BYTES = 192 << 20  # weight copies per timing: well past the H200's 50 MB of L2
 REPLAYS = 5
 # (block_n, block_k, num_warps). M=1 accumulates products per lane, so the tile is the
-# bytes in flight per program; M>1 feeds tl.dot with M padded to 16 (`dot_block_m`).
+# bytes in flight per program; M>1 feeds tl.dot with M padded to 16.
 _TILES_M1 = ((4, 1024, 4), (8, 512, 4), (8, 1024, 4), (16, 256, 4), (16, 512, 4), (32, 256, 4),
              (16, 512, 8))
 _TILES_DOT = ((16, 256, 4), (32, 256, 4), (64, 128, 4), (32, 128, 4))
-# A 32- or 64-row dot tile (FP8 weights at 17-64 rows): the x tile is 2-4x larger and the
-# accumulator BLOCK_M x BLOCK_N, so BLOCK_K shrinks and the widest N tile gets 8 warps; more
-# columns per program reread the (L2-resident) x rows fewer times, fewer leave more programs
-# for small N. Only four: each tile is ~6 compiles per bucket (split or not, three inputs),
-# paid at startup on a cold Triton cache.
-_TILES_DOT_WIDE = ((32, 128, 4), (64, 128, 4), (64, 64, 4), (128, 64, 8))
 # M = 2..8 per lane (GemmConfig.per_lane): the accumulator holds M x block_n x block_k fp32,
 # 8192 of them (64 registers a thread at 4 warps), so the tile shrinks as M grows.
 _LANE_ELEMENTS = 8192
@@ -50,7 +42,7 @@ _LANE_BLOCK_N = (4, 8)
 def candidates(n: int, k: int, m: int, num_sms: int) -> list[GemmConfig]:
     """Each tile with no split and with the splits that fill ~2 and ~4 waves of SMs."""
     out: list[GemmConfig] = []
-    tiles = [(bn, bk, w, False) for bn, bk, w in _dot_tiles(m)]
+    tiles = [(bn, bk, w, False) for bn, bk, w in (_TILES_M1 if m == 1 else _TILES_DOT)]
     if 1 < m <= 8:
         tiles += [(bn, _LANE_ELEMENTS // (m * bn), 4, True) for bn in _LANE_BLOCK_N]
     for block_n, block_k, warps, per_lane in tiles:
@@ -64,13 +56,6 @@ def candidates(n: int, k: int, m: int, num_sms: int) -> list[GemmConfig]:
             if cfg not in out and triton.cdiv(k, k_per_split(k, cfg)) == cfg.split_k:
                 out.append(cfg)
     return out
-
-
-def _dot_tiles(m: int) -> tuple:
-    """(block_n, block_k, num_warps) tiles for m rows, by the tile rows the launcher runs."""
-    if m == 1:
-        return _TILES_M1
-    return _TILES_DOT_WIDE if dot_block_m(m) > 16 else _TILES_DOT
 
 
 def graph_time_ms(run, copies: int, replays: int = REPLAYS) -> float:
@@ -168,18 +153,17 @@ def _fastest(launcher, weights: list[torch.Tensor], m: int, baseline_ms: float) 
     return best, best_ms
 
 
-def tune_model(model: torch.nn.Module, dtype: torch.dtype, max_m: int | None = None,
+def tune_model(model: torch.nn.Module, dtype: torch.dtype, max_m: int = MAX_SMALL_M,
                fuse_norm: bool = True) -> dict:
     """Fill every `Linear`'s plan (a gated layer's `silu_plan`, and with `fuse_norm` a normed
-    layer's `norm_plan`) for M buckets up to the layer's `max_small_m` (16, FP8 64), or up to
-    `max_m` if that is lower; returns the results by shape
+    layer's `norm_plan`) for M buckets up to `max_m`; returns the results by shape
     {(N, K, weight dtype, M, fused input: None, "silu_mul" or "norm"): (config, ms, baseline
     ms)} for logging and benchmarks (the baseline: cuBLAS, or the two launches it replaces)."""
     started = time.monotonic()
     results: dict = {}
     layers = [mod for mod in model.modules() if isinstance(mod, Linear)]
     for layer in layers:
-        for m in tuned_buckets(layer, max_m):
+        for m in (b for b in M_BUCKETS if b <= max_m):
             _tune_layer(layer, dtype, m, fuse_norm, results)
     torch.cuda.empty_cache()  # the timing copies
     log.info("small-M GEMM tuning: %d shapes in %.1fs; %s", len(results), time.monotonic() - started,
@@ -188,13 +172,6 @@ def tune_model(model: torch.nn.Module, dtype: torch.dtype, max_m: int | None = N
         log.debug("N=%d K=%d %s M=%d%s: %s %.1f us (baseline %.1f us)", n, k, wdt, m,
                   f" {fused} input" if fused else "", cfg, ms * 1e3, base_ms * 1e3)
     return results
-
-
-def tuned_buckets(layer: Linear, max_m: int | None = None) -> list[int]:
-    """The M buckets tuned for `layer`: past 16 rows only FP8 weights (cuBLAS's bf16 GEMM wins
-    there; its FP8 path pays an extra quantization launch)."""
-    limit = max_small_m(layer.weight_scale is not None)
-    return [b for b in M_BUCKETS if b <= min(limit, max_m or limit)]
 
 
 def plan_summary(results: dict) -> str:

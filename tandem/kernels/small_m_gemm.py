@@ -7,14 +7,10 @@ programs in flight to saturate HBM even when N is small. With one split the prog
 writes the output (bias and dtype cast fused); with several, fp32 partials go to a
 workspace and a tiny second kernel sums them.
 
-M = 1 reduces in registers (multiply + sum along K); larger M either pads to 16, 32 or 64
-rows for a `tl.dot` (`dot_block_m`), or (`per_lane`, a few rows: a verify step's k + 1
-queries) keeps the M = 1 scheme with a [M, BLOCK_N, BLOCK_K] accumulator, each weight tile
-loaded once for every row. Past 16 rows only FP8 layers come here (`linear.max_small_m`): one
-launch that upcasts the weight in registers, where cuBLAS's FP8 path first quantizes the
-activations in a launch of its own; 16-bit layers do better in cuBLAS there.
-
-For the MLP's down projection the input can be the packed gate_up rows: the kernel then forms silu(gate) * up while loading x (rounded as `kernels.activation`
+M = 1 reduces in registers (multiply + sum along K); larger M either pads to 16 rows for a
+`tl.dot`, or (`per_lane`, a few rows: a verify step's k + 1 queries) keeps the M = 1 scheme
+with a [M, BLOCK_N, BLOCK_K] accumulator, each weight tile loaded once for every row. For the MLP's down projection the input can be the packed gate_up rows: the
+kernel then forms silu(gate) * up while loading x (rounded as `kernels.activation`
 does), which saves the separate SiLU-mul launch per layer at small batch. The same way, the
 qkv and gate/up projections can take the residual add + RMSNorm in front of them
 (`small_m_gemm_add_norm`, issue 21): with h = x + residual (rounded to x's dtype, as
@@ -184,14 +180,7 @@ def _split_reduce_kernel(Partial, SqPartial, Bias, Out, M, N, K, stride_ps, stri
     tl.store(Out + m * stride_om + offs, acc.to(Out.dtype.element_ty), mask=mask)
 
 
-MAX_M = 64  # FP8 layers run here up to 64 rows (linear.MAX_SMALL_M_FP8), 16-bit ones up to 16
-
-
-def dot_block_m(m: int) -> int:
-    """The tl.dot tile's rows for m > 1 rows: at least 16 (the MMA's smallest M), else m
-    rounded up to a power of 2. The tuner picks its tiles by this too, so that it times the
-    tile the launcher runs."""
-    return max(16, triton.next_power_of_2(m))
+MAX_M = 16
 
 
 def k_per_split(k: int, cfg: GemmConfig) -> int:
@@ -201,7 +190,7 @@ def k_per_split(k: int, cfg: GemmConfig) -> int:
 
 def small_m_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                  scale: torch.Tensor | None, cfg: GemmConfig, silu_mul: bool = False) -> torch.Tensor:
-    """x [..., K] (M = rows <= MAX_M), weight [N, K] (16-bit, or fp8 with `scale` [N] fp32).
+    """x [..., K] (M = rows <= 16), weight [N, K] (16-bit, or fp8 with `scale` [N] fp32).
     With `silu_mul`, x is [..., 2K] packed (gate, up) and the input is silu(gate) * up."""
     return _launch(x, weight, bias, scale, cfg, silu_mul, None)[0]
 
@@ -248,7 +237,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, sc
     partial = torch.empty(splits, m, n, dtype=torch.float32, device=x.device) if splits > 1 else out
     sq = (torch.empty(splits, m, dtype=torch.float32, device=x.device)
           if splits > 1 and norm is not None else partial)
-    block_m = 1 if m == 1 else (triton.next_power_of_2(m) if cfg.per_lane else dot_block_m(m))
+    block_m = 1 if m == 1 else (triton.next_power_of_2(m) if cfg.per_lane else 16)
     eps = norm.eps if norm is not None else 0.0
     _small_m_gemm_kernel[(triton.cdiv(n, cfg.block_n), splits)](
         x2, weight, scale if scale is not None else weight, bias if bias is not None else weight,

@@ -17,21 +17,11 @@ from torch import nn
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite e4m3fn value
-MAX_SMALL_M = 16  # rows up to which the weight-streaming kernels are considered (16-bit weights)
-# FP8 weights go further: past 16 rows cuBLAS's FP8 path is two launches (activation
-# quantization + `_scaled_mm`), where the kernel upcasts the weight in registers in one;
-# at batch 64 that path ran at 0.82x bf16 on the H200 (issue 21).
-MAX_SMALL_M_FP8 = 64
-
-
-def max_small_m(fp8: bool) -> int:
-    """Rows up to which a layer's weight-streaming kernel is tuned and dispatched. 16-bit
-    weights stop at 16: past that cuBLAS's single bf16 GEMM wins."""
-    return MAX_SMALL_M_FP8 if fp8 else MAX_SMALL_M
+MAX_SMALL_M = 16  # rows up to which the weight-streaming kernels are considered
 
 
 def m_bucket(m: int) -> int:
-    """Tuning buckets: 1, 2, 4, 8, 16, then 32 and 64 for FP8 (graph sizes 17-64 round up)."""
+    """Tuning buckets: 1, 2, 4, 8, 16 (the CUDA-graph batch sizes up to 16)."""
     return 1 << max(m - 1, 0).bit_length()
 
 
@@ -39,33 +29,25 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
            weight_scale: torch.Tensor | None = None, plan: dict | None = None) -> torch.Tensor:
     """x [..., K] @ weight[N, K]^T (+ bias). `weight_scale` [N] (fp32) marks an FP8 weight;
     `plan` maps an M bucket to the tuned small-M kernel config (absent: cuBLAS)."""
-    cfg = _small_m_config(x, plan, weight_scale is not None)
-    if cfg is not None:
-        from tandem.kernels.small_m_gemm import small_m_gemm
-        return small_m_gemm(x, weight, bias, weight_scale, cfg)
     if not x.is_cuda:
         if weight_scale is not None:
             weight = (weight.float() * weight_scale[:, None]).to(x.dtype)
         return F.linear(x, weight, bias)
+    cfg = _small_m_config(x, plan)
+    if cfg is not None:
+        from tandem.kernels.small_m_gemm import small_m_gemm
+        return small_m_gemm(x, weight, bias, weight_scale, cfg)
     if weight_scale is not None:
         return fp8_linear_cublas(x, weight, bias, weight_scale)
     return F.linear(x, weight, bias)
 
 
-def _small_m_config(x: torch.Tensor, plan: dict | None, fp8: bool):
-    """The tuned small-M kernel config for x's row count (CUDA), or None: cuBLAS (the CPU:
-    torch). Tests open it to CPU tensors to run the kernels in Triton's interpreter."""
+def _small_m_config(x: torch.Tensor, plan: dict | None):
+    """The tuned small-M kernel config for x's row count (CUDA), or None: cuBLAS."""
     if not plan or not x.is_cuda:
         return None
-    return plan_config(x.numel() // x.shape[-1] if x.shape[-1] else 0, plan, fp8)
-
-
-def plan_config(m: int, plan: dict | None, fp8: bool):
-    """`plan`'s config for m rows, or None: none past the layer's `max_small_m` (a plan
-    filled for a larger limit must not send a 16-bit layer's 32 rows to the kernel)."""
-    if not plan or not 0 < m <= max_small_m(fp8):
-        return None
-    return plan.get(m_bucket(m))
+    m = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    return plan.get(m_bucket(m)) if 0 < m <= MAX_SMALL_M else None
 
 
 def fp8_linear_cublas(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -124,7 +106,7 @@ class Linear(nn.Module):
     def silu_mul_forward(self, gate_up: torch.Tensor) -> torch.Tensor | None:
         """self(silu(gate) * up) in one launch when the fused kernel was tuned faster for these
         rows (CUDA); None otherwise, and the caller runs the two steps."""
-        cfg = _small_m_config(gate_up, self.silu_plan, self.weight_scale is not None)
+        cfg = _small_m_config(gate_up, self.silu_plan)
         if cfg is None:
             return None
         from tandem.kernels.small_m_gemm import small_m_gemm
@@ -136,7 +118,7 @@ class Linear(nn.Module):
         """(self(rms_norm(x + residual)), x + residual) in one launch when the fused kernel was
         tuned faster for these rows (CUDA); without a residual, (self(rms_norm(x)), x). None
         otherwise, and the caller runs the norm, then the layer."""
-        cfg = _small_m_config(x, self.norm_plan, self.weight_scale is not None)
+        cfg = _small_m_config(x, self.norm_plan)
         if cfg is None:
             return None
         from tandem.kernels.small_m_gemm import NormInput, small_m_gemm_add_norm
