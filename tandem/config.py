@@ -208,9 +208,8 @@ class EngineConfig:
     cuda_graph_max_batch: int = knob(512, "largest decode batch captured in a graph (capped by "
                                                   "max_running_requests)")
     warm_up: AutoOnOff = knob("auto", "run every kernel shape class at start (auto: on with CUDA)")
-    small_m_gemm: AutoOnOff = knob("auto", "weight-streaming Triton GEMMs for <= 16 rows (64 with FP8 "
-                                           "weights), tuned per shape at startup (auto: on with CUDA; "
-                                           "off: cuBLAS everywhere)")
+    small_m_gemm: AutoOnOff = knob("auto", "weight-streaming Triton GEMMs for <= 16 rows, tuned per "
+                                           "shape at startup (auto: on with CUDA; off: cuBLAS everywhere)")
     quantization: Literal["fp8"] | None = knob(None, "fp8: per-channel e4m3 weights, quantized at load")
     max_model_len: int | None = knob(None, "context length (None: the model's)")
     seed: int = knob(0, "unseeded requests derive their sampling seeds from it")

@@ -74,7 +74,10 @@ def test_self_drafting_with_host_tier_on_cuda(cycling_model, overlap):
     s = engine.stats()
     assert s["host_cache_hit_tokens"] > 300 and s["host_load_seconds"] > 0, s
     assert s["spec_decode_num_draft_tokens"] > 200, s
-    assert s["spec_decode_num_accepted_tokens"] == s["spec_decode_num_draft_tokens"], s
+    # Not exact on the GPU: the draft's one-row decode and the target's verify run different
+    # kernels, whose rounding can flip a near tie (469 of 472 accepted on the H200, session 13);
+    # a load that skipped the draft's KV leaves ~30% (test_the_workload_needs_the_drafts_copy).
+    assert s["spec_decode_num_accepted_tokens"] >= 0.95 * s["spec_decode_num_draft_tokens"], s
     assert_kv_conserved(engine)
     host = tier.host.host_slots
     assert host.num_free + s["host_cache_tokens"] == host.count

@@ -47,7 +47,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--experiment", action="append", default=[], metavar="NAME=VALUE",
-                    help="an Experiments switch, e.g. fused_rope_attention=on (repeatable)")
+                    help="an Experiments switch, e.g. fused_decode_merge=on (repeatable)")
     args = ap.parse_args()
     engine = Engine(EngineConfig(model=preset_dir(args.preset), dummy_weights=True,
                                  experiments=Experiments.from_overrides(args.experiment)))
