@@ -174,3 +174,17 @@ def test_other_benchmarks_records_in_the_history_are_skipped(tmp_path):
     suite_rec = tmp_path / "2026-12-01T0000Z-abc.json"
     suite_rec.write_text(json.dumps({"schema": SCHEMA, "device": "H200", "preset": "full", "date": "2026-12-01"}))
     assert previous_record(tmp_path, "H200", "full") == suite_rec
+
+
+def test_a_benchmark_record_is_compared_with_the_newest_that_has_its_figures(tmp_path):
+    """A session splits the suite over device calls: the newest record may hold the tests alone."""
+    from tandem.bench.suite_record import SCHEMA, previous_record
+    base = {"schema": SCHEMA, "device": "H200", "preset": "full"}
+    benches = tmp_path / "2026-12-01T0000Z-abc.json"
+    benches.write_text(json.dumps({**base, "date": "2026-12-01", "figures": {"offline.x.tok_s": {"value": 1.0}}}))
+    tests_only = tmp_path / "2026-12-02T0000Z-def.json"
+    tests_only.write_text(json.dumps({**base, "date": "2026-12-02", "figures": {}}))
+    assert previous_record(tmp_path, "H200", "full") == tests_only
+    assert previous_record(tmp_path, "H200", "full", figures={"offline.x.tok_s"}) == benches
+    assert previous_record(tmp_path, "H200", "full", figures={"serve.y"}) is None
+    assert previous_record(tmp_path, "H200", "full", figures=set()) == tests_only  # tests only: any

@@ -11,7 +11,7 @@ subprocess with its own time budget, so one failure or hang cannot hide the rest
 
 Writes one JSON record to --out (default docs/bench-records/; named by date and commit) and
 prints a table; compares every figure with the newest earlier record of the same device and
-preset in --history. Exit status 1 when a part failed, a test failed, or a figure regressed by
+preset in --history that holds one of its figures (a tests-only record is passed over). Exit status 1 when a part failed, a test failed, or a figure regressed by
 more than --tolerance; else 0. `--quick --device cpu` runs the same code on the tiny preset.
 """
 from __future__ import annotations
@@ -250,7 +250,7 @@ def compare_only(args: argparse.Namespace) -> int:
     path = Path(args.compare_only)
     record = json.loads(path.read_text())
     old = Path(args.against) if args.against else rec.previous_record(
-        Path(args.history), record["device"], record["preset"], exclude=path)
+        Path(args.history), record["device"], record["preset"], exclude=path, figures=set(record["figures"]))
     return report(record, judge(record, old, args), args.all_figures)
 
 
@@ -322,7 +322,9 @@ def main(argv: list[str] | None = None) -> int:
     record = build_record(args, results)
     path = out / rec.record_name(record["date"], record["commit"])
     record["raw"] = raw.name
-    changes = judge(record, rec.previous_record(Path(args.history), record["device"], record["preset"], path), args)
+    previous = rec.previous_record(Path(args.history), record["device"], record["preset"], path,
+                                   figures=set(record["figures"]))
+    changes = judge(record, previous, args)
     code = report(record, changes, args.all_figures)
     path.write_text(json.dumps(record, indent=1) + "\n")
     print(f"record: {path}\nfor docs/benchmarks.md: {rec.summary_line(record, path.name)}")

@@ -93,8 +93,11 @@ def _usable(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
-def previous_record(history: Path, device: str, preset: str, exclude: Path | None = None) -> Path | None:
-    """The newest record (by its date field) of the same device and preset."""
+def previous_record(history: Path, device: str, preset: str, exclude: Path | None = None,
+                    figures: set[str] | None = None) -> Path | None:
+    """The newest record (by its date field) of the same device and preset; with `figures`
+    (non-empty), the newest that has one of them. A session splits the suite over device calls,
+    so the newest record may hold the tests alone: nothing to compare a benchmark figure with."""
     best: tuple[str, Path] | None = None
     for path in sorted(history.glob("*.json")) if history.is_dir() else []:
         if exclude is not None and path.resolve() == exclude.resolve():
@@ -106,6 +109,8 @@ def previous_record(history: Path, device: str, preset: str, exclude: Path | Non
         if not isinstance(rec, dict):  # other benchmarks' records share the folder (row lists)
             continue
         if rec.get("schema") != SCHEMA or rec.get("device") != device or rec.get("preset") != preset:
+            continue
+        if figures and not figures & set(rec.get("figures", {})):
             continue
         if best is None or rec.get("date", "") > best[0]:
             best = (rec.get("date", ""), path)
