@@ -11,8 +11,9 @@ subprocess with its own time budget, so one failure or hang cannot hide the rest
 
 Writes one JSON record to --out (default docs/bench-records/; named by date and commit) and
 prints a table; compares every figure with the newest earlier record of the same device and
-preset in --history that holds one of its figures (a tests-only record is passed over). Exit status 1 when a part failed, a test failed, or a figure regressed by
-more than --tolerance; else 0. `--quick --device cpu` runs the same code on the tiny preset.
+preset in --history that holds one of its figures (a tests-only record is passed over). Exit
+status 1 when a part failed, a test failed, or a figure regressed by more than --tolerance;
+else 0. `--quick --device cpu` runs the same code on the tiny preset.
 """
 from __future__ import annotations
 

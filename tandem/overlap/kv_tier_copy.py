@@ -149,11 +149,8 @@ class KVTierCopier:
     def _write_back_chunk(self, gpu_slots: list[int], host_slots: list[int], keep_alive: list) -> None:
         idx = self._device_index(gpu_slots, keep_alive)
         staging = self._staging(len(gpu_slots), keep_alive)  # one row per token, the host rows' layout
-        for c, kv in enumerate(self.caches):
-            part, layers = self.host.part(staging, c), len(kv.k)
-            for layer, (k, v) in enumerate(zip(kv.k, kv.v)):
-                part[:, layer].copy_(k.index_select(0, idx))
-                part[:, layers + layer].copy_(v.index_select(0, idx))
+        for pool, rows in self._pools_and_rows(staging):
+            rows.copy_(pool.index_select(0, idx))
         for at, first, n in contiguous_runs(host_slots):
             self.host.data[first:first + n].copy_(staging[at:at + n], non_blocking=True)
 
@@ -162,11 +159,14 @@ class KVTierCopier:
         staging = self._staging(len(gpu_slots), keep_alive)
         for at, first, n in contiguous_runs(host_slots):
             staging[at:at + n].copy_(self.host.data[first:first + n], non_blocking=True)
+        for pool, rows in self._pools_and_rows(staging):
+            pool.index_copy_(0, idx, rows)
+
+    def _pools_and_rows(self, staging: torch.Tensor):
+        """(one layer's K or V pool tensor, its part of `staging`) for every cache and layer, in
+        the host rows' layout: each cache's K of every layer, then its V."""
         for c, kv in enumerate(self.caches):
-            part, layers = self.host.part(staging, c), len(kv.k)
-            for layer, (k, v) in enumerate(zip(kv.k, kv.v)):
-                k.index_copy_(0, idx, part[:, layer])
-                v.index_copy_(0, idx, part[:, layers + layer])
+            yield from zip(list(kv.k) + list(kv.v), self.host.part(staging, c).unbind(1))
 
     def _staging(self, n: int, keep_alive: list) -> torch.Tensor:
         """Device rows for n tokens (allocated on the copy stream; kept until the copy's end
