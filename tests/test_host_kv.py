@@ -299,12 +299,23 @@ def test_small_pool_with_host_tier_equals_unbounded_pool(tiny_text_model, overla
     assert loaded >= s["host_cache_hit_tokens"] and s["host_load_bytes"] == loaded * engine.kv_tier.host.token_bytes
     assert s["host_write_back_bytes"] > 0
     assert s["num_preemptions"] > 0, "the pool must be small enough to preempt"
+    assert_tiers_conserved(engine, s)
+    assert_reset_empties_the_host_tier(engine)
+    engine.close()
+
+
+def assert_tiers_conserved(engine: Engine, stats: dict) -> None:
+    """Every GPU slot is free, cached or held (assert_kv_conserved), and every host slot is
+    free or holds a cached token."""
     assert_kv_conserved(engine)
     host = engine.kv_tier.host.host_slots
-    assert host.num_free + s["host_cache_tokens"] == host.count
+    assert host.num_free + stats["host_cache_tokens"] == host.count
+
+
+def assert_reset_empties_the_host_tier(engine: Engine) -> None:
+    host = engine.kv_tier.host.host_slots
     engine.reset_prefix_cache()
     assert engine.stats()["host_cache_tokens"] == 0 and host.num_free == host.count
-    engine.close()
 
 
 def engine_bytes_per_token(engine: Engine) -> int:
@@ -495,11 +506,8 @@ def test_self_drafting_with_a_small_pool_and_host_tier_accepts_every_proposal(ti
         assert accepted == drafted, s  # float32 on the CPU: draft and verify agree exactly
     else:  # GPU kernels' rounding differs between the draft's decode and the verify (469/472, H200)
         assert accepted >= 0.95 * drafted, s
-    assert_kv_conserved(engine)
-    host = engine.kv_tier.host.host_slots
-    assert host.num_free + s["host_cache_tokens"] == host.count
-    engine.reset_prefix_cache()
-    assert engine.stats()["host_cache_tokens"] == 0 and host.num_free == host.count
+    assert_tiers_conserved(engine, s)
+    assert_reset_empties_the_host_tier(engine)
     engine.close()
 
 
