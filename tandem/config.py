@@ -127,6 +127,12 @@ class Experiments:
     # Host KV tier: load the host part of the first waiting requests' matches a step before their
     # admission (off: at admission, and their first forward waits for the load).
     host_kv_prefetch: bool = True
+    # Host KV tier: prefetch may evict colder cached prefixes for its loads (off: free slots only,
+    # which a full pool does not have: loads then wait for the admission that needs them).
+    host_kv_prefetch_evicts: bool = True
+    # Host KV tier: one step's copy time per window for both directions, which the one copy
+    # stream runs back to back (off: a step's worth each, two steps of copies per step).
+    host_kv_shared_pace: bool = True
     # Cascade decode attention (rows sharing a cached prefix read it once per group): auto groups
     # by `CascadeRule`'s cost thresholds, on groups every shared prefix (>= 2 rows), off never.
     # Off until it pays: on the H200 at 80cf6d5 auto halved the shared-prefix workload (9,555

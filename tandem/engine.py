@@ -560,7 +560,7 @@ class Engine:
             self._drain(outputs)
         t1 = perf_counter()
         if self.kv_tier is not None:  # the forward waits on the device for this plan's tier copies
-            copies = self.kv_tier.fence(self.streams.forward)
+            copies = self.kv_tier.fence(self.streams.forward, timed=self.timeline is not None)
             if self.runner.mirror is not None:
                 self.runner.mirror.tier_copies(copies)  # each rank copies its own shard
         try:
@@ -572,6 +572,7 @@ class Engine:
             launched.record = _step_record(batch, t0, t1, perf_counter())
             if self.kv_tier is not None:
                 launched.record.host_load_tokens, launched.record.host_write_back_tokens = self.kv_tier.fenced_tokens
+                launched.tier_wait = self.kv_tier.fence_wait
         previous, self.pending = self.pending, launched  # in flight before anything else can fail
         try:
             if previous is not None:
@@ -595,15 +596,23 @@ class Engine:
 
     def _move_between_tiers(self) -> None:
         """The window after a launch: host-tier copies queued now run beside the forward, and
-        the next plan (which may need a prefill step's slots) finds them done."""
-        cfg, cache, tier, pace = self.cfg, self.prefix_cache, self.kv_tier, self.tier_pace
-        pace.tick(time.perf_counter())
+        the next plan (which may need a prefill step's slots) finds them done. Loads go first
+        (a waiting request's TTFT), write-ahead takes what is left of the window's copy time."""
+        cfg, cache, tier, exp = self.cfg, self.prefix_cache, self.kv_tier, self.cfg.experiments
+        self.tier_pace.tick(time.perf_counter())
+        window = self.tier_pace.window(shared=exp.host_kv_shared_pace)
+        load_rate, write_back_rate = tier.bytes_per_s("load"), tier.bytes_per_s("write_back")
         next_need = cfg.max_prefill_tokens + len(self.scheduler.running)
-        if cfg.experiments.host_kv_prefetch:
+        if exp.host_kv_prefetch:
             waiting = list(itertools.islice(self.scheduler.waiting, PREFETCH_REQUESTS))
-            cache.prefetch(waiting, keep=next_need, most=pace.tokens(tier.bytes_per_s("load")))
-        if cfg.experiments.host_kv_write_ahead:
-            cache.write_ahead(next_need, most=pace.tokens(tier.bytes_per_s("write_back")))
+            before = tier.queued_bytes()
+            rates = (load_rate, write_back_rate) if exp.host_kv_prefetch_evicts else (load_rate,)
+            cache.prefetch(waiting, keep=next_need, most=window.tokens(*rates), evict=exp.host_kv_prefetch_evicts)
+            (loaded, written), (load0, written0) = tier.queued_bytes(), before
+            window.spend(loaded - load0, load_rate)
+            window.spend(written - written0, write_back_rate)
+        if exp.host_kv_write_ahead:
+            cache.write_ahead(next_need, most=window.tokens(write_back_rate))
 
     def _count_launched(self, launched: PendingResult) -> None:
         """A step is numbered and recorded once it is fully queued (a step undone before that
@@ -707,7 +716,7 @@ class Engine:
             pending.record.process_ms = (perf_counter() - t0) * 1e3
             pending.record.host_wait_ms = t_wait * 1e3
             self.timeline.completed(pending.record, pending.forward_start, pending.forward_end,
-                                    self._previous_forward_end, pending.mask_wait)
+                                    self._previous_forward_end, pending.mask_wait, pending.tier_wait)
             self._previous_forward_end = pending.forward_end
         return outputs
 
@@ -905,7 +914,11 @@ class Engine:
                 "host_cache_capacity_tokens": tier.host.host_slots.count if tier is not None else 0,
                 "host_load_bytes": copies.load_bytes, "host_load_seconds": copies.load_seconds,
                 "host_write_back_bytes": copies.write_back_bytes,
-                "host_write_back_seconds": copies.write_back_seconds}
+                "host_write_back_seconds": copies.write_back_seconds,
+                "host_prefetch_tokens": cache.tier_moves.prefetched,
+                "host_admission_load_tokens": cache.tier_moves.admission_loaded,
+                "host_write_ahead_tokens": cache.tier_moves.written_ahead,
+                "host_eviction_write_back_tokens": copies.write_back_tokens - cache.tier_moves.written_ahead}
 
 
 def _return_pinned_memory() -> None:

@@ -97,13 +97,14 @@ def test_host_tier_loop_has_no_hidden_sync(cycling_model):
 def test_forward_waits_for_the_load_on_the_device(cycling_model):
     """The load is held back on the copy stream (torch.cuda._sleep); every free GPU slot holds
     NaN, so a forward that did not wait would read NaN KV. The step that queues the load and
-    its forward returns long before the load ends (no host wait); the output is exact."""
+    its forward returns long before the load ends (no host wait); the output is exact, and the
+    timeline shows the forward's wait as its copy stall."""
     prompt = list(range(10, 210))
     follow_up = prompt + list(range(220, 240))
     greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     reference = _engine(cycling_model, max_total_tokens=4000)
     want = run_workload(reference, [_spec("ref", follow_up, greedy)])["ref"]
-    engine = _engine(cycling_model, max_total_tokens=1000, host_kv_cache_gb=0.05)
+    engine = _engine(cycling_model, max_total_tokens=1000, host_kv_cache_gb=0.05, timeline=True)
     run_workload(engine, [_spec("first", prompt, greedy)])
     tree = engine.prefix_cache.tree
     tree.evict(tree.evictable_tokens)  # the whole history goes to the host tier
@@ -131,6 +132,8 @@ def test_forward_waits_for_the_load_on_the_device(cycling_model):
     assert engine.output("again").token_ids == want[0]
     assert engine.stats()["host_cache_hit_tokens"] >= 199
     assert queued < sleep_s / 2 < sleep_s <= total, (queued, total)
+    stalls = [r.gpu_tier_stall_ms for r in engine.timeline.records if r.gpu_tier_stall_ms is not None]
+    assert max(stalls) >= 0.8 * sleep_s * 1e3, stalls
 
 
 def _spec(rid, prompt, params):

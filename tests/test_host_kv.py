@@ -65,6 +65,18 @@ def test_write_ahead_copies_cold_nodes_and_their_eviction_copies_nothing():
     tree.check({})
 
 
+def test_write_ahead_follows_eviction_down_a_chain():
+    tree, kv, host, copies = _tiered_tree(host=20)
+    history, slots = [10, 11, 12], kv.alloc(3)
+    for turn in range(3):  # one conversation's turns: a chain, its leaf the only evictable node
+        history, slots = history + [20 + 3 * turn, 21 + 3 * turn, 22 + 3 * turn], slots + kv.alloc(3)
+        tree.insert(history, slots)
+    assert tree.write_ahead(12) == 12  # the leaf, then its parent as if the leaf were gone, ...
+    assert [c[0] for c in copies] == [[10, 11, 12], [7, 8, 9], [1, 2, 3, 4, 5, 6]]  # (GPU slots)
+    assert tree.evict(12) == 12 and len(copies) == 3  # ... so eviction copies nothing more
+    tree.check({})
+
+
 def test_write_ahead_queues_about_most_tokens_a_call_and_the_rest_later():
     tree, kv, host, copies = _tiered_tree(host=20)
     for first in (10, 20, 30, 40):
@@ -93,7 +105,7 @@ def test_a_load_budget_smaller_than_a_host_node_loads_its_head():
     cache.tree.check({})
 
 
-def test_prefetch_takes_free_slots_only_and_counts_a_host_hit_at_first_admission():
+def test_prefetch_without_evicting_takes_free_slots_only_and_counts_a_host_hit_at_first_admission():
     kv, host_pool, loads = SlotAllocator(400), SlotAllocator(400, first=0), []
     cache = PrefixCache(kv, host=HostTier(host_pool, write_back=lambda g, h: None,
                                           load=lambda h, g: loads.append(len(g))))
@@ -103,7 +115,7 @@ def test_prefetch_takes_free_slots_only_and_counts_a_host_hit_at_first_admission
     cache.tree.insert(cold, kv.alloc(100))  # a cached prefix on the GPU, evictable
     others = kv.alloc(200)  # running requests hold the rest but 100 slots
     waiting = type("R", (), {"fill_ids": tokens + [7], "max_cached_prefix": 200})()
-    assert cache.prefetch([waiting], keep=20, most=1000) == 80 and kv.num_free == 20
+    assert cache.prefetch([waiting], keep=20, most=1000, evict=False) == 80 and kv.num_free == 20
     assert len(cache.tree.match(cold)[0]) == 100  # nothing evicted for a request not admitted yet
     assert cache.host_hit_tokens == 0  # a prefetch is not a hit until a request reads it
     kv.free(others)
@@ -114,6 +126,25 @@ def test_prefetch_takes_free_slots_only_and_counts_a_host_hit_at_first_admission
     again = Request("s", tokens + [9], SamplingParams(max_tokens=1), seed=0, max_samples=1)
     assert cache.admit(again) == 200 and cache.host_hit_tokens == 200  # a GPU hit now
     cache.release(again)
+    cache.check([])
+
+
+def test_prefetch_evicts_colder_prefixes_beyond_what_the_next_plan_keeps():
+    kv, host_pool, copies = SlotAllocator(400), SlotAllocator(400, first=0), []
+    cache = PrefixCache(kv, host=HostTier(host_pool, write_back=lambda g, h: copies.append(("back", len(g))),
+                                          load=lambda h, g: copies.append(("load", len(g)))))
+    tokens, cold = list(range(1000, 1200)), list(range(2000, 2100))
+    cache.tree.insert(tokens, kv.alloc(200))
+    cache.tree.evict(200)  # all on the host
+    cache.tree.insert(cold, kv.alloc(100))  # a cached prefix on the GPU, evictable
+    others = kv.alloc(200)  # running requests hold the rest but 100 slots
+    copies.clear()
+    waiting = type("R", (), {"fill_ids": tokens + [7], "max_cached_prefix": 200})()
+    assert cache.prefetch([waiting], keep=20, most=1000) == 180  # 100 free + 100 evictable - 20 kept
+    assert copies == [("back", 100), ("load", 180)]  # the cold prefix went to the host first
+    assert kv.num_free == 20 and cache.tier_moves.prefetched == 180
+    assert cache.tree.match_length(cold) == 100  # still cached, in the host tier now
+    kv.free(others)
     cache.check([])
 
 
@@ -133,13 +164,28 @@ def test_a_load_evicted_unread_is_no_host_hit_later():
 
 def test_copy_pace_budget_is_a_steps_worth_at_the_measured_rate():
     pace = CopyPace(token_bytes=10, most_tokens=10_000, least_tokens=10, assumed_bytes_per_s=1e6)
-    assert pace.tokens(None) == 10  # no step seen yet
+    assert pace.window().tokens(None) == 10  # no step seen yet
     for t in (0.0, 0.004, 0.008, 0.020, 0.024, 5.0):  # one stalled step, then an idle gap
         pace.tick(t)
     assert sorted(round(p, 6) for p in pace.periods) == [0.004, 0.004, 0.004, 0.012, MAX_PERIOD_S]
-    assert pace.tokens(None) == 400  # the assumed 1 MB/s x the median period (4 ms) / 10 B
-    assert pace.tokens(2.5e6) == 1000  # a measured rate wins
-    assert pace.tokens(5e9) == 10_000 and pace.tokens(1e3) == 10  # clamped both ways
+    assert pace.window().tokens(None) == 400  # the assumed 1 MB/s x the median period (4 ms) / 10 B
+    assert pace.window().tokens(2.5e6) == 1000  # a measured rate wins
+    assert pace.window().tokens(5e9) == 10_000 and pace.window().tokens(1e3) == 10  # clamped both ways
+
+
+def test_copy_pace_window_is_one_step_for_both_directions():
+    pace = CopyPace(token_bytes=10, most_tokens=10_000, least_tokens=10, assumed_bytes_per_s=1e6)
+    for t in (0.0, 0.004, 0.008):
+        pace.tick(t)
+    window = pace.window()
+    assert window.tokens(1e6) == 400 and window.tokens(1e6, 1e6) == 200  # a load that may evict: two copies
+    window.spend(3000, 1e6)  # the loads took 3 ms of the 4
+    assert window.tokens(1e6) == 100
+    window.spend(2000, 1e6)  # overspent: the floor still makes progress
+    assert window.tokens(1e6) == 10
+    apart = pace.window(shared=False)  # the A/B: each direction a whole step
+    apart.spend(3000, 1e6)
+    assert apart.tokens(1e6) == 400
 
 
 def test_host_tier_drops_its_coldest_leaves_and_too_big_nodes_are_dropped():
@@ -288,9 +334,9 @@ def test_small_pool_with_host_tier_equals_unbounded_pool(tiny_text_model, overla
     written_ahead, write_ahead = [], engine.prefix_cache.write_ahead
     engine.prefix_cache.write_ahead = lambda *a, **k: written_ahead.append(write_ahead(*a, **k)) or written_ahead[-1]
     got = run_chats(engine, rounds)
-    # Prefetch takes free slots only: in a pool this full it rarely finds any (its unit test
-    # above shows it loading); write-ahead runs whenever the next plan may be short.
-    assert (sum(written_ahead) > 0) == ahead and (ahead or sum(prefetched) == 0), (prefetched, written_ahead)
+    # Write-ahead runs whenever the next plan may be short, prefetch whenever a waiting request's
+    # match continues on the host and the pool holds more than the next plan keeps.
+    assert (sum(written_ahead) > 0) == ahead and (sum(prefetched) > 0) == ahead, (prefetched, written_ahead)
     assert got == want
     s = engine.stats()
     assert s["host_cache_hit_tokens"] > (500 if host_tokens > 1000 else 100), s  # histories came back
@@ -298,7 +344,9 @@ def test_small_pool_with_host_tier_equals_unbounded_pool(tiny_text_model, overla
     loaded = sum(r.host_load_tokens for r in records)  # a prefetch may go unused: loads >= hits
     assert loaded >= s["host_cache_hit_tokens"] and s["host_load_bytes"] == loaded * engine.kv_tier.host.token_bytes
     assert s["host_write_back_bytes"] > 0
-    assert s["num_preemptions"] > 0, "the pool must be small enough to preempt"
+    # The pool must be small enough to preempt. With 300 host tokens (loads evicting for prefetch
+    # there) it may not: the other three cases cover preemption with the tier.
+    assert s["num_preemptions"] > 0 or host_tokens < 1000, "the pool must be small enough to preempt"
     assert_tiers_conserved(engine, s)
     assert_reset_empties_the_host_tier(engine)
     engine.close()

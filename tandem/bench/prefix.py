@@ -21,7 +21,10 @@ ratios; `--compare-cascade` runs cache off, cache on without cascade and cache o
 `--compare-host-tier` runs the cache with the host tier (`--host-kv-cache-gb`) and without. Per
 run: wall time, output tok/s, TTFT p50/p99 (arrival to first token seen by the host), prefix
 hit rate (cached / looked-up prompt tokens) and its GPU and host-tier parts, host-tier copy
-bandwidth each way (bytes / device time of the copies), host ms per step, GPU busy.
+bandwidth each way (bytes / device time of the copies), host ms per step, GPU busy, and with a
+host tier: the device time forwards waited for its copies and the tokens it moved by why
+(prefetch and admission loads, write-ahead and eviction write-backs). `--experiment NAME=VALUE`
+(repeatable) sets an `Experiments` field for an A/B.
 """
 from __future__ import annotations
 
@@ -144,6 +147,8 @@ class PrefixRow:
     compile_s: float = 0.0
     alloc_retries: int = 0  # CUDA caching-allocator retries (each frees cached blocks: a device sync)
     preemptions: int = 0  # the pool could not hold the running requests (their KV was dropped)
+    tier_stall_s: float | None = None  # device time forwards waited for host-tier copies
+    moved_tokens: dict | None = None  # host-tier tokens by why: prefetch, admission, write_ahead, eviction
 
     @property
     def output_tok_s(self) -> float:
@@ -221,7 +226,8 @@ def run_one(args: argparse.Namespace) -> PrefixRow:
                                  max_running_requests=args.max_running_requests,
                                  host_kv_cache_gb=args.host_kv_cache_gb,
                                  timeline=True, seed=0, warm_up="off",  # drive() below warms up
-                                 experiments=Experiments(cascade_attention=args.cascade)))
+                                 experiments=Experiments.from_overrides(
+                                     [f"cascade_attention={args.cascade}", *args.experiment])))
     vocab = engine.model_config.vocab_size
     small = argparse.Namespace(**{**vars(args), "groups": min(args.groups, 2), "per_group": min(args.per_group, 2),
                                   "conversations": min(args.conversations, 2), "turns": min(args.turns, 2),
@@ -246,7 +252,8 @@ def run_one(args: argparse.Namespace) -> PrefixRow:
     s1 = engine.stats()
     delta = {k: s1[k] - s0[k] for k in ("prefix_cache_queried_tokens", "prefix_cache_hit_tokens", "cascade_steps",
                                         "host_cache_hit_tokens", "host_load_bytes", "host_load_seconds",
-                                        "host_write_back_bytes", "host_write_back_seconds", "num_preemptions")}
+                                        "host_write_back_bytes", "host_write_back_seconds", "num_preemptions",
+                                        *MOVED_TOKENS.values())}
     queried = max(delta["prefix_cache_queried_tokens"], 1)
     summary = engine.timeline.summary(skip=first)
     return PrefixRow(args.workload, args.cache == "on", args.cascade, len(ttft), inputs, outputs, wall,
@@ -256,7 +263,13 @@ def run_one(args: argparse.Namespace) -> PrefixRow:
                      _gb_s(delta["host_load_bytes"], delta["host_load_seconds"]),
                      _gb_s(delta["host_write_back_bytes"], delta["host_write_back_seconds"]),
                      len(compiles.kernels), compiles.seconds, _alloc_retries(engine.device) - retries,
-                     delta["num_preemptions"])
+                     delta["num_preemptions"],
+                     summary["gpu_tier_stall_ms"] / 1e3 if "gpu_tier_stall_ms" in summary else None,
+                     {why: delta[key] for why, key in MOVED_TOKENS.items()} if engine.kv_tier is not None else None)
+
+
+MOVED_TOKENS = {"prefetch": "host_prefetch_tokens", "admission": "host_admission_load_tokens",
+                "write_ahead": "host_write_ahead_tokens", "eviction": "host_eviction_write_back_tokens"}
 
 
 def _alloc_retries(device: torch.device) -> int:
@@ -308,6 +321,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--host-profile-steps", type=int, nargs=2, metavar=("FIRST", "COUNT"),
                     help="cProfile COUNT engine steps of the measured run from step FIRST; prints the functions by "
                          "cumulative host time to stderr (where a host-bound step's time goes)")
+    ap.add_argument("--experiment", action="append", default=[], metavar="NAME=VALUE",
+                    help="an Experiments field for an A/B (repeatable; booleans on/off)")
     ap.add_argument("--json", help="write the rows here")
     return ap
 
@@ -355,7 +370,8 @@ def _without_compare(argv: list[str]) -> list[str]:
 def format_table(rows: list[dict], compared: str = "cache") -> str:
     cols = ["workload", "cache", "cascade", "host_kv_cache_gb", "requests", "output_tok_s", "ttft_p50_ms",
             "ttft_p99_ms", "hit_rate", "gpu_hit_rate", "host_hit_rate", "load_gb_s", "write_back_gb_s",
-            "host_ms_per_step", "gpu_busy", "cascade_steps", "kernel_compiles", "compile_s", "alloc_retries", "preemptions", "wall_s"]
+            "host_ms_per_step", "gpu_busy", "tier_stall_s", "moved_tokens", "cascade_steps", "kernel_compiles",
+            "compile_s", "alloc_retries", "preemptions", "wall_s"]
     lines = [" | ".join(cols)]
     for r in rows:
         lines.append(" | ".join(_fmt(r.get(c)) for c in cols))

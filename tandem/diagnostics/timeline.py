@@ -51,6 +51,7 @@ class StepRecord:
     # writing back (its forward waits for both on the device). None: no host tier.
     host_load_tokens: int | None = None
     host_write_back_tokens: int | None = None
+    gpu_tier_stall_ms: float | None = None  # before the forward span: waiting for host-tier copies
 
     @property
     def launch_end(self) -> float:
@@ -83,10 +84,12 @@ class Timeline:
         if self.max_records is not None and len(self.records) > 2 * self.max_records:
             del self.records[:len(self.records) - self.max_records]
 
-    def completed(self, record: StepRecord, start, end, previous_end, mask_wait=None) -> None:
+    def completed(self, record: StepRecord, start, end, previous_end, mask_wait=None, tier_wait=None) -> None:
         """Fill device times once the step's forward is known complete (its result was read:
         `process_ms` and `host_wait_ms` are already set). `mask_wait`: events around the
-        forward stream's wait for the step's grammar masks; that stall counts as idle."""
+        forward stream's wait for the step's grammar masks; that stall counts as idle.
+        `tier_wait`: events around its wait for host-tier copies, before the forward span
+        (already in the idle gap before it: recorded to say why)."""
         now = perf_counter()
         record.host_done = now - max(0.0, record.process_ms - record.host_wait_ms) / 1e3
         if start is not None and end is not None and end.query():
@@ -96,6 +99,8 @@ class Timeline:
             record.cpu_lead_ms = cpu_lead_ms(record, self._previous_done)
             if mask_wait is not None and mask_wait[1].query():
                 record.gpu_mask_stall_ms = mask_wait[0].elapsed_time(mask_wait[1])
+            if tier_wait is not None and tier_wait[1].query():
+                record.gpu_tier_stall_ms = tier_wait[0].elapsed_time(tier_wait[1])
         self._previous_done = record.host_done
         self._push_recent((record.schedule_ms + record.launch_ms + record.process_ms - record.host_wait_ms,
                            record.gpu_forward_ms, record.gpu_idle_before_ms, record.cpu_lead_ms))
@@ -147,6 +152,9 @@ class Timeline:
             out["gpu_busy_fraction"] = busy / (busy + idle) if busy + idle > 0 else None
             out["mean_gpu_forward_ms"] = busy / len(recs)
             out["mean_gpu_idle_ms"] = idle / max(len(recs) - 1, 1)
+            tier = [r.gpu_tier_stall_ms for r in recs[1:] if r.gpu_tier_stall_ms is not None]
+            if tier:
+                out["gpu_tier_stall_ms"] = sum(tier)  # of the idle time: forwards waiting for copies
             leads = [r.cpu_lead_ms for r in recs[1:] if r.cpu_lead_ms is not None]
             if leads:
                 out["mean_cpu_lead_ms"] = _mean(leads)

@@ -43,6 +43,17 @@ class HostTier:
     load_tokens_per_step: int = 16384
 
 
+@dataclass
+class TierMoves:
+    """Tokens the prefix cache queued between tiers, by why (the copier counts all bytes and
+    times). A plan's own copies (admission loads, eviction write-backs) are what its forward
+    waits for; the window's (prefetch, write-ahead) run beside the step in flight."""
+
+    prefetched: int = 0  # loads for waiting requests, in the processing window
+    admission_loaded: int = 0  # loads by an admission: its step's forward waits for them
+    written_ahead: int = 0  # write-backs ahead of pressure, in the processing window
+
+
 class PrefixCache:
     def __init__(self, kv_slots: SlotAllocator, enabled: bool = True, debug: bool = False,
                  host: HostTier | None = None):
@@ -53,6 +64,7 @@ class PrefixCache:
         self.hit_tokens = 0  # running totals, in prompt tokens
         self.queried_tokens = 0
         self.host_hit_tokens = 0  # admitted tokens read from loads (an undone admission keeps its count)
+        self.tier_moves = TierMoves()
         self._load_tokens_left = 0  # this step's load budget (new_step)
 
     # ---- capacity ----
@@ -85,7 +97,9 @@ class PrefixCache:
         short = next_need - self.kv_slots.num_free
         if self.host is None or short <= 0:
             return 0
-        return self.tree.write_ahead(short, most)
+        queued = self.tree.write_ahead(short, most)
+        self.tier_moves.written_ahead += queued
+        return queued
 
     # ---- a request's prefix ----
     def match_length(self, req: Request) -> int:
@@ -110,6 +124,7 @@ class PrefixCache:
         if self.host is not None:
             loaded, node = self._load_host_part(node, prefix, len(slots), self._load_tokens_left)
             self._load_tokens_left -= len(loaded)
+            self.tier_moves.admission_loaded += len(loaded)
             slots = slots + loaded
         if slots:
             self.tree.lock(node)
@@ -148,20 +163,25 @@ class PrefixCache:
         self.tree.unlock(nodes[-1])
         return gpu_slots
 
-    def prefetch(self, waiting: list[Request], keep: int, most: int) -> int:
+    def prefetch(self, waiting: list[Request], keep: int, most: int, evict: bool = True) -> int:
         """In the processing window: load the host part of waiting requests' matches, at most
-        `most` tokens, into free slots beyond the `keep` the next plan may need, so that
-        admission finds them on the GPU and the forward reading them has had a step's head
-        start. Free slots only: evicting for a request that is not admitted yet made room the
-        running ones then took back (on the H200 at 11407aa the loads were 2.2x the host hits
-        they served, each one a copy the forwards waited for). Returns the tokens queued."""
+        `most` tokens, into slots beyond the `keep` the next plan may need, so that admission
+        finds them on the GPU and the forward reading them has had a step's head start. Returns
+        the tokens queued.
+        `evict`: the slots may come from evicting colder cached prefixes (LRU, written back in
+        this window unless written ahead). With a full pool (the steady state of a cache: every
+        released request's tokens stay cached) free slots alone left prefetch nothing to load,
+        and every load waited for the admission that needed it. Off: free slots only (at
+        11407aa, evicting for requests not admitted yet, in a pool too small for the running
+        set, made room the running requests then took back; `keep` now reserves their need)."""
         queued = 0
         for req in waiting if self.host is not None else ():
+            room = (self.available() if evict else self.kv_slots.num_free) - keep
             prefix = req.fill_ids[:req.max_cached_prefix]
             slots, node = self.tree.match(prefix)
-            loaded, _ = self._load_host_part(node, prefix, len(slots),
-                                             min(most - queued, self.kv_slots.num_free - keep))
+            loaded, _ = self._load_host_part(node, prefix, len(slots), min(most - queued, room))
             queued += len(loaded)
+        self.tier_moves.prefetched += queued
         return queued
 
     def _fitting(self, path: list[Node], room: int) -> list[Node]:

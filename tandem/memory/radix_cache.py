@@ -207,7 +207,20 @@ class RadixCache:
         (`HostTierMoves.write_ahead`). Returns the tokens queued (0 without a host tier)."""
         if self.host_tier is None:
             return 0
-        return self.host_tier.write_ahead([n for n in self._nodes() if self._gpu_evictable(n)], num_tokens, most)
+        return self.host_tier.write_ahead(self._eviction_order(), num_tokens, most)
+
+    def _eviction_order(self) -> Iterator[Node]:
+        """The nodes `evict` would take, in its order, taking none: once the caller asks for the
+        next, the one given counts as gone (its parent may follow)."""
+        passed: set[int] = set()
+
+        def evictable(node: Node) -> bool:
+            return (node.lock_ref == 0 and bool(node.slots) and id(node) not in passed
+                    and not any(c.slots and id(c) not in passed for c in node.children.values()))
+
+        for node in least_recent_first(self._nodes(), evictable):
+            passed.add(id(node))
+            yield node
 
     def evict_host(self, num_tokens: int, colder_than: int | None = None) -> int:
         """Drop at least `num_tokens` host copies, least recently used first (only host-only

@@ -71,17 +71,21 @@ class HostTierMoves:
         self.tokens += len(node.key)
         return True
 
-    def write_ahead(self, gpu_evictable: list, num_tokens: int, most: int | None = None) -> int:
-        """Make about `num_tokens` GPU tokens evictable without a copy: copy the nodes eviction
-        would take first (`gpu_evictable`, the tree's pick: unreferenced, no GPU child; least
-        recently used first) to the host tier, keeping their GPU copies, until that many have
-        host copies or about `most` were queued (whole nodes: the first one whatever its size).
-        Takes host room only from colder host-only nodes. Returns the tokens queued."""
-        ready = sum(len(n.key) for n in gpu_evictable if n.host_slots is not None)
-        queued = 0
-        for node in sorted((n for n in gpu_evictable if n.host_slots is None), key=lambda n: n.last_access):
+    def write_ahead(self, eviction_order: Iterator, num_tokens: int, most: int | None = None) -> int:
+        """Make about `num_tokens` GPU tokens evictable without a copy: walking the nodes GPU
+        eviction would take, in its order (`eviction_order`: a parent after its last GPU child,
+        as if that were gone; a multi-turn history is a chain whose leaf alone is evictable at
+        first), copy those without a host copy to the host tier, keeping their GPU copies, until
+        that many have host copies or about `most` were queued (whole nodes: the first one
+        whatever its size). Takes host room only from colder host-only nodes. Returns the tokens
+        queued."""
+        ready = queued = 0
+        for node in eviction_order:
             if ready + queued >= num_tokens or (most is not None and queued >= most):
                 break
+            if node.host_slots is not None:
+                ready += len(node.key)
+                continue
             if not self.copy_to_host(node, colder_than=node.last_access):
                 break
             queued += len(node.key)

@@ -67,12 +67,13 @@ MEASURED_BYTES = 256 << 20  # below this a direction's timed copies are too few 
 
 @dataclass
 class CopyPace:
-    """Tokens one processing window may queue per direction (prefetch loads, write-ahead):
-    what the copy stream moves while one step runs, the direction's measured bandwidth times
-    the step period. The next forward waits on the device for every copy queued before it
-    (`KVTierCopier.fence`), so a window queueing more than a step's worth makes it wait: on
-    the H200 (911a469) windows queued up to a prefill step's tokens each way, ~0.9 GB, ~23 ms
-    beside ~6 ms steps, and GPU busy fell from 0.95 to 0.83 with the tier."""
+    """What one processing window may queue on the copy stream (prefetch loads, write-ahead):
+    what it moves while one step runs, the measured bandwidth times the step period. The next
+    forward waits on the device for every copy queued before it (`KVTierCopier.fence`), so a
+    window queueing more than a step's worth makes it wait: on the H200 (911a469) windows queued
+    up to a prefill step's tokens each way, ~0.9 GB, ~23 ms beside ~6 ms steps, and GPU busy fell
+    from 0.95 to 0.83 with the tier. Both directions run on the one copy stream, one after the
+    other, so a window's budget is one step period for both together (`window`)."""
 
     token_bytes: int
     most_tokens: int  # a prefill step's
@@ -87,13 +88,34 @@ class CopyPace:
             self.periods.append(min(now - self.last_window, MAX_PERIOD_S))
         self.last_window = now
 
-    def tokens(self, bytes_per_s: float | None) -> int:
-        """This window's budget for a direction copying at `bytes_per_s` (None: not measured)."""
-        if not self.periods:
-            return self.least_tokens
-        rate = bytes_per_s or self.assumed_bytes_per_s
-        budget = int(rate * statistics.median(self.periods) / self.token_bytes)
-        return max(self.least_tokens, min(self.most_tokens, budget))
+    def window(self, shared: bool = True) -> "WindowBudget":
+        """This window's copy time: one step period, spent by both directions in turn (`shared`;
+        off, the experiment's A/B: a step period each, which the one stream runs back to back)."""
+        seconds = statistics.median(self.periods) if self.periods else None
+        return WindowBudget(self, seconds, shared)
+
+
+@dataclass
+class WindowBudget:
+    """One processing window's copy seconds (None: no step period measured yet: every ask gets
+    the pace's least tokens). `spend` takes what a direction queued off a shared budget."""
+
+    pace: CopyPace
+    seconds: float | None
+    shared: bool
+
+    def tokens(self, *bytes_per_s: float | None) -> int:
+        """Tokens that fit in what is left when each one costs a copy at every rate given (a
+        prefetch that may evict: a write-back, then a load)."""
+        pace = self.pace
+        if self.seconds is None:
+            return pace.least_tokens
+        per_token = sum(pace.token_bytes / (rate or pace.assumed_bytes_per_s) for rate in bytes_per_s)
+        return max(pace.least_tokens, min(pace.most_tokens, int(max(self.seconds, 0.0) / per_token)))
+
+    def spend(self, num_bytes: int, bytes_per_s: float | None) -> None:
+        if self.shared and self.seconds is not None:
+            self.seconds -= num_bytes / (bytes_per_s or self.pace.assumed_bytes_per_s)
 
 
 class KVTierCopier:
@@ -106,6 +128,7 @@ class KVTierCopier:
         self._in_flight: list[_InFlight] = []
         self._unfenced: list[tuple[str, list[int], list[int]]] = []  # (kind, gpu, host) since the last fence
         self.fenced_tokens = (0, 0)  # (loaded, written back) behind the last fence: the timeline's
+        self.fence_wait: tuple | None = None  # timing events around the last fence's wait (timed fences)
         self._timed = {"load": [0, 0.0], "write_back": [0, 0.0]}  # completed bytes, copy seconds (CopyPace)
 
     # ---- the two directions ----
@@ -176,18 +199,30 @@ class KVTierCopier:
         return staging
 
     # ---- ordering and bookkeeping ----
-    def fence(self, forward_stream) -> list[tuple[str, list[int], list[int]]]:
+    def fence(self, forward_stream, timed: bool = False) -> list[tuple[str, list[int], list[int]]]:
         """Before a step's forward is queued: it waits (on the device) for every copy queued so
         far, the loads it reads and the write-backs of slots it may overwrite. Returns those
-        copies as (kind, gpu_slots, host_slots), in order (tensor-parallel ranks replay them)."""
+        copies as (kind, gpu_slots, host_slots), in order (tensor-parallel ranks replay them).
+        `timed`: timing events around the wait go to `fence_wait` (the timeline's copy stall)."""
         copies, self._unfenced = self._unfenced, []
         self.fenced_tokens = (sum(len(g) for k, g, _ in copies if k == "load"),
                               sum(len(g) for k, g, _ in copies if k == "write_back"))
+        self.fence_wait = None
         if copies:
             done = self.streams.event()
             done.record(self.stream)
+            before = self.streams.event(timing=True) if timed else None
+            if before is not None:
+                before.record(forward_stream)  # passes once the forward stream reaches the wait
             forward_stream.wait_event(done)  # device-side order: no host wait
+            if before is not None:
+                self.fence_wait = (before, self.streams.event(timing=True))
+                self.fence_wait[1].record(forward_stream)  # passes once the copies are done too
         return copies
+
+    def queued_bytes(self) -> tuple[int, int]:
+        """(load, write-back) bytes queued so far: a window's share is the difference."""
+        return self.stats.load_bytes, self.stats.write_back_bytes
 
     def replay(self, kind: str, gpu_slots: list[int], host_slots: list[int]) -> None:
         """A copy rank 0 queued, on this rank's shard (tensor parallelism)."""
