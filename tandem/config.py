@@ -130,6 +130,10 @@ class Experiments:
     # Host KV tier: prefetch may evict colder cached prefixes for its loads (off: free slots only,
     # which a full pool does not have: loads then wait for the admission that needs them).
     host_kv_prefetch_evicts: bool = True
+    # Host KV tier: while requests run, the queue's head waits (up to PrefixCache's
+    # MAX_PREFETCH_WAITS plans) for prefetch to load its match's host part instead of loading it
+    # at admission, where the step's forward would wait for the copy (off: loads at admission).
+    host_kv_admit_after_prefetch: bool = True
     # Host KV tier: one step's copy time per window for both directions, which the one copy
     # stream runs back to back (off: a step's worth each, two steps of copies per step).
     host_kv_shared_pace: bool = True

@@ -226,7 +226,10 @@ class Engine:
         self.tier_pace = (CopyPace(self.kv_tier.host.token_bytes, most_tokens=cfg.max_prefill_tokens)
                           if self.kv_tier is not None else None)
         host = (HostTier(self.kv_tier.host.host_slots, self.kv_tier.write_back, self.kv_tier.load,
-                         load_tokens_per_step=cfg.max_prefill_tokens) if self.kv_tier is not None else None)
+                         load_tokens_per_step=cfg.max_prefill_tokens,
+                         admit_after_prefetch=cfg.experiments.host_kv_prefetch
+                         and cfg.experiments.host_kv_admit_after_prefetch)
+                if self.kv_tier is not None else None)
         self.prefix_cache = PrefixCache(self.kv_slots, enabled=cfg.enable_prefix_caching,
                                         debug=self.debug.prefix_cache, host=host)
         self.req_slots = SlotAllocator(cfg.max_running_requests)  # row 0 is the padding row
@@ -599,7 +602,8 @@ class Engine:
         the next plan (which may need a prefill step's slots) finds them done. Loads go first
         (a waiting request's TTFT), write-ahead takes what is left of the window's copy time."""
         cfg, cache, tier, exp = self.cfg, self.prefix_cache, self.kv_tier, self.cfg.experiments
-        self.tier_pace.tick(time.perf_counter())
+        started = time.perf_counter()
+        self.tier_pace.tick(started, prefill=self.pending is not None and self.pending.batch.has_prefill)
         window = self.tier_pace.window(shared=exp.host_kv_shared_pace)
         load_rate, write_back_rate = tier.bytes_per_s("load"), tier.bytes_per_s("write_back")
         next_need = cfg.max_prefill_tokens + len(self.scheduler.running)
@@ -613,6 +617,8 @@ class Engine:
             window.spend(written - written0, write_back_rate)
         if exp.host_kv_write_ahead:
             cache.write_ahead(next_need, most=window.tokens(write_back_rate))
+        if self.pending is not None and self.pending.record is not None:
+            self.pending.record.tier_window_ms = (time.perf_counter() - started) * 1e3
 
     def _count_launched(self, launched: PendingResult) -> None:
         """A step is numbered and recorded once it is fully queued (a step undone before that

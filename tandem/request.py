@@ -63,6 +63,7 @@ class Request:
     last_step: int = -1  # last step that included this request (its KV is live until it completes)
     first_token_time: float | None = None
     num_preemptions: int = 0
+    prefetch_waits: int = 0  # plans that left it waiting for its host-tier prefix to load (PrefixCache)
     mask: object | None = None  # a grammar.MaskProducer (structured output), set once compiled
 
     def bias_at(self, sample_index: int) -> Bias:

@@ -52,6 +52,7 @@ class StepRecord:
     host_load_tokens: int | None = None
     host_write_back_tokens: int | None = None
     gpu_tier_stall_ms: float | None = None  # before the forward span: waiting for host-tier copies
+    tier_window_ms: float | None = None  # host time queueing host-tier copies after this step's launch
 
     @property
     def launch_end(self) -> float:
@@ -145,6 +146,9 @@ class Timeline:
                "mean_host_ms": _mean([r.schedule_ms + r.launch_ms + r.process_ms - r.host_wait_ms
                                       for r in window]),
                "mean_host_wait_ms": _mean([r.host_wait_ms for r in window])}
+        tier_windows = [r.tier_window_ms for r in window if r.tier_window_ms is not None]
+        if tier_windows:  # outside mean_host_ms: the window runs after the step's processing
+            out["mean_tier_window_ms"] = _mean(tier_windows)
         if recs:
             stall = sum(r.gpu_mask_stall_ms or 0.0 for r in recs)
             busy = sum(r.gpu_forward_ms for r in recs) - stall

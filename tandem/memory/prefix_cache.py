@@ -31,6 +31,7 @@ from tandem.request import Request
 
 
 MIN_LOAD_TOKENS = 64  # a smaller piece of a host node waits for a larger budget
+MAX_PREFETCH_WAITS = 32  # plans a request waits for prefetch before its admission loads the rest
 
 
 @dataclass
@@ -41,6 +42,7 @@ class HostTier:
     write_back: Callable[[list[int], list[int]], None]  # (gpu_slots, host_slots)
     load: Callable[[list[int], list[int]], None]  # (host_slots, gpu_slots)
     load_tokens_per_step: int = 16384
+    admit_after_prefetch: bool = False  # `PrefixCache.waits_for_prefetch`
 
 
 @dataclass
@@ -133,6 +135,20 @@ class PrefixCache:
             if self.host is not None:
                 self.host_hit_tokens += self.tree.take_loaded(node)  # now or prefetched, first use
         return len(slots)
+
+    def waits_for_prefetch(self, req: Request) -> bool:
+        """Should the queue's head wait for prefetch (the processing windows' loads, beside the
+        running steps) rather than be admitted now, when its step's forward would wait on the
+        device for its match's host part to load? Yes while MIN_LOAD_TOKENS or more of it are
+        still on the host only, for at most MAX_PREFETCH_WAITS plans (then admission loads the
+        rest). The caller asks only while requests run: an idle GPU gains nothing by waiting."""
+        if self.host is None or not self.host.admit_after_prefetch or req.prefetch_waits >= MAX_PREFETCH_WAITS:
+            return False
+        on_gpu, cached = self.tree.match_lengths(req.fill_ids[:req.max_cached_prefix])
+        if cached - on_gpu < MIN_LOAD_TOKENS:
+            return False
+        req.prefetch_waits += 1
+        return True
 
     def _load_host_part(self, node: Node, tokens: list[int], start: int, most: int) -> tuple[list[int], Node]:
         """Load the host-resident continuation of a match (tokens[:start] ending at `node`)

@@ -80,17 +80,22 @@ class RadixCache:
 
     def match_length(self, tokens: list[int]) -> int:
         """Length of the longest cached prefix; changes nothing (for ordering the queue)."""
-        node, i = self.root, 0
+        return self.match_lengths(tokens)[1]
+
+    def match_lengths(self, tokens: list[int]) -> tuple[int, int]:
+        """(on the GPU, in either tier): lengths of the longest cached prefix; changes nothing."""
+        node, i, gpu = self.root, 0, 0
         while i < len(tokens):
             child = node.children.get(tokens[i])
             if child is None:
                 break
             n = common_length(child.key, tokens, i)
             i += n
+            gpu = i if child.slots and gpu == i - n else gpu  # a GPU node's parent is on the GPU
             if n < len(child.key):
                 break
             node = child
-        return i
+        return gpu, i
 
     # ---- insertion ----
     def insert(self, tokens: list[int], slots: list[int]) -> tuple[int, Node]:

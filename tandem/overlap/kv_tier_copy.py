@@ -79,20 +79,27 @@ class CopyPace:
     most_tokens: int  # a prefill step's
     least_tokens: int = 256  # progress even while the estimate is tiny
     assumed_bytes_per_s: float = 20e9  # until a direction has MEASURED_BYTES timed
-    periods: deque = field(default_factory=lambda: deque(maxlen=PACE_PERIODS))
+    # Step periods by the kind of step they timed (True: with prefill rows): a decode-only step
+    # beside prefill steps is several times shorter, and a window sized by their common median
+    # overran it.
+    periods: dict = field(default_factory=lambda: {kind: deque(maxlen=PACE_PERIODS) for kind in (False, True)})
     last_window: float | None = None
+    last_kind: bool = False
 
-    def tick(self, now: float) -> None:
-        """A processing window begins (once a step): the gap since the last is a step period."""
+    def tick(self, now: float, prefill: bool = False) -> None:
+        """A processing window begins (once a step, after launching a step with prefill rows or
+        not): the gap since the last window is the period of the step launched before it, the
+        one then in flight."""
         if self.last_window is not None:
-            self.periods.append(min(now - self.last_window, MAX_PERIOD_S))
-        self.last_window = now
+            self.periods[self.last_kind].append(min(now - self.last_window, MAX_PERIOD_S))
+        self.last_window, self.last_kind = now, prefill
 
     def window(self, shared: bool = True) -> "WindowBudget":
-        """This window's copy time: one step period, spent by both directions in turn (`shared`;
-        off, the experiment's A/B: a step period each, which the one stream runs back to back)."""
-        seconds = statistics.median(self.periods) if self.periods else None
-        return WindowBudget(self, seconds, shared)
+        """This window's copy time: the period of steps of the kind now in flight (the last
+        `tick`'s), spent by both directions in turn (`shared`; off, the experiment's A/B: that
+        much each, which the one stream runs back to back)."""
+        periods = self.periods[self.last_kind] or self.periods[not self.last_kind]
+        return WindowBudget(self, statistics.median(periods) if periods else None, shared)
 
 
 @dataclass

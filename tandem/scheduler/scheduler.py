@@ -369,6 +369,8 @@ class Scheduler:
                 break
             if pending and req.max_cached_prefix and self._shares_pending_prefill(req, pending):
                 continue  # reuse that prefill once it is cached, a step or two from now
+            if self.running and self.cache.waits_for_prefetch(req):
+                break  # its prefix loads from the host tier beside the running steps first (FCFS)
             matched = self.cache.admit(req)
             new = len(req.fill_ids) - matched
             whole = self.cfg.chunked_prefill_size is None
