@@ -207,11 +207,8 @@ class ModelRunner:
                 logits, step = self.verify_graphs.replay(bucket, ring)
                 if greedy:
                     pending.verify_tail = (bucket, ring, logits, step)
-                n = len(rows)
-                logits = logits[:len(per_token)]
-                step = SpecStep(step.lengths[:n], step.proposal.rows(n),
-                                step.token_row[:len(per_token)], step.token_offset[:len(per_token)])
-                slots = dev["req_slots"][:n]
+                logits, step = self.verify_graphs.trimmed(bucket, ring, len(rows), logits, step)
+                slots = dev["req_slots"][:len(rows)]
             else:
                 logits, step = self._eager_verify(batch, fields, dev)
                 slots = dev["req_slots"]

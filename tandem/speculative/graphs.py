@@ -45,6 +45,11 @@ class VerifyGraphs:
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[int, int], tuple[torch.Tensor, SpecStep]] = {}
         self.tails: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # Host-side views reused across steps (captured graphs only: their inputs and outputs
+        # sit at fixed addresses for the graphs' lifetime, so a view made once stays valid):
+        # ring slot views by (ring, bucket); trimmed outputs by (bucket, ring, rows).
+        self._views: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+        self._trimmed: dict[tuple[int, int, int], tuple[torch.Tensor, SpecStep]] = {}
         self.memory_bytes = 0
         dev, q = streams.device, self.k + 1
         # The debug FutureMap's device assert cannot be captured: its gather runs eagerly.
@@ -103,17 +108,37 @@ class VerifyGraphs:
                  len(self.graphs), self.max_batch, self.k, self.memory_bytes / 2**20)
 
     def views(self, ring: int, bucket: int) -> dict[str, torch.Tensor]:
-        return self.stager.views(ring, {name: bucket for name in VERIFY_FIELDS})
+        """The graph's inputs in staging ring slot `ring` (the stager's device buffers live as
+        long as it does, so the views are made once per (ring, bucket))."""
+        views = self._views.get((ring, bucket))
+        if views is None:
+            views = self._views[(ring, bucket)] = self.stager.views(ring, {name: bucket for name in VERIFY_FIELDS})
+        return views
 
     def replay(self, bucket: int, ring: int) -> tuple[torch.Tensor, SpecStep]:
         """Queue the step on the current (forward) stream; returns its logits and facts."""
-        views = self.views(ring, bucket)
         if not self.resolve_in_graph:
-            self.last_tokens[bucket].copy_(self.future_map.resolve(views["req_slots"]))
+            self.last_tokens[bucket].copy_(self.future_map.resolve(self.views(ring, bucket)["req_slots"]))
         if not self.use_graphs:
-            return self.forward(views, bucket)
+            return self.forward(self.views(ring, bucket), bucket)
         self.graphs[(bucket, ring)].replay()
         return self.outputs[(bucket, ring)]
+
+    def trimmed(self, bucket: int, ring: int, rows: int, logits: torch.Tensor,
+                step: SpecStep) -> tuple[torch.Tensor, SpecStep]:
+        """The first `rows` rows of the step `replay(bucket, ring)` returned (`logits`, `step`):
+        their logits [rows * (k + 1), V] and facts. A captured graph's outputs keep their
+        addresses until `close`, so its views are made once per (bucket, ring, rows) and reused
+        (no step mutates a SpecStep); eager outputs are new each step and are cut each time."""
+        key = (bucket, ring, rows)
+        out = self._trimmed.get(key) if self.use_graphs else None
+        if out is None:
+            t = rows * (self.k + 1)
+            out = logits[:t], SpecStep(step.lengths[:rows], step.proposal.rows(rows), step.token_row[:t],
+                                       step.token_offset[:t])
+            if self.use_graphs:
+                self._trimmed[key] = out
+        return out
 
     def greedy_tail(self, logits: torch.Tensor, step: SpecStep, slots: torch.Tensor) -> torch.Tensor:
         """A greedy-only step's sampling and settling, fixed-shape: packed [bucket * (k + 3)].
@@ -141,4 +166,6 @@ class VerifyGraphs:
         self.graphs.clear()
         self.tails.clear()
         self.outputs.clear()
+        self._views.clear()
+        self._trimmed.clear()
         self.logits = None
