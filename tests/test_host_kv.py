@@ -191,8 +191,8 @@ def test_copy_pace_budget_is_a_steps_worth_at_the_measured_rate():
     for t in (0.0, 0.004, 0.008, 0.020, 0.024, 5.0):  # one stalled step, then an idle gap
         pace.tick(t)
     assert sorted(round(p, 6) for p in pace.periods[False]) == [0.004, 0.004, 0.004, 0.012, MAX_PERIOD_S]
-    assert pace.window().tokens(None) == 400  # the assumed 1 MB/s x the median period (4 ms) / 10 B
-    assert pace.window().tokens(2.5e6) == 1000  # a measured rate wins
+    assert pace.window().tokens(None) == 200  # the assumed 1 MB/s x half the median period (4 ms) / 10 B
+    assert pace.window().tokens(2.5e6) == 500  # a measured rate wins
     assert pace.window().tokens(5e9) == 10_000 and pace.window().tokens(1e3) == 10  # clamped both ways
 
 
@@ -202,24 +202,24 @@ def test_copy_pace_sizes_a_window_by_the_kind_of_step_in_flight():
     assert pace.window().tokens(None) == 1  # nothing timed yet
     for t, prefill in ((8, False), (9, True), (17, False), (18, True), (26, False)):
         pace.tick(t / 1024, prefill)  # prefill steps take 8/1024 s, decode-only ones 1/1024 s
-    assert pace.window().tokens(None) == 64  # a decode-only step is in flight: 1/1024 s of copies
+    assert pace.window().tokens(None) == 32  # a decode-only step is in flight: half its 1/1024 s
     pace.tick(27 / 1024, prefill=True)
-    assert pace.window().tokens(None) == 512  # a prefill step
+    assert pace.window().tokens(None) == 256  # a prefill step
 
 
-def test_copy_pace_window_is_one_step_for_both_directions():
+def test_copy_pace_window_is_shared_by_both_directions():
     pace = CopyPace(token_bytes=10, most_tokens=10_000, least_tokens=10, assumed_bytes_per_s=1e6)
     for t in (0.0, 0.004, 0.008):
         pace.tick(t)
     window = pace.window()
-    assert window.tokens(1e6) == 400 and window.tokens(1e6, 1e6) == 200  # a load that may evict: two copies
-    window.spend(3000, 1e6)  # the loads took 3 ms of the 4
+    assert window.tokens(1e6) == 200 and window.tokens(1e6, 1e6) == 100  # a load that may evict: two copies
+    window.spend(1000, 1e6)  # the loads took 1 ms of the window's 2 (half the 4 ms step)
     assert window.tokens(1e6) == 100
     window.spend(2000, 1e6)  # overspent: the floor still makes progress
     assert window.tokens(1e6) == 10
-    apart = pace.window(shared=False)  # the A/B: each direction a whole step
-    apart.spend(3000, 1e6)
-    assert apart.tokens(1e6) == 400
+    apart = pace.window(shared=False)  # the A/B: each direction the whole window
+    apart.spend(1000, 1e6)
+    assert apart.tokens(1e6) == 200
 
 
 def test_host_tier_drops_its_coldest_leaves_and_too_big_nodes_are_dropped():
@@ -622,11 +622,26 @@ def test_the_workload_needs_the_drafts_copy(tiny_text_model):
     rounds = _spec_chat_rounds()
     engine = _tiered_self_draft_engine(tiny_text_model, 300)
     engine.kv_tier.caches = engine.kv_tier.caches[:1]  # the target's only
+    load, draft, tier = engine.prefix_cache.host.load, engine.draft_kv, engine.kv_tier
+    noise = torch.Generator(device=draft.k[0].device).manual_seed(0)
+
+    def load_the_targets_only(host_slots, gpu_slots):
+        """What the draft's slots held before is whatever last used them, often the same
+        prefix's own KV (acceptance then stayed at 90% on CUDA): make it another's, on the
+        copy stream where the load runs (the forward waits for that stream)."""
+        load(host_slots, gpu_slots)
+        with engine.streams.use(tier.stream):
+            idx = torch.tensor(gpu_slots, device=draft.k[0].device)
+            for pool in draft.k + draft.v:
+                pool.index_copy_(0, idx, torch.randn(pool[idx].shape, generator=noise, device=pool.device,
+                                                     dtype=pool.dtype))
+
+    engine.prefix_cache.host.load = load_the_targets_only
     want = run_chats(_engine(tiny_text_model, max_total_tokens=20000), rounds)
     # Verification keeps the target's tokens (an aborted request may see more or fewer).
     assert_same_tokens(want, run_chats(engine, rounds), [s for specs in rounds for s in specs])
     s = engine.stats()
     assert s["host_cache_hit_tokens"] > 100, s
-    assert s["spec_decode_num_accepted_tokens"] < 0.9 * s["spec_decode_num_draft_tokens"], s
+    assert s["spec_decode_num_accepted_tokens"] < 0.8 * s["spec_decode_num_draft_tokens"], s
     assert_kv_conserved(engine)
     engine.close()

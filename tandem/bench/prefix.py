@@ -149,6 +149,7 @@ class PrefixRow:
     preemptions: int = 0  # the pool could not hold the running requests (their KV was dropped)
     tier_stall_s: float | None = None  # device time forwards waited for host-tier copies
     moved_tokens: dict | None = None  # host-tier tokens by why: prefetch, admission, write_ahead, eviction
+    tier_window_ms: float | None = None  # host time a step's window spent queueing tier copies (mean)
 
     @property
     def output_tok_s(self) -> float:
@@ -265,7 +266,8 @@ def run_one(args: argparse.Namespace) -> PrefixRow:
                      len(compiles.kernels), compiles.seconds, _alloc_retries(engine.device) - retries,
                      delta["num_preemptions"],
                      summary["gpu_tier_stall_ms"] / 1e3 if "gpu_tier_stall_ms" in summary else None,
-                     {why: delta[key] for why, key in MOVED_TOKENS.items()} if engine.kv_tier is not None else None)
+                     {why: delta[key] for why, key in MOVED_TOKENS.items()} if engine.kv_tier is not None else None,
+                     summary.get("mean_tier_window_ms"))
 
 
 MOVED_TOKENS = {"prefetch": "host_prefetch_tokens", "admission": "host_admission_load_tokens",
@@ -370,7 +372,7 @@ def _without_compare(argv: list[str]) -> list[str]:
 def format_table(rows: list[dict], compared: str = "cache") -> str:
     cols = ["workload", "cache", "cascade", "host_kv_cache_gb", "requests", "output_tok_s", "ttft_p50_ms",
             "ttft_p99_ms", "hit_rate", "gpu_hit_rate", "host_hit_rate", "load_gb_s", "write_back_gb_s",
-            "host_ms_per_step", "gpu_busy", "tier_stall_s", "moved_tokens", "cascade_steps", "kernel_compiles",
+            "host_ms_per_step", "gpu_busy", "tier_stall_s", "tier_window_ms", "moved_tokens", "cascade_steps", "kernel_compiles",
             "compile_s", "alloc_retries", "preemptions", "wall_s"]
     lines = [" | ".join(cols)]
     for r in rows:

@@ -22,7 +22,8 @@ from __future__ import annotations
 import itertools
 from typing import Callable, Iterator
 
-from tandem.memory.radix_host_tier import HostTierHooks, HostTierMoves, least_recent_first
+from tandem.memory.lru_heap import LruHeap
+from tandem.memory.radix_host_tier import HostTierHooks, HostTierMoves
 
 _clock = itertools.count()  # access order for LRU; a counter, so ties cannot happen
 
@@ -50,6 +51,12 @@ class RadixCache:
         self.evictable_tokens = 0  # GPU tokens in nodes no request references
         self.locked_tokens = 0  # GPU tokens in nodes some request references
         self.host_tier = HostTierMoves(host, self._nodes) if host is not None else None
+        self.lru = LruHeap(self._nodes, self._gpu_evictable)  # GPU eviction's order
+        self._evictions = 0  # GPU nodes evicted so far
+        # (evictions then, tokens): the last write-ahead left that many of eviction's first tokens
+        # with host copies. Until a node is evicted they stay first: what is used since is no
+        # longer the coldest, and new nodes are the warmest.
+        self._covered = (-1, 0)
 
     @property
     def total_tokens(self) -> int:
@@ -74,6 +81,7 @@ class RadixCache:
             if n < len(child.key):
                 child = self._split(child, n)
             child.last_access = now
+            self.lru.touch(child)
             slots += child.slots
             node, i = child, i + n
         return slots, node
@@ -111,6 +119,7 @@ class RadixCache:
                 new = Node(list(tokens[i:]), list(slots[i:]), node)
                 node.children[tokens[i]] = new
                 self.evictable_tokens += len(new.key)
+                self.lru.touch(new)
                 return (i if present is None else present), new
             n = common_length(child.key, tokens, i)
             if n < len(child.key):
@@ -119,6 +128,7 @@ class RadixCache:
             if not child.slots:  # on the host: the caller's fresh copy makes it GPU-resident again
                 present = i if present is None else present
                 self._promote(child, list(slots[i:i + n]))
+            self.lru.touch(child)
             node, i = child, i + n
         return (i if present is None else present), node
 
@@ -167,21 +177,31 @@ class RadixCache:
             if node.lock_ref == 0 and node.slots:
                 self.evictable_tokens += len(node.key)
                 self.locked_tokens -= len(node.key)
+                self.lru.touch(node)
             node = node.parent
 
     # ---- eviction ----
     @staticmethod
     def _gpu_evictable(node: Node) -> bool:
-        return node.lock_ref == 0 and bool(node.slots) and not any(c.slots for c in node.children.values())
+        return (node.lock_ref == 0 and bool(node.slots) and _attached(node)
+                and not any(c.slots for c in node.children.values()))
 
     def evict(self, num_tokens: int, to_host: bool = True) -> int:
         """Free at least `num_tokens` GPU slots from unreferenced nodes without GPU children,
         least recently used first (fewer if not that many are evictable). With a host tier
         (and `to_host`) each one's KV is written back to host slots first; without room
         there, it is dropped with its host-resident subtree. Returns the GPU slots freed."""
-        freed = 0
-        for node in least_recent_first(self._nodes(), self._gpu_evictable):
-            if freed >= num_tokens:
+        freed = self._evict_in_order(num_tokens, to_host)
+        if freed < num_tokens and self.evictable_tokens > 0:
+            self.lru.rebuild()  # never expected (the debug check asserts no entry is missing)
+            freed += self._evict_in_order(num_tokens - freed, to_host)
+        return freed
+
+    def _evict_in_order(self, num_tokens: int, to_host: bool) -> int:
+        freed, order = 0, self.lru.take()
+        while freed < num_tokens:
+            node = next(order, None)  # only when one is needed: a node taken leaves the heap
+            if node is None:
                 break
             gpu_slots = node.slots
             self.evictable_tokens -= len(node.key)
@@ -191,6 +211,8 @@ class RadixCache:
                 node.slots, node.loaded = [], False  # it lives on in the host tier; an unread load goes unhit
             else:
                 self._drop_subtree(node)
+            self.lru.touch(node.parent)  # its last GPU child may be gone: evictable now
+            self._evictions += 1
             self.free_slots(gpu_slots)  # reuse is ordered after the write-back: KVTierCopier.fence
             freed += len(gpu_slots)
         return freed
@@ -212,7 +234,11 @@ class RadixCache:
         (`HostTierMoves.write_ahead`). Returns the tokens queued (0 without a host tier)."""
         if self.host_tier is None:
             return 0
-        return self.host_tier.write_ahead(self._eviction_order(), num_tokens, most)
+        if self._covered[0] == self._evictions and num_tokens <= self._covered[1]:
+            return 0  # covered by the last call and nothing evicted since: skip the walk
+        queued, covered = self.host_tier.write_ahead(self._eviction_order(), num_tokens, most)
+        self._covered = (self._evictions, num_tokens) if covered else (-1, 0)
+        return queued
 
     def _eviction_order(self) -> Iterator[Node]:
         """The nodes `evict` would take, in its order, taking none: once the caller asks for the
@@ -220,10 +246,10 @@ class RadixCache:
         passed: set[int] = set()
 
         def evictable(node: Node) -> bool:
-            return (node.lock_ref == 0 and bool(node.slots) and id(node) not in passed
+            return (node.lock_ref == 0 and bool(node.slots) and id(node) not in passed and _attached(node)
                     and not any(c.slots and id(c) not in passed for c in node.children.values()))
 
-        for node in least_recent_first(self._nodes(), evictable):
+        for node in self.lru.preview(evictable):
             passed.add(id(node))
             yield node
 
@@ -260,6 +286,7 @@ class RadixCache:
         no copy)."""
         assert node.host_slots is not None and not node.slots and len(gpu_slots) == len(node.key)
         node.slots, node.loaded = gpu_slots, True
+        self.lru.touch(node)
         if node.lock_ref:
             self.locked_tokens += len(node.key)
         else:
@@ -313,6 +340,13 @@ class RadixCache:
                 evictable += len(node.key)
         assert (evictable, locked, host) == (self.evictable_tokens, self.locked_tokens, self.host_tokens), \
             "prefix cache: token counters out of step with the tree"
+        assert not self.lru.missing(), "prefix cache: an evictable node is missing from the LRU heap"
+
+
+def _attached(node: Node) -> bool:
+    """Still in the tree (a dropped subtree's nodes keep their fields; their heap entries go stale)."""
+    parent = node.parent
+    return parent is not None and parent.children.get(node.key[0]) is node
 
 
 def common_length(key: list[int], tokens: list[int], start: int) -> int:

@@ -71,14 +71,14 @@ class HostTierMoves:
         self.tokens += len(node.key)
         return True
 
-    def write_ahead(self, eviction_order: Iterator, num_tokens: int, most: int | None = None) -> int:
+    def write_ahead(self, eviction_order: Iterator, num_tokens: int, most: int | None = None) -> tuple[int, bool]:
         """Make about `num_tokens` GPU tokens evictable without a copy: walking the nodes GPU
         eviction would take, in its order (`eviction_order`: a parent after its last GPU child,
         as if that were gone; a multi-turn history is a chain whose leaf alone is evictable at
         first), copy those without a host copy to the host tier, keeping their GPU copies, until
         that many have host copies or about `most` were queued (whole nodes: the first one
         whatever its size). Takes host room only from colder host-only nodes. Returns the tokens
-        queued."""
+        queued and whether `num_tokens` are now covered."""
         ready = queued = 0
         for node in eviction_order:
             if ready + queued >= num_tokens or (most is not None and queued >= most):
@@ -89,7 +89,7 @@ class HostTierMoves:
             if not self.copy_to_host(node, colder_than=node.last_access):
                 break
             queued += len(node.key)
-        return queued
+        return queued, ready + queued >= num_tokens
 
     def _room(self, n: int, colder_than: int | None = None) -> list[int] | None:
         """n host slots, dropping the coldest host copies for them; None if the host tier

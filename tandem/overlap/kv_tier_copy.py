@@ -63,6 +63,10 @@ class TierCopyStats:
 PACE_PERIODS = 9  # the step period is the median of this many: one stalled step does not move it
 MAX_PERIOD_S = 0.05  # an idle engine's gap between steps is not a step's length
 MEASURED_BYTES = 256 << 20  # below this a direction's timed copies are too few for a rate
+# A window's share of the step period: steps of one kind still vary about their median, and a
+# window that used it all stalled the forwards on the H200 (37775e3: 1.36 s of 31.9, with no
+# copies at admission or eviction left).
+WINDOW_SHARE = 0.5
 
 
 @dataclass
@@ -95,11 +99,11 @@ class CopyPace:
         self.last_window, self.last_kind = now, prefill
 
     def window(self, shared: bool = True) -> "WindowBudget":
-        """This window's copy time: the period of steps of the kind now in flight (the last
-        `tick`'s), spent by both directions in turn (`shared`; off, the experiment's A/B: that
+        """This window's copy time: WINDOW_SHARE of the period of steps of the kind now in flight
+        (the last `tick`'s), spent by both directions in turn (`shared`; off, the experiment's A/B: that
         much each, which the one stream runs back to back)."""
         periods = self.periods[self.last_kind] or self.periods[not self.last_kind]
-        return WindowBudget(self, statistics.median(periods) if periods else None, shared)
+        return WindowBudget(self, WINDOW_SHARE * statistics.median(periods) if periods else None, shared)
 
 
 @dataclass
