@@ -11,6 +11,7 @@ from tandem.engine import Engine
 from tandem.memory.allocator import SlotAllocator
 from tandem.memory.host_kv import HostKVPool, contiguous_runs
 from tandem.memory.kv_cache import KVCache
+from tandem.memory.lru_heap import attached
 from tandem.memory.radix_cache import HostTierHooks, RadixCache
 from tandem.memory.prefix_cache import HostTier, PrefixCache
 from tandem.overlap.kv_tier_copy import MAX_PERIOD_S, CopyPace, KVTierCopier
@@ -645,3 +646,48 @@ def test_the_workload_needs_the_drafts_copy(tiny_text_model):
     assert s["spec_decode_num_accepted_tokens"] < 0.8 * s["spec_decode_num_draft_tokens"], s
     assert_kv_conserved(engine)
     engine.close()
+
+
+def test_eviction_takes_the_least_recently_used_node_in_both_tiers():
+    """The LRU heaps against a brute-force scan: after random inserts, matches, locks and
+    evictions, each eviction's victim is a least recently used eligible node (GPU: unlocked, no
+    GPU child; host: a host copy that may go), and the debug check finds no node missing from
+    either heap."""
+    rng = random.Random(5)
+    tree, kv, host, _ = _tiered_tree(gpu=400, host=120)
+    held = []
+    for _ in range(300):
+        op = rng.random()
+        tokens = [rng.randrange(4) for _ in range(rng.randint(1, 12))]
+        if op < 0.35 and kv.num_free >= len(tokens):
+            present, node = tree.insert(tokens, kv.alloc(len(tokens)))
+        elif op < 0.55:
+            _, node = tree.match(tokens)
+            if node is not tree.root and rng.random() < 0.5:
+                tree.lock(node)
+                held.append(node)
+        elif op < 0.65 and held:
+            tree.unlock(held.pop(rng.randrange(len(held))))
+        elif op < 0.85:
+            nodes = list(tree._nodes())
+            gpu = [n for n in nodes if tree._gpu_evictable(n)]
+            if gpu:
+                oldest = min(n.last_access for n in gpu)
+                tree.evict(1)
+                taken = [n for n in gpu if not n.slots or not attached(n)]
+                assert len(taken) == 1 and taken[0].last_access == oldest
+        else:
+            nodes = list(tree._nodes())
+            droppable = [n for n in nodes if tree.host_tier._droppable(n)]
+            if droppable:
+                oldest = min(n.last_access for n in droppable)
+                tree.evict_host(1)
+                dropped = [n for n in droppable if n.host_slots is None]
+                assert len(dropped) == 1 and dropped[0].last_access == oldest
+        tree.check({id(n): sum(1 for h in held for p in _path(tree, h) if p is n) for n in tree._nodes()})
+
+
+def _path(tree, node):
+    while node is not tree.root:
+        yield node
+        node = node.parent

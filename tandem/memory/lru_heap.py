@@ -1,4 +1,5 @@
-"""Radix-tree nodes by last access, for least-recently-used eviction without walking the tree.
+"""Radix-tree nodes by last access, for least-recently-used eviction without walking the tree
+(one heap for GPU eviction, one for the host tier's).
 
 A full walk per eviction (heapify every eligible node) cost ~4 ms a call on the CPU's multi-turn
 run with a host tier, and the host tier's windows evict and write ahead every step. Here every
@@ -60,3 +61,10 @@ class LruHeap:
             yield node
             if parent is not None and eligible(parent):
                 heapq.heappush(heap, (parent.last_access, next(self._seq), parent))
+
+
+def attached(node) -> bool:
+    """Still in the tree: a dropped subtree's nodes keep their fields, so their heap entries
+    would look live without this."""
+    parent = node.parent
+    return parent is not None and parent.children.get(node.key[0]) is node

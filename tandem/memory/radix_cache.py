@@ -22,7 +22,7 @@ from __future__ import annotations
 import itertools
 from typing import Callable, Iterator
 
-from tandem.memory.lru_heap import LruHeap
+from tandem.memory.lru_heap import LruHeap, attached
 from tandem.memory.radix_host_tier import HostTierHooks, HostTierMoves
 
 _clock = itertools.count()  # access order for LRU; a counter, so ties cannot happen
@@ -38,9 +38,6 @@ class Node:
         self.lock_ref = 0
         self.last_access = next(_clock)
         self.loaded = False  # loaded back from the host and not yet read by an admission (a host hit then)
-
-    def __lt__(self, other: "Node") -> bool:  # heap order: least recently used first
-        return self.last_access < other.last_access
 
 
 class RadixCache:
@@ -81,7 +78,7 @@ class RadixCache:
             if n < len(child.key):
                 child = self._split(child, n)
             child.last_access = now
-            self.lru.touch(child)
+            self._touch(child)
             slots += child.slots
             node, i = child, i + n
         return slots, node
@@ -119,7 +116,7 @@ class RadixCache:
                 new = Node(list(tokens[i:]), list(slots[i:]), node)
                 node.children[tokens[i]] = new
                 self.evictable_tokens += len(new.key)
-                self.lru.touch(new)
+                self._touch(new)
                 return (i if present is None else present), new
             n = common_length(child.key, tokens, i)
             if n < len(child.key):
@@ -128,7 +125,7 @@ class RadixCache:
             if not child.slots:  # on the host: the caller's fresh copy makes it GPU-resident again
                 present = i if present is None else present
                 self._promote(child, list(slots[i:i + n]))
-            self.lru.touch(child)
+            self._touch(child)
             node, i = child, i + n
         return (i if present is None else present), node
 
@@ -147,6 +144,7 @@ class RadixCache:
         child.parent.children[upper.key[0]] = upper
         child.key, child.slots, child.parent = child.key[n:], child.slots[n:], upper
         upper.children[child.key[0]] = child
+        self._touch(upper)
         return upper
 
     def _promote(self, node: Node, slots: list[int]) -> None:
@@ -177,13 +175,21 @@ class RadixCache:
             if node.lock_ref == 0 and node.slots:
                 self.evictable_tokens += len(node.key)
                 self.locked_tokens -= len(node.key)
-                self.lru.touch(node)
+            if node.lock_ref == 0:
+                self._touch(node)  # evictable (GPU) or droppable (host) again
             node = node.parent
 
     # ---- eviction ----
+    def _touch(self, node: Node) -> None:
+        """`node` was used, or may have become evictable (GPU) or droppable (host): both tiers'
+        LRU heaps hear of it."""
+        self.lru.touch(node)
+        if self.host_tier is not None:
+            self.host_tier.lru.touch(node)
+
     @staticmethod
     def _gpu_evictable(node: Node) -> bool:
-        return (node.lock_ref == 0 and bool(node.slots) and _attached(node)
+        return (node.lock_ref == 0 and bool(node.slots) and attached(node)
                 and not any(c.slots for c in node.children.values()))
 
     def evict(self, num_tokens: int, to_host: bool = True) -> int:
@@ -211,7 +217,8 @@ class RadixCache:
                 node.slots, node.loaded = [], False  # it lives on in the host tier; an unread load goes unhit
             else:
                 self._drop_subtree(node)
-            self.lru.touch(node.parent)  # its last GPU child may be gone: evictable now
+            self._touch(node)  # host-only now: the host tier may drop it
+            self._touch(node.parent)  # its last GPU child may be gone: evictable now
             self._evictions += 1
             self.free_slots(gpu_slots)  # reuse is ordered after the write-back: KVTierCopier.fence
             freed += len(gpu_slots)
@@ -246,7 +253,7 @@ class RadixCache:
         passed: set[int] = set()
 
         def evictable(node: Node) -> bool:
-            return (node.lock_ref == 0 and bool(node.slots) and id(node) not in passed and _attached(node)
+            return (node.lock_ref == 0 and bool(node.slots) and id(node) not in passed and attached(node)
                     and not any(c.slots and id(c) not in passed for c in node.children.values()))
 
         for node in self.lru.preview(evictable):
@@ -276,6 +283,7 @@ class RadixCache:
             if n < len(child.key):
                 child = self._split(child, n)
             child.last_access = now
+            self._touch(child)
             path.append(child)
             node, i = child, i + n
         return path
@@ -286,7 +294,7 @@ class RadixCache:
         no copy)."""
         assert node.host_slots is not None and not node.slots and len(gpu_slots) == len(node.key)
         node.slots, node.loaded = gpu_slots, True
-        self.lru.touch(node)
+        self._touch(node)
         if node.lock_ref:
             self.locked_tokens += len(node.key)
         else:
@@ -341,12 +349,8 @@ class RadixCache:
         assert (evictable, locked, host) == (self.evictable_tokens, self.locked_tokens, self.host_tokens), \
             "prefix cache: token counters out of step with the tree"
         assert not self.lru.missing(), "prefix cache: an evictable node is missing from the LRU heap"
-
-
-def _attached(node: Node) -> bool:
-    """Still in the tree (a dropped subtree's nodes keep their fields; their heap entries go stale)."""
-    parent = node.parent
-    return parent is not None and parent.children.get(node.key[0]) is node
+        assert self.host_tier is None or not self.host_tier.lru.missing(), \
+            "prefix cache: a droppable host copy is missing from the host tier's LRU heap"
 
 
 def common_length(key: list[int], tokens: list[int], start: int) -> int:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator
 
 from tandem.memory.allocator import SlotAllocator
+from tandem.memory.lru_heap import LruHeap, attached
 
 
 @dataclass
@@ -24,22 +25,6 @@ class HostTierHooks:
 
     host_slots: SlotAllocator
     write_back: Callable[[list[int], list[int]], None]
-
-
-def least_recent_first(nodes: Iterable, eligible: Callable[[object], bool]) -> Iterator:
-    """The eligible nodes, least recently used first, for both tiers' eviction. A node is
-    re-checked when its turn comes (the caller's moves change eligibility), and once the
-    caller is done with it (asks for the next), its parent joins if that made it eligible."""
-    heap = [n for n in nodes if eligible(n)]
-    heapq.heapify(heap)
-    while heap:
-        node = heapq.heappop(heap)
-        if not eligible(node):
-            continue  # pushed twice, or changed since
-        parent = node.parent
-        yield node
-        if parent is not None and eligible(parent):
-            heapq.heappush(heap, parent)
 
 
 class HostTierMoves:
@@ -52,6 +37,7 @@ class HostTierMoves:
         self.hooks = hooks
         self.nodes = nodes
         self.tokens = 0  # tokens of host-resident nodes
+        self.lru = LruHeap(nodes, self._droppable)  # the host tier's eviction order
 
     def forget(self, node) -> None:
         """Give `node`'s host slots back and stop counting them. The caller clears
@@ -69,6 +55,7 @@ class HostTierMoves:
         self.hooks.write_back(node.slots, host_slots)
         node.host_slots = host_slots
         self.tokens += len(node.key)
+        self.lru.touch(node)
         return True
 
     def write_ahead(self, eviction_order: Iterator, num_tokens: int, most: int | None = None) -> tuple[int, bool]:
@@ -105,23 +92,36 @@ class HostTierMoves:
         """Drop at least `num_tokens` host copies, least recently used first: a host-only leaf
         leaves the tree, a node in both tiers keeps its GPU copy. With `colder_than` (writing
         ahead), only host-only nodes used before then. Returns how many host slots were freed."""
-        freed = 0
-        for node in least_recent_first(self.nodes(), self._droppable):
-            if freed >= num_tokens:
+        freed = self._evict_in_order(num_tokens, colder_than)
+        if freed < num_tokens and colder_than is None and self.tokens > 0:
+            self.lru.rebuild()  # never expected (the tree's debug check asserts no entry is missing)
+            freed += self._evict_in_order(num_tokens - freed, None)
+        return freed
+
+    def _evict_in_order(self, num_tokens: int, colder_than: int | None) -> int:
+        freed, order, kept = 0, self.lru.take(), []
+        while freed < num_tokens:
+            node = next(order, None)  # only when one is needed: a node taken leaves the heap
+            if node is None:
                 break
             if colder_than is not None and (node.slots or node.last_access >= colder_than):
+                kept.append(node)
                 if node.last_access >= colder_than:
                     break
                 continue
+            parent = node.parent
             if not node.slots:
-                del node.parent.children[node.key[0]]
+                del parent.children[node.key[0]]
             self.forget(node)  # later copies into its slots: same copy stream
             node.host_slots = None
             freed += len(node.key)
+            self.lru.touch(parent)  # a host-only parent may be a droppable leaf now
+        for node in kept:  # taken from the heap but not dropped: back in
+            self.lru.touch(node)
         return freed
 
     @staticmethod
     def _droppable(node) -> bool:
-        if node.host_slots is None:
+        if node.host_slots is None or not attached(node):
             return False
         return bool(node.slots) or (node.lock_ref == 0 and not node.children)
