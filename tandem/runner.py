@@ -51,8 +51,9 @@ class PendingResult:
     # for its captured tail, until `sample` ran.
     verify_tail: tuple | None = None
     verify_queries: list[int] | None = None  # a verify step: query tokens per row (their logprobs' layout)
-    # Speculative decoding, plain steps: the positions of the tokens sampled (history appends).
-    sampled_positions: torch.Tensor | None = None
+    # Speculative decoding, plain steps: the positions of the sampled rows' inputs (the
+    # history appends each sampled token after its input).
+    sampled_input_positions: torch.Tensor | None = None
     # Prompt logprobs of the step's scored prefill rows (forward stream), until `sample` hands
     # them to the result copy with the step's tokens.
     prompt_logprobs: PromptLogprobs | None = None
@@ -127,14 +128,14 @@ class ModelRunner:
             if bucket is None:
                 logits, pending.prompt_logprobs = self._eager_logits(batch, fields, dev)
                 sample_slots = dev["sample_slots"]
-                if self.spec is not None:  # a sampled token follows its row's last input
-                    pending.sampled_positions = dev["positions"][dev["sample_token_idx"]] + 1
+                if self.spec is not None:
+                    pending.sampled_input_positions = dev["positions"][dev["sample_token_idx"]]
             else:
                 logits = self.graphs.replay(bucket, batch.step % self.stager.depth, dev["req_slots"],
                                             cascade=CASCADE_FIELDS[0] in fields)[:len(rows)]
                 sample_slots = dev["req_slots"][:len(rows)]
                 if self.spec is not None:
-                    pending.sampled_positions = dev["positions"][:len(rows)] + 1
+                    pending.sampled_input_positions = dev["positions"][:len(rows)]
         pending.unsampled = (logits, sample_slots, sampling)
         if not defer_sampling:
             self.sample(pending)
@@ -160,8 +161,8 @@ class ModelRunner:
                     out = self.sampler.sample(logits, sampling, bitmask)
                     self.future_map.stash(sample_slots, out.token_ids)
                     self.sampler.record(sample_slots, out.token_ids)
-                    if pending.sampled_positions is not None:
-                        self.spec.record(sample_slots, pending.sampled_positions, out.token_ids)
+                    if pending.sampled_input_positions is not None:
+                        self.spec.record(sample_slots, pending.sampled_input_positions, out.token_ids)
                     result = (out.token_ids, out.logprobs, out.top_ids, out.top_logprobs)
                 else:  # only partial prefill chunks: nothing sampled
                     result = (torch.empty(0, dtype=torch.int64, device=self.streams.device), None, None, None)

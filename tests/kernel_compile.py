@@ -50,6 +50,7 @@ def kernels() -> dict:
     import tandem.kernels.norm  # noqa: F401
     import tandem.kernels.rope  # noqa: F401
     import tandem.kernels.small_m_gemm  # noqa: F401
+    import tandem.kernels.token_history  # noqa: F401
     gemm = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, SPLIT=False, HAS_SCALE=False, HAS_BIAS=False, EVEN_K=True,
                 EVEN_N=True, SILU_MUL=False, NORM=False, HAS_RESIDUAL=False, DOT_PRECISION="tf32", PER_LANE=False)
     split = dict(GROUP=2, HEAD_BLOCKS=1, BLOCK_H=16, BLOCK_N=64, FUSED_MERGE=False, **ATTN)
@@ -101,6 +102,8 @@ def kernels() -> dict:
                               dict(FP8_MAX=448.0, BLOCK=1024), {"Q": "*fp8e4nv", "K": "i32"}),
         "ngram_match": (_kernel("tandem.kernels.ngram_match", "_ngram_match_kernel"),
                         dict(MIN_N=1, MAX_N=3, BLOCK=1024, BLOCK_K=4), {"WINDOW": "i32", "K": "i32"}),
+        "append_sampled": (_kernel("tandem.kernels.token_history", "_append_sampled_kernel"), {},
+                           {"Length": "*i64", "InputPositions": "*i64", "Tokens": "*i64", "stride_h": "i64"}),
         "gumbel_argmax": (gumbel_kernel(), dict(CHUNK=4096, BLOCK=1024), {"V": "i32", "M32": "i64"}),
     }
 

@@ -388,6 +388,25 @@ def test_ngram_match_kernel_is_the_proposer_rule(seed):
         assert tokens[i, n:].eq(0).all()
 
 
+@pytest.mark.parametrize("seed", [pytest.param(s, marks=[pytest.mark.gpu] if HAS_CUDA else []) for s in range(3)])
+def test_append_sampled_kernel_is_the_torch_record(seed):
+    """A plain step's history append in one launch equals the indexed stores it replaced:
+    history[slot, input + 1] = token, length[slot] = input + 2; other rows and columns untouched."""
+    from tandem.kernels.token_history import append_sampled
+    g = torch.Generator().manual_seed(seed)
+    history = torch.randint(0, 1000, (12, 40), generator=g, dtype=torch.int32)
+    length = torch.randint(0, 40, (12,), generator=g)
+    slots = torch.randperm(11, generator=g)[:5] + 1
+    inputs = torch.randint(0, 38, (5,), generator=g)
+    tokens = torch.randint(0, 50_000, (5,), generator=g)
+    want_h, want_l = history.clone(), length.clone()
+    want_h[slots, inputs + 1] = tokens.to(torch.int32)
+    want_l[slots] = inputs + 2
+    h, lens = history.to(DEVICE), length.to(DEVICE)
+    append_sampled(h, lens, slots.to(DEVICE), inputs.to(DEVICE), tokens.to(DEVICE))
+    assert torch.equal(h.cpu(), want_h) and torch.equal(lens.cpu(), want_l)
+
+
 # The merge reads MERGE_TILE splits at a time (one compiled variant for any count): split counts
 # below, at, just above and well past the tile, for the merge launch and the fused merge.
 @pytest.mark.parametrize("num_splits", [1, 3, 8, 9, 17, 64])
