@@ -15,7 +15,9 @@ import argparse
 import json
 import statistics
 import time
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
+from multiprocessing import get_context
 
 from tandem.entrypoints.llm import LLM
 from tandem.sampling import SamplingParams
@@ -140,18 +142,32 @@ def _timed(llm: LLM, task: str, batch: int, max_tokens: int, repeat: int) -> tup
     return statistics.median(walls), [o.outputs[0].token_ids for o in outs], delta
 
 
+def _side(kw: dict, config: dict | None, tasks: list[str], batches: list[int], max_tokens: int,
+          repeat: int) -> dict[tuple[str, int], tuple]:
+    """One side of the comparison (plain or speculative): every task and batch size, one engine."""
+    llm = LLM(**kw, speculative_config=config)
+    try:
+        return {(task, b): _timed(llm, task, b, max_tokens, repeat) for task in tasks for b in batches}
+    finally:
+        llm.close()
+
+
 def run(model: str | None, spec: dict, tasks: list[str], batches: list[int], max_tokens: int,
-        device: str, dtype: str, repeat: int = 3) -> list[TaskRow]:
+        device: str, dtype: str, repeat: int = 3, same_process: bool = False) -> list[TaskRow]:
+    """Each side runs in a fresh process (`same_process`: one after the other in this one, plain
+    first, as before session 15: the A/B). On the H200 a speculating engine created second in
+    its process launched its plain decode steps in 0.93 ms against the first (plain) engine's
+    0.66 ms, its whole host path uniformly slower; whether the order or the engine did it is
+    what the A/B tells."""
     kw = {"device": device, "dtype": dtype, "timeline": device != "cpu"}
     if model is not None:
         kw["model"] = model
-    results: dict[tuple[str, int], list] = {}
-    for label, config in (("plain", None), ("spec", spec)):
-        llm = LLM(**kw, speculative_config=config)
-        for task in tasks:
-            for b in batches:
-                results.setdefault((task, b), []).append(_timed(llm, task, b, max_tokens, repeat))
-        llm.close()
+    sides = [(kw, config, tasks, batches, max_tokens, repeat) for config in (None, spec)]
+    if same_process:
+        plain, speculative = (_side(*args) for args in sides)
+    else:
+        plain, speculative = (_in_fresh_process(_side, args) for args in sides)
+    results = {key: [plain[key], speculative[key]] for key in plain}
     rows = []
     for (task, b), ((plain_s, plain_ids, _), (spec_s, spec_ids, d)) in results.items():
         tokens = sum(len(t) for t in spec_ids)
@@ -160,6 +176,12 @@ def run(model: str | None, spec: dict, tasks: list[str], batches: list[int], max
                             plain_s / spec_s, 1 + accepted / drafts if drafts else None, d["verify_steps"],
                             d["steps"], tokens, d.get("gpu_busy"), plain_ids == spec_ids))
     return rows
+
+
+def _in_fresh_process(fn, args: tuple):
+    """fn(*args) in a new process (spawned: CUDA is not forked), its result returned."""
+    with ProcessPoolExecutor(max_workers=1, mp_context=get_context("spawn")) as pool:
+        return pool.submit(fn, *args).result()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -172,6 +194,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--repeat", type=int, default=3, help="timed runs per row (the median is reported)")
+    ap.add_argument("--same-process", action="store_true",
+                    help="the A/B: both sides in this process, plain first (before session 15)")
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args(argv)
     tasks = [t for t in args.tasks.split(",") if t]
@@ -179,7 +203,8 @@ def main(argv: list[str] | None = None) -> None:
     if unknown:
         ap.error(f"unknown task(s) {unknown}; known: {', '.join(TASKS)}")
     rows = run(args.model, json.loads(args.speculative_config), tasks,
-               [int(b) for b in args.batch_sizes.split(",")], args.max_tokens, args.device, args.dtype, args.repeat)
+               [int(b) for b in args.batch_sizes.split(",")], args.max_tokens, args.device, args.dtype, args.repeat,
+               args.same_process)
     print(f"{'task':10} {'batch':>5} {'plain tok/s':>12} {'spec tok/s':>11} {'x':>6} {'accept len':>10} "
           f"{'verify/steps':>13} {'gpu busy':>8} same")
     for r in rows:
@@ -190,7 +215,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"speculative_config": json.loads(args.speculative_config), "max_tokens": args.max_tokens,
-                       "repeat": args.repeat,
+                       "repeat": args.repeat, "same_process": args.same_process,
                        "rows": [asdict(r) for r in rows]}, f, indent=1)
 
 

@@ -1,0 +1,23 @@
+"""`tandem bench spec` on the CPU: both sides (plain, speculative) run in fresh processes by
+default and in this one with `--same-process`; either way each row has both sides' figures
+and greedy speculation emits plain decoding's tokens (float32)."""
+import json
+
+import pytest
+
+from tandem.bench import spec_tasks
+
+
+@pytest.mark.parametrize("same_process", [False, True])
+def test_rows_have_both_sides(tiny_text_model, tmp_path, same_process):
+    out = tmp_path / "spec.json"
+    argv = ["--model", str(tiny_text_model), "--tasks", "copy,chat", "--batch-sizes", "1,2", "--max-tokens", "10",
+            "--repeat", "1", "--device", "cpu", "--dtype", "float32", "--json", str(out)]
+    spec_tasks.main(argv + (["--same-process"] if same_process else []))
+    report = json.loads(out.read_text())
+    assert report["same_process"] is same_process
+    rows = report["rows"]
+    assert [(r["task"], r["batch"]) for r in rows] == [("copy", 1), ("copy", 2), ("chat", 1), ("chat", 2)]
+    for r in rows:
+        assert r["plain_tok_s"] > 0 and r["spec_tok_s"] > 0 and r["identical"]
+        assert r["output_tokens"] == 10 * r["batch"]
