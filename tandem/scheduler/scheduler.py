@@ -370,7 +370,10 @@ class Scheduler:
             if pending and req.max_cached_prefix and self._shares_pending_prefill(req, pending):
                 continue  # reuse that prefill once it is cached, a step or two from now
             if self.running and self.cache.waits_for_prefetch(req):
-                break  # its prefix loads from the host tier beside the running steps first (FCFS)
+                # Its prefix loads from the host tier beside the running steps first; the ones
+                # behind it go ahead meanwhile (bounded: it waits MAX_PREFETCH_WAITS plans at most).
+                # A `break` here drained the batch while the copies ran (H200: 35% more steps).
+                continue
             matched = self.cache.admit(req)
             new = len(req.fill_ids) - matched
             whole = self.cfg.chunked_prefill_size is None
