@@ -691,3 +691,21 @@ def _path(tree, node):
     while node is not tree.root:
         yield node
         node = node.parent
+
+
+def test_a_dropped_subtrees_host_copies_are_freed_once():
+    """Dropping a GPU node drops its host-only descendants and frees their host slots; the
+    host tier's LRU heap still holds entries for them, which must read as dead (the H200 suite
+    at afbd3bd: `reset_prefix_cache` after warm-up freed a host slot twice)."""
+    tree, kv, host, copies = _tiered_tree()
+    tree.insert([1, 2, 3], kv.alloc(3))
+    b = kv.alloc(6)
+    present, _ = tree.insert([1, 2, 3, 4, 5, 6], b)
+    kv.free(b[:present])  # the caller's duplicates
+    assert tree.evict(3) == 3  # [4, 5, 6] to the host only
+    assert tree.host_tokens == 3
+    free_before = host.num_free
+    assert tree.evict(3, to_host=False) == 3  # [1, 2, 3] dropped with its host-only child
+    assert host.num_free == free_before + 3 and tree.host_tokens == 0
+    assert tree.evict_host(10) == 0  # nothing left to drop, and nothing freed twice
+    tree.check({})

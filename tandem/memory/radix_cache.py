@@ -234,6 +234,9 @@ class RadixCache:
             stack.extend(below.children.values())
             if below.host_slots is not None:  # only ever set with a host tier
                 self.host_tier.forget(below)
+                # The host heap's entries for `below` must read as dead: the subtree keeps its
+                # own links, so `attached` holds for every node under `node`.
+                below.host_slots = None
 
     def write_ahead(self, num_tokens: int, most: int | None = None) -> int:
         """Copy the nodes GPU eviction would take first to the host tier until about
