@@ -649,8 +649,8 @@ def test_the_workload_needs_the_drafts_copy(tiny_text_model):
 
 
 def test_eviction_takes_the_least_recently_used_node_in_both_tiers():
-    """The LRU heaps against a brute-force scan: after random inserts, matches, locks and
-    evictions, each eviction's victim is a least recently used eligible node (GPU: unlocked, no
+    """The LRU heaps against a brute-force scan: after random inserts, matches, locks,
+    evictions and subtree drops, each eviction's victim is a least recently used eligible node (GPU: unlocked, no
     GPU child; host: a host copy that may go), and the debug check finds no node missing from
     either heap."""
     rng = random.Random(5)
@@ -668,6 +668,8 @@ def test_eviction_takes_the_least_recently_used_node_in_both_tiers():
                 held.append(node)
         elif op < 0.65 and held:
             tree.unlock(held.pop(rng.randrange(len(held))))
+        elif op < 0.70:  # no room on the host for them: dropped with their host-only subtrees
+            tree.evict(rng.randint(1, 8), to_host=False)
         elif op < 0.85:
             nodes = list(tree._nodes())
             gpu = [n for n in nodes if tree._gpu_evictable(n)]
@@ -685,6 +687,7 @@ def test_eviction_takes_the_least_recently_used_node_in_both_tiers():
                 dropped = [n for n in droppable if n.host_slots is None]
                 assert len(dropped) == 1 and dropped[0].last_access == oldest
         tree.check({id(n): sum(1 for h in held for p in _path(tree, h) if p is n) for n in tree._nodes()})
+        assert host.num_free + len(tree.all_host_slots()) == host.count  # no host slot lost or freed twice
 
 
 def _path(tree, node):
