@@ -67,12 +67,13 @@ class SamplingInputs:
         f = np.array(
             [[getattr(p, name) for p in params] for name in _FLOAT_ROWS], dtype=np.float32
         ).reshape(len(_FLOAT_ROWS), n)
+        sampled = f[0] != 0.0
         int_rows = np.empty((len(_INT_ROWS), n), dtype=np.int64)
         int_rows[0] = [p.top_k for p in params]
-        int_rows[1] = row_keys_host(seeds, output_index)
+        # Only draws read the keys (never an all-greedy batch's): skip the hashing then.
+        int_rows[1] = row_keys_host(seeds, output_index) if sampled.any() else 0
         int_rows[2] = slots
         top_k = int_rows[0]
-        sampled = f[0] != 0.0
         uses_k = sampled & (top_k != -1)
         uses_p = sampled & (f[1] < 1.0)
         logprobs = [p.logprobs for p in params if p.logprobs is not None]
