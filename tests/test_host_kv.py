@@ -650,9 +650,9 @@ def test_the_workload_needs_the_drafts_copy(tiny_text_model):
 
 def test_eviction_takes_the_least_recently_used_node_in_both_tiers():
     """The LRU heaps against a brute-force scan: after random inserts, matches, locks,
-    evictions and subtree drops, each eviction's victim is a least recently used eligible node (GPU: unlocked, no
-    GPU child; host: a host copy that may go), and the debug check finds no node missing from
-    either heap."""
+    evictions and subtree drops, each eviction's victim is a least recently used eligible node
+    (GPU: unlocked, no GPU child; host: a host copy that may go), the debug check finds no node
+    missing from either heap, and no host slot is lost or freed twice."""
     rng = random.Random(5)
     tree, kv, host, _ = _tiered_tree(gpu=400, host=120)
     held = []

@@ -23,7 +23,7 @@ _M32 = 0xFFFF_FFFF
 
 
 def _mix32(x: Tensor) -> Tensor:
-    """lowbias32 (Wellons) on 32-bit values held in int64.
+    """lowbias32 (Wellons) on 32-bit values held in int64 (or Python ints).
 
     Every product is a 32-bit value times a constant below 2**31, so it fits in
     int64 without overflow: the bits are defined and equal on CPU and CUDA. The
@@ -38,37 +38,23 @@ def _mix32(x: Tensor) -> Tensor:
 
 
 def row_keys(seed: Tensor, output_index: Tensor) -> Tensor:
-    """[B] int64 32-bit key per (seed, output_index): all 64 seed bits matter."""
+    """[B] int64 32-bit key per (seed, output_index): all 64 seed bits matter. Plain operators
+    only, so Python ints work too (one row's key: `row_keys_host`)."""
     k = _mix32(seed & _M32)
     k = _mix32(k ^ ((seed >> 32) & _M32))
     return _mix32(k ^ (output_index & _M32))
 
 
-# Below this many rows plain Python ints beat numpy's ~25 array ops (each ~2 us of overhead:
-# ~50 us a step at batch 1, a tenth of a small model's decode step).
+# Below this many rows `row_keys` on Python ints beats numpy's ~25 array ops (each ~2 us of
+# overhead: ~50 us a step at batch 1, a tenth of a small model's decode step).
 PY_KEYS_MAX_ROWS = 32
-
-
-def _mix32_int(x: int) -> int:
-    x ^= x >> 16
-    x = (x * 0x7FEB352D) & _M32
-    x ^= x >> 15
-    x = (x * 0x846CA68B) & _M32
-    return x ^ (x >> 16)
-
-
-def _row_key_int(seed: int, index: int) -> int:
-    seed &= 0xFFFF_FFFF_FFFF_FFFF
-    k = _mix32_int(seed & _M32)
-    k = _mix32_int(k ^ (seed >> 32))
-    return _mix32_int(k ^ (index & _M32))
 
 
 def row_keys_host(seeds: list[int], output_index: list[int]) -> np.ndarray:
     """`row_keys` for host lists, in numpy uint64 (products of two 32-bit values cannot
     wrap there), or Python ints for a few rows; the same bits, as int64."""
     if len(seeds) <= PY_KEYS_MAX_ROWS:
-        return np.array([_row_key_int(s, i) for s, i in zip(seeds, output_index)], dtype=np.int64)
+        return np.array([row_keys(s, i) for s, i in zip(seeds, output_index)], dtype=np.int64)
     m = np.uint64(_M32)
 
     def mix(x: np.ndarray) -> np.ndarray:
