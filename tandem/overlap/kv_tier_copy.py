@@ -1,8 +1,9 @@
 """Copies between the device KV pool and its host tier, on a stream of their own.
 
 Every copy moves the slots' K and V in each cache the pool's slots index (the target's, and a
-draft model's when there is one: `HostKVPool`), in one chunked transfer per run of host slots;
-the rules below hold for each cache alike (a cache is only ever read or written at these
+draft model's when there is one: `HostKVPool`), in one chunked transfer per run of host slots
+and one indexed copy per cache between the device staging and the pool (every layer at once:
+`KVCache.per_pool`; a launch per layer cost the processing window ~56 launches a copy); the rules below hold for each cache alike (a cache is only ever read or written at these
 slots by the same steps as the target's).
 
 Ordering and lifetime rules (docs/async-model.md, "Host KV tier"):
@@ -183,8 +184,10 @@ class KVTierCopier:
     def _write_back_chunk(self, gpu_slots: list[int], host_slots: list[int], keep_alive: list) -> None:
         idx = self._device_index(gpu_slots, keep_alive)
         staging = self._staging(len(gpu_slots), keep_alive)  # one row per token, the host rows' layout
-        for pool, rows in self._pools_and_rows(staging):
-            rows.copy_(pool.index_select(0, idx))
+        for pools, rows in self._pools_and_rows(staging):
+            # The gathered temporary is allocated on this stream and read only by it: freed at
+            # once, its memory is reused only by work queued on this stream after the copy.
+            rows.copy_(pools.index_select(1, idx))
         for at, first, n in contiguous_runs(host_slots):
             self.host.data[first:first + n].copy_(staging[at:at + n], non_blocking=True)
 
@@ -193,14 +196,17 @@ class KVTierCopier:
         staging = self._staging(len(gpu_slots), keep_alive)
         for at, first, n in contiguous_runs(host_slots):
             staging[at:at + n].copy_(self.host.data[first:first + n], non_blocking=True)
-        for pool, rows in self._pools_and_rows(staging):
-            pool.index_copy_(0, idx, rows)
+        for pools, rows in self._pools_and_rows(staging):
+            pools.index_copy_(1, idx, rows)
 
     def _pools_and_rows(self, staging: torch.Tensor):
-        """(one layer's K or V pool tensor, its part of `staging`) for every cache and layer, in
-        the host rows' layout: each cache's K of every layer, then its V."""
+        """(a cache's every K and V pool [2 * layers, slots, heads * dim], its part of `staging`
+        as [2 * layers, tokens, heads * dim]) for every cache: one indexed copy moves a chunk's
+        tokens in every layer of a cache (the host rows' layout is each cache's K of every layer,
+        then its V: the pools' order)."""
         for c, kv in enumerate(self.caches):
-            yield from zip(list(kv.k) + list(kv.v), self.host.part(staging, c).unbind(1))
+            part = self.host.part(staging, c)
+            yield kv.per_pool(), part.view(part.shape[0], part.shape[1], -1).transpose(0, 1)
 
     def _staging(self, n: int, keep_alive: list) -> torch.Tensor:
         """Device rows for n tokens (allocated on the copy stream; kept until the copy's end
