@@ -185,9 +185,7 @@ class KVTierCopier:
         idx = self._device_index(gpu_slots, keep_alive)
         staging = self._staging(len(gpu_slots), keep_alive)  # one row per token, the host rows' layout
         for pools, rows in self._pools_and_rows(staging):
-            # The gathered temporary is allocated on this stream and read only by it: freed at
-            # once, its memory is reused only by work queued on this stream after the copy.
-            rows.copy_(pools.index_select(1, idx))
+            torch.index_select(pools, 1, idx, out=rows)  # gathers straight into the staging's layout
         for at, first, n in contiguous_runs(host_slots):
             self.host.data[first:first + n].copy_(staging[at:at + n], non_blocking=True)
 
