@@ -24,3 +24,16 @@ def test_multiturn_rows_with_and_without_the_host_tier(capsys):
     assert on["output_tokens"] == off["output_tokens"] == 5 * 3 * 4
     table = format_table([on, off], "host tier")
     assert "host tier on/off: throughput x" in table and "host_hit_rate" in table
+
+
+def test_the_row_says_where_the_time_and_the_slowest_requests_went(capsys):
+    """By tenths of the steps: the mean batch (the device's idle seconds only on CUDA); and the
+    requests at TTFT p99 with their turn and the plans they waited for prefetch."""
+    row = _row(capsys, "--host-kv-cache-gb", "0.05")
+    assert row["gpu_idle_s_by_tenth"] is None  # no device timings on the CPU
+    batch = row["batch_by_tenth"]
+    assert len(batch) == 10 and all(1 <= b <= 2 for b in batch)  # --max-running-requests 2
+    slowest = row["slowest"]
+    assert slowest and slowest[0][0] == max(t for t, _, _ in slowest) >= row["ttft_p99_ms"] - 0.05  # rounded to 0.1 ms
+    assert all(0 <= turn < 3 and waits >= 0 for _, turn, waits in slowest)
+    assert [t for t, _, _ in slowest] == sorted((t for t, _, _ in slowest), reverse=True)

@@ -32,6 +32,7 @@ import argparse
 import contextlib
 import json
 import random
+import statistics
 import subprocess
 import sys
 import time
@@ -150,6 +151,13 @@ class PrefixRow:
     tier_stall_s: float | None = None  # device time forwards waited for host-tier copies
     moved_tokens: dict | None = None  # host-tier tokens by why: prefetch, admission, write_ahead, eviction
     tier_window_ms: float | None = None  # host time a step's window spent queueing tier copies (mean)
+    # Where the run's time went, by tenths of its steps (in launch order): the device's idle seconds
+    # (CUDA; None on the CPU) and the mean batch size. Is an idle GPU the whole run or its tail?
+    gpu_idle_s_by_tenth: list | None = None
+    batch_by_tenth: list | None = None
+    # The requests at or past TTFT p99: (ttft ms, turn of their conversation, plans they waited for
+    # the host tier's prefetch), slowest first. Did the tail wait for prefetch, or in the queue?
+    slowest: list | None = None
 
     @property
     def output_tok_s(self) -> float:
@@ -159,13 +167,24 @@ class PrefixRow:
         return {**asdict(self), "output_tok_s": self.output_tok_s, "gpu_hit_rate": self.hit_rate - self.host_hit_rate}
 
 
-def drive(engine: Engine, workload, tag: str) -> tuple[int, int, float, list[float]]:
+@dataclass
+class FirstToken:
+    """One request's time to first token, its turn in its conversation (0: first; 0 for requests
+    without one) and the plans it waited for the host tier's prefetch before admission."""
+
+    ttft_ms: float
+    turn: int
+    prefetch_waits: int
+
+
+def drive(engine: Engine, workload, tag: str) -> tuple[int, int, float, list[FirstToken]]:
     """Send the workload's requests (follow-ups as their predecessors finish) until all are
-    done. Returns input tokens, output tokens, wall seconds and the TTFTs in ms (one per
-    request)."""
+    done. Returns input tokens, output tokens, wall seconds and each request's first token."""
     arrival: dict[str, float] = {}
     turns: dict[str, Turn] = {}
-    ttft: list[float] = []
+    turn_of: dict[str, int] = {}
+    sent: dict[int | None, int] = {}  # requests sent so far per conversation
+    firsts: list[FirstToken] = []
     ids = iter(range(1 << 62))
     inputs = outputs = 0
 
@@ -175,6 +194,8 @@ def drive(engine: Engine, workload, tag: str) -> tuple[int, int, float, list[flo
         engine.add_request(turn.prompt, SamplingParams(max_tokens=turn.output_len, temperature=turn.temperature,
                                                        seed=turn.seed, ignore_eos=True), request_id=rid)
         arrival[rid], turns[rid] = time.perf_counter(), turn
+        turn_of[rid] = sent.get(turn.conversation, 0) if turn.conversation is not None else 0
+        sent[turn.conversation] = turn_of[rid] + 1
         inputs += len(turn.prompt)
 
     _sync(engine.device)
@@ -185,7 +206,9 @@ def drive(engine: Engine, workload, tag: str) -> tuple[int, int, float, list[flo
         for out in engine.step():
             now = time.perf_counter()
             if out.new_token_ids and out.request_id in arrival:  # its first token
-                ttft.append((now - arrival.pop(out.request_id)) * 1e3)
+                rid = out.request_id
+                firsts.append(FirstToken((now - arrival.pop(rid)) * 1e3, turn_of.pop(rid),
+                                         engine.requests[rid].prefetch_waits))
             if out.finished:
                 got = engine.output(out.request_id).token_ids
                 outputs += len(got)
@@ -194,7 +217,7 @@ def drive(engine: Engine, workload, tag: str) -> tuple[int, int, float, list[flo
                 if nxt is not None:
                     send(nxt)
     _sync(engine.device)
-    return inputs, outputs, time.perf_counter() - start, ttft
+    return inputs, outputs, time.perf_counter() - start, firsts
 
 
 def _sync(device: torch.device) -> None:
@@ -245,7 +268,8 @@ def run_one(args: argparse.Namespace) -> PrefixRow:
     host_window = (step_window(engine, *args.host_profile_steps, rows=40, host=True) if args.host_profile_steps
                    else contextlib.nullcontext([]))
     with count_compiles() as compiles, window as tables, host_window as host_tables:
-        inputs, outputs, wall, ttft = drive(engine, make_workload(args, vocab, args.seed), "run")
+        inputs, outputs, wall, firsts = drive(engine, make_workload(args, vocab, args.seed), "run")
+    ttft = [f.ttft_ms for f in firsts]
     for steps, table in [(args.profile_steps, t) for t in tables] + [(args.host_profile_steps, t) for t in host_tables]:
         print(f"steps {steps[0]}..{sum(steps)} of the measured run:\n{table}", file=sys.stderr)
     if engine.kv_tier is not None:
@@ -267,7 +291,29 @@ def run_one(args: argparse.Namespace) -> PrefixRow:
                      delta["num_preemptions"],
                      summary["gpu_tier_stall_ms"] / 1e3 if "gpu_tier_stall_ms" in summary else None,
                      {why: delta[key] for why, key in MOVED_TOKENS.items()} if engine.kv_tier is not None else None,
-                     summary.get("mean_tier_window_ms"))
+                     summary.get("mean_tier_window_ms"), *by_tenth(engine.timeline.records[first:]),
+                     slowest(firsts))
+
+
+def by_tenth(records: list) -> tuple[list | None, list]:
+    """(device idle seconds, mean batch size) of each tenth of the steps, in launch order; the
+    idle is None on the CPU (no device timings)."""
+    n = len(records)
+    tenths = [records[n * i // 10:n * (i + 1) // 10] for i in range(10)] if n else []
+    batch = [round(statistics.mean(r.batch_size for r in t), 1) if t else None for t in tenths]
+    if not any(r.gpu_forward_ms is not None for r in records):
+        return None, batch
+    idle = [round(sum(r.gpu_idle_before_ms or 0.0 for r in t) / 1e3, 3) for t in tenths]
+    return idle, batch
+
+
+def slowest(firsts: list[FirstToken]) -> list[list]:
+    """The requests at or past TTFT p99, slowest first, as [ttft ms, turn, prefetch waits]."""
+    if not firsts:
+        return []
+    p99 = _percentile([f.ttft_ms for f in firsts], 99)
+    tail = sorted((f for f in firsts if f.ttft_ms >= p99), key=lambda f: -f.ttft_ms)
+    return [[round(f.ttft_ms, 1), f.turn, f.prefetch_waits] for f in tail]
 
 
 MOVED_TOKENS = {"prefetch": "host_prefetch_tokens", "admission": "host_admission_load_tokens",
