@@ -642,8 +642,15 @@ def test_the_workload_needs_the_drafts_copy(tiny_text_model):
     # Verification keeps the target's tokens (an aborted request may see more or fewer).
     assert_same_tokens(want, run_chats(engine, rounds), [s for specs in rounds for s in specs])
     s = engine.stats()
-    assert s["host_cache_hit_tokens"] > 100, s
-    assert s["spec_decode_num_accepted_tokens"] < 0.8 * s["spec_decode_num_draft_tokens"], s
+    # The figures that say why, spelled out (pytest cuts a long dict's repr): on the H200 at
+    # a48f9fc acceptance stayed at 0.90 here while the CPU's falls; how many tokens came back from
+    # the host, and how, is the first thing to compare.
+    why = {k: s[k] for k in ("host_cache_hit_tokens", "prefix_cache_hit_tokens", "prefix_cache_queried_tokens",
+                             "host_prefetch_tokens", "host_admission_load_tokens", "spec_decode_verify_steps",
+                             "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens", "num_preemptions")}
+    print("draft-copy control:", why)
+    assert s["host_cache_hit_tokens"] > 100, why
+    assert s["spec_decode_num_accepted_tokens"] < 0.8 * s["spec_decode_num_draft_tokens"], why
     assert_kv_conserved(engine)
     engine.close()
 
