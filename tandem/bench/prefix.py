@@ -183,7 +183,7 @@ def drive(engine: Engine, workload, tag: str) -> tuple[int, int, float, list[Fir
     arrival: dict[str, float] = {}
     turns: dict[str, Turn] = {}
     turn_of: dict[str, int] = {}
-    sent: dict[int | None, int] = {}  # requests sent so far per conversation
+    sent: dict[int, int] = {}  # requests sent so far per conversation
     firsts: list[FirstToken] = []
     ids = iter(range(1 << 62))
     inputs = outputs = 0
@@ -194,8 +194,9 @@ def drive(engine: Engine, workload, tag: str) -> tuple[int, int, float, list[Fir
         engine.add_request(turn.prompt, SamplingParams(max_tokens=turn.output_len, temperature=turn.temperature,
                                                        seed=turn.seed, ignore_eos=True), request_id=rid)
         arrival[rid], turns[rid] = time.perf_counter(), turn
-        turn_of[rid] = sent.get(turn.conversation, 0) if turn.conversation is not None else 0
-        sent[turn.conversation] = turn_of[rid] + 1
+        turn_of[rid] = sent.get(turn.conversation, 0)
+        if turn.conversation is not None:
+            sent[turn.conversation] = turn_of[rid] + 1
         inputs += len(turn.prompt)
 
     _sync(engine.device)
@@ -270,6 +271,7 @@ def run_one(args: argparse.Namespace) -> PrefixRow:
     with count_compiles() as compiles, window as tables, host_window as host_tables:
         inputs, outputs, wall, firsts = drive(engine, make_workload(args, vocab, args.seed), "run")
     ttft = [f.ttft_ms for f in firsts]
+    ttft_p99 = _percentile(ttft, 99)
     for steps, table in [(args.profile_steps, t) for t in tables] + [(args.host_profile_steps, t) for t in host_tables]:
         print(f"steps {steps[0]}..{sum(steps)} of the measured run:\n{table}", file=sys.stderr)
     if engine.kv_tier is not None:
@@ -282,7 +284,7 @@ def run_one(args: argparse.Namespace) -> PrefixRow:
     queried = max(delta["prefix_cache_queried_tokens"], 1)
     summary = engine.timeline.summary(skip=first)
     return PrefixRow(args.workload, args.cache == "on", args.cascade, len(ttft), inputs, outputs, wall,
-                     _percentile(ttft, 50), _percentile(ttft, 99), delta["prefix_cache_hit_tokens"] / queried,
+                     _percentile(ttft, 50), ttft_p99, delta["prefix_cache_hit_tokens"] / queried,
                      summary["steps"], summary["mean_host_ms"], summary.get("gpu_busy_fraction"),
                      delta["cascade_steps"], args.host_kv_cache_gb, delta["host_cache_hit_tokens"] / queried,
                      _gb_s(delta["host_load_bytes"], delta["host_load_seconds"]),
@@ -292,7 +294,7 @@ def run_one(args: argparse.Namespace) -> PrefixRow:
                      summary["gpu_tier_stall_ms"] / 1e3 if "gpu_tier_stall_ms" in summary else None,
                      {why: delta[key] for why, key in MOVED_TOKENS.items()} if engine.kv_tier is not None else None,
                      summary.get("mean_tier_window_ms"), *by_tenth(engine.timeline.records[first:]),
-                     slowest(firsts))
+                     slowest(firsts, ttft_p99))
 
 
 def by_tenth(records: list) -> tuple[list | None, list]:
@@ -307,12 +309,9 @@ def by_tenth(records: list) -> tuple[list | None, list]:
     return idle, batch
 
 
-def slowest(firsts: list[FirstToken]) -> list[list]:
+def slowest(firsts: list[FirstToken], ttft_p99: float) -> list[list]:
     """The requests at or past TTFT p99, slowest first, as [ttft ms, turn, prefetch waits]."""
-    if not firsts:
-        return []
-    p99 = _percentile([f.ttft_ms for f in firsts], 99)
-    tail = sorted((f for f in firsts if f.ttft_ms >= p99), key=lambda f: -f.ttft_ms)
+    tail = sorted((f for f in firsts if f.ttft_ms >= ttft_p99), key=lambda f: -f.ttft_ms)
     return [[round(f.ttft_ms, 1), f.turn, f.prefetch_waits] for f in tail]
 
 

@@ -3,8 +3,9 @@
 Every copy moves the slots' K and V in each cache the pool's slots index (the target's, and a
 draft model's when there is one: `HostKVPool`), in one chunked transfer per run of host slots
 and one indexed copy per cache between the device staging and the pool (every layer at once:
-`KVCache.per_pool`; a launch per layer cost the processing window ~56 launches a copy); the rules below hold for each cache alike (a cache is only ever read or written at these
-slots by the same steps as the target's).
+`KVCache.per_pool`; a launch per layer cost the processing window ~56 launches a copy). The
+rules below hold for each cache alike (a cache is only ever read or written at these slots by
+the same steps as the target's).
 
 Ordering and lifetime rules (docs/async-model.md, "Host KV tier"):
 - Write-back (GPU -> host) reads GPU slots of unreferenced tree nodes. Every step that wrote
