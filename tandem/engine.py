@@ -228,7 +228,8 @@ class Engine:
         host = (HostTier(self.kv_tier.host.host_slots, self.kv_tier.write_back, self.kv_tier.load,
                          load_tokens_per_step=cfg.max_prefill_tokens,
                          admit_after_prefetch=cfg.experiments.host_kv_prefetch
-                         and cfg.experiments.host_kv_admit_after_prefetch)
+                         and cfg.experiments.host_kv_admit_after_prefetch,
+                         fifo_beyond_prefetch=cfg.experiments.host_kv_fifo_beyond_prefetch)
                 if self.kv_tier is not None else None)
         self.prefix_cache = PrefixCache(self.kv_slots, enabled=cfg.enable_prefix_caching,
                                         debug=self.debug.prefix_cache, host=host)
@@ -608,10 +609,9 @@ class Engine:
         load_rate, write_back_rate = tier.bytes_per_s("load"), tier.bytes_per_s("write_back")
         next_need = cfg.max_prefill_tokens + len(self.scheduler.running)
         if exp.host_kv_prefetch:
-            waiting = list(itertools.islice(self.scheduler.waiting, PREFETCH_REQUESTS))
             before = tier.queued_bytes()
             rates = (load_rate, write_back_rate) if exp.host_kv_prefetch_evicts else (load_rate,)
-            cache.prefetch(waiting, keep=next_need, most=window.tokens(*rates), evict=exp.host_kv_prefetch_evicts)
+            cache.prefetch(self.scheduler.waiting, keep=next_need, most=window.tokens(*rates), evict=exp.host_kv_prefetch_evicts)
             (loaded, written), (load0, written0) = tier.queued_bytes(), before
             window.spend(loaded - load0, load_rate)
             window.spend(written - written0, write_back_rate)
@@ -972,8 +972,6 @@ def _step_record(batch: ScheduledBatch, t_start: float, t_launch: float, t_end: 
 
 
 # Waiting requests whose host-tier prefixes are loaded ahead of admission (the queue's head).
-PREFETCH_REQUESTS = 4
-
 NO_TOKEN_ERROR = "no token satisfies the request's constraints (its grammar allows only tokens it bans)"
 
 # What close() drops: everything that holds device memory or refers back to the engine.
@@ -985,6 +983,8 @@ _DEVICE_STATE = ("model", "backend", "kv", "kv_tier", "kv_slots", "prefix_cache"
 def _token_ids(prompt) -> list[int]:
     """Token ids as given: ints only (numpy ints too), never coerced (1.9, "12", True are errors)."""
     ids = list(prompt)
+    if set(map(type, ids)) <= {int}:  # the common case, checked in C (a 9k-token prompt: 6 ms -> 0.1 ms)
+        return ids
     bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, (int, np.integer))]
     if bad:
         raise ValueError(f"prompt token ids must be ints; got {bad[0]!r} ({type(bad[0]).__name__})")

@@ -150,7 +150,7 @@ def test_prefetch_evicts_colder_prefixes_beyond_what_the_next_plan_keeps():
 
 
 def test_the_queue_head_waits_for_prefetch_at_most_a_few_plans():
-    from tandem.memory.prefix_cache import MAX_PREFETCH_WAITS
+    from tandem.memory.prefix_cache import MAX_PREFETCH_WAITS, Hold
     kv, host_pool = SlotAllocator(400), SlotAllocator(400, first=0)
     cache = PrefixCache(kv, host=HostTier(host_pool, write_back=lambda g, h: None, load=lambda h, g: None,
                                           admit_after_prefetch=True))
@@ -160,15 +160,44 @@ def test_the_queue_head_waits_for_prefetch_at_most_a_few_plans():
     cache.tree.evict(120)  # the tail, 120 tokens, on the host only
     assert cache.tree.match_lengths(tokens + [5]) == (80, 200)
     head = Request("r", tokens + [7], SamplingParams(max_tokens=1), seed=0, max_samples=1)
-    assert cache.waits_for_prefetch(head) and head.prefetch_waits == 1
+    assert cache.prefetch_hold(head, prefetched=False) is Hold.STOP and head.prefetch_waits == 0
+    assert cache.prefetch_hold(head, prefetched=True) is Hold.SKIP and head.prefetch_waits == 1
     assert cache.prefetch([head], keep=0, most=100) == 100  # a window's budget: 20 left on the host
-    assert not cache.waits_for_prefetch(head)  # fewer than MIN_LOAD_TOKENS: admission loads them
+    assert cache.prefetch_hold(head, prefetched=True) is None  # < MIN_LOAD_TOKENS: admission loads them
+    assert cache.prefetch_hold(head, prefetched=False) is None
     cache.tree.evict(cache.tree.evictable_tokens)
     patient = Request("s", tokens + [9], SamplingParams(max_tokens=1), seed=0, max_samples=1)
-    assert sum(cache.waits_for_prefetch(patient) for _ in range(MAX_PREFETCH_WAITS + 5)) == MAX_PREFETCH_WAITS
+    holds = [cache.prefetch_hold(patient, prefetched=True) for _ in range(MAX_PREFETCH_WAITS + 5)]
+    assert holds == [Hold.SKIP] * MAX_PREFETCH_WAITS + [None] * 5
     cache.new_step()
     assert cache.admit(patient) == 200  # then admission loads it
     cache.release(patient)
+    cache.check([])
+
+
+def test_prefetch_loads_for_the_queue_head_only_and_skips_what_is_on_the_gpu():
+    """Prefetch reads the first PREFETCH_REQUESTS waiting requests, in order, and loads host
+    parts only: a request whose match is all on the GPU costs no match (no LRU touch)."""
+    from tandem.memory.prefix_cache import PREFETCH_REQUESTS
+    kv, host_pool = SlotAllocator(4000), SlotAllocator(4000, first=0)
+    loads = []
+    cache = PrefixCache(kv, host=HostTier(host_pool, write_back=lambda g, h: None,
+                                          load=lambda h, g: loads.append(len(g)), admit_after_prefetch=True))
+    histories = [[1000 * (c + 1) + i for i in range(100)] for c in range(PREFETCH_REQUESTS + 2)]
+    for h in histories:
+        cache.tree.insert(h, kv.alloc(100))
+    cache.tree.evict(cache.tree.evictable_tokens)  # every history on the host only
+    on_gpu = [7, 8, 9]
+    cache.tree.insert(on_gpu, kv.alloc(3))
+    hot_node = cache.tree.match(on_gpu)[1]
+    clock = hot_node.last_access
+    waiting = [Request(f"r{c}", h + [5], SamplingParams(max_tokens=1), seed=0, max_samples=1)
+               for c, h in enumerate(histories)]
+    waiting.insert(1, Request("hot", on_gpu + [5], SamplingParams(max_tokens=1), seed=0, max_samples=1))
+    assert cache.prefetch(waiting, keep=0, most=10_000) == 100 * (PREFETCH_REQUESTS - 1)
+    assert loads == [100] * (PREFETCH_REQUESTS - 1)  # the head's cold ones; "hot" took a place
+    assert cache.tree.match_lengths(histories[PREFETCH_REQUESTS - 1] + [5]) == (0, 100)  # not reached
+    assert hot_node.last_access == clock  # prefetch did not mark the hot path as used
     cache.check([])
 
 

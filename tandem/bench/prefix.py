@@ -79,9 +79,11 @@ class MultiTurn:
     def __init__(self, conversations: int, turns: int, first_len: int, question_len: int,
                  output_len: int, vocab: int, seed: int):
         self.rng, self.vocab, self.turns = random.Random(seed), vocab, turns
-        self.question_len, self.output_len = question_len, output_len
+        self.output_len = output_len
         self.sent = [1] * conversations
         self.first = [Turn(self._tokens(first_len), output_len, c) for c in range(conversations)]
+        # Drawn now, not between engine steps: 1,024 draws took 3 ms of the measured loop's host time.
+        self.questions = [[self._tokens(question_len) for _ in range(turns - 1)] for _ in range(conversations)]
 
     def _tokens(self, n: int) -> list[int]:
         return [self.rng.randrange(self.vocab) for _ in range(n)]
@@ -93,8 +95,9 @@ class MultiTurn:
         c = turn.conversation
         if self.sent[c] >= self.turns:
             return None
+        question = self.questions[c][self.sent[c] - 1]
         self.sent[c] += 1
-        return Turn(turn.prompt + output_ids + self._tokens(self.question_len), self.output_len, c)
+        return Turn(turn.prompt + output_ids + question, self.output_len, c)
 
 
 class Samples:

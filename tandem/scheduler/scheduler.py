@@ -6,13 +6,14 @@ newest sampled token of every request is still on the GPU when the next step is 
 KV slots come from the prefix cache, which evicts unused cached prefixes before the
 scheduler considers preempting a running request.
 """
+import itertools
 import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
 from tandem.memory.allocator import SlotAllocator
-from tandem.memory.prefix_cache import PrefixCache
+from tandem.memory.prefix_cache import PREFETCH_REQUESTS, Hold, PrefixCache
 from tandem.request import PROMPT_HASH_BLOCK, Request, Status
 from tandem.scheduler.batch import Row, ScheduledBatch
 
@@ -362,6 +363,7 @@ class Scheduler:
             return rows
         pending = self._pending_prefixes(prefilling)
         reused = sum(len(r.cached_prefix) for r in rows if r.cached_prefix is not None)
+        prefetched = set(map(id, itertools.islice(self.waiting, PREFETCH_REQUESTS)))  # prefetch's choice
         for req in self._admission_order():
             if budget <= 0 or len(self.running) >= self.cfg.max_running_requests:
                 break
@@ -369,11 +371,14 @@ class Scheduler:
                 break
             if pending and req.max_cached_prefix and self._shares_pending_prefill(req, pending):
                 continue  # reuse that prefill once it is cached, a step or two from now
-            if self.running and self.cache.waits_for_prefetch(req):
+            hold = self.cache.prefetch_hold(req, id(req) in prefetched) if self.running else None
+            if hold is Hold.SKIP:
                 # Its prefix loads from the host tier beside the running steps first; the ones
                 # behind it go ahead meanwhile (bounded: it waits MAX_PREFETCH_WAITS plans at most).
                 # A `break` here drained the batch while the copies ran (H200: 35% more steps).
                 continue
+            if hold is Hold.STOP:
+                break  # its turn to be prefetched comes first (`PrefixCache.prefetch_hold`)
             matched = self.cache.admit(req)
             new = len(req.fill_ids) - matched
             whole = self.cfg.chunked_prefill_size is None
