@@ -136,9 +136,12 @@ class Experiments:
     host_kv_admit_after_prefetch: bool = True
     # Host KV tier: a waiting request beyond the ones prefetch loads for (PREFETCH_REQUESTS),
     # its prefix partly on the host, keeps its place: the requests behind it wait too (off: they
-    # pass it; on the H200 at e94230d, conversations whose histories stayed on the GPU then kept
-    # passing the others: TTFT p99 9.2 s against 6.3 s without the tier).
-    host_kv_fifo_beyond_prefetch: bool = True
+    # pass it, as they pass a request prefetch is loading). Off: it lost on the H200 at dfb50b0
+    # (multiturn A/B, docs/benchmarks.md session 17): on, 1,765 output tok/s, TTFT p50/p99
+    # 3.5/7.5 s, GPU busy 0.87, the batch 10.3 of 12 (admissions stop while the head loads);
+    # off, 2,380 tok/s, 1.2/9.0 s, 0.93 (conversations whose histories stay on the GPU keep
+    # passing the others: the p99 tail); the tier off, 1,978 tok/s, 3.0/6.5 s.
+    host_kv_fifo_beyond_prefetch: bool = False
     # Host KV tier: one step's copy time per window for both directions, which the one copy
     # stream runs back to back (off: a step's worth each, two steps of copies per step).
     host_kv_shared_pace: bool = True

@@ -150,10 +150,11 @@ def test_prefetch_evicts_colder_prefixes_beyond_what_the_next_plan_keeps():
 
 
 def test_the_queue_head_waits_for_prefetch_at_most_a_few_plans():
+    """(With the FIFO experiment on: a request prefetch has not reached is STOPped, uncounted.)"""
     from tandem.memory.prefix_cache import MAX_PREFETCH_WAITS, Hold
     kv, host_pool = SlotAllocator(400), SlotAllocator(400, first=0)
     cache = PrefixCache(kv, host=HostTier(host_pool, write_back=lambda g, h: None, load=lambda h, g: None,
-                                          admit_after_prefetch=True))
+                                          admit_after_prefetch=True, fifo_beyond_prefetch=True))
     tokens, slots = list(range(1000, 1200)), kv.alloc(200)
     cache.tree.insert(tokens[:80], slots[:80])
     cache.tree.insert(tokens, slots)

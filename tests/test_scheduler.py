@@ -243,11 +243,10 @@ def test_requests_behind_a_head_waiting_for_prefetch_are_admitted():
 
 @pytest.mark.parametrize("fifo", [True, False])
 def test_a_request_prefetch_has_not_reached_keeps_its_place(fifo):
-    """Behind the PREFETCH_REQUESTS that prefetch loads for, a request whose prefix is on the
-    host keeps its place: a request that came later with nothing to load does not pass it
-    (else conversations whose histories stay on the GPU keep passing the others: TTFT p99 on
-    the H200 at e94230d, 9.2 s against 6.3 s without the tier). The experiment's other side
-    lets it pass, as before."""
+    """With the FIFO experiment, a request behind the PREFETCH_REQUESTS that prefetch loads
+    for, its prefix on the host, keeps its place: a request that came later with nothing to
+    load does not pass it. By default (FIFO lost on the H200 at dfb50b0) it is passed, and
+    counts that as a wait."""
     from tandem.memory.prefix_cache import PREFETCH_REQUESTS, HostTier
     kv, host_pool = SlotAllocator(1 << 13), SlotAllocator(1 << 13, first=0)
     cache = PrefixCache(kv, enabled=True, debug=True,

@@ -42,7 +42,7 @@ class Hold(enum.Enum):
     """Why admission holds a waiting request back for the host tier (`PrefixCache.prefetch_hold`)."""
 
     SKIP = "skip"  # prefetch is loading its host part: the requests behind it may go ahead
-    STOP = "stop"  # prefetch has not reached it: it keeps its place, nobody behind it passes
+    STOP = "stop"  # prefetch has not reached it: it keeps its place, nobody behind it passes (FIFO)
 
 
 @dataclass
@@ -54,7 +54,7 @@ class HostTier:
     load: Callable[[list[int], list[int]], None]  # (host_slots, gpu_slots)
     load_tokens_per_step: int = 16384
     admit_after_prefetch: bool = False  # `PrefixCache.prefetch_hold`
-    fifo_beyond_prefetch: bool = True  # `PrefixCache.prefetch_hold`
+    fifo_beyond_prefetch: bool = False  # `PrefixCache.prefetch_hold`
 
 
 @dataclass
@@ -154,15 +154,17 @@ class PrefixCache:
         run, rather than admit it now, when its step's forward would wait on the device for its
         match's host part to load? Only while MIN_LOAD_TOKENS or more of it are on the host only.
         SKIP a prefetched request, for at most MAX_PREFETCH_WAITS plans (then admission loads
-        the rest). STOP at one prefetch has not reached: first come, first served, so requests
-        whose prefixes stayed on the GPU do not keep passing it (H200 at e94230d: such
-        conversations waited 9 s at TTFT p99, 3 s more than without the tier). None: admit.
+        the rest); with `fifo_beyond_prefetch`, STOP at one prefetch has not reached (first
+        come, first served), else SKIP it too (and count). None: admit. FIFO cut the TTFT p99
+        tail on the H200 at dfb50b0 (9.0 -> 7.5 s: without it, requests whose prefixes stayed
+        on the GPU keep passing) but cost a quarter of the throughput (the batch drains while
+        the head loads), so it is an experiment (`Experiments.host_kv_fifo_beyond_prefetch`).
         The caller asks only while requests run: an idle GPU gains nothing by waiting."""
         host = self.host
         if host is None or not host.admit_after_prefetch or req.prefetch_waits >= MAX_PREFETCH_WAITS:
             return None
         if not prefetched and not host.fifo_beyond_prefetch:
-            prefetched = True  # the experiment's other side: everyone may be passed (and counts)
+            prefetched = True  # the default: anyone may be passed, and counts it
         if self._host_only_tokens(req) < MIN_LOAD_TOKENS:
             return None
         if not prefetched:
