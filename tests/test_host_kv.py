@@ -89,6 +89,11 @@ def test_write_ahead_queues_about_most_tokens_a_call_and_the_rest_later():
     tree.check({})
 
 
+def _waiting(prompt: list[int]) -> Request:
+    """A waiting request: its match may cover all of `prompt` but the last token."""
+    return Request("w", prompt, SamplingParams(max_tokens=1), seed=0, max_samples=1)
+
+
 def test_a_load_budget_smaller_than_a_host_node_loads_its_head():
     kv, host_pool, loads = SlotAllocator(100), SlotAllocator(200, first=0), []
     cache = PrefixCache(kv, host=HostTier(host_pool, write_back=lambda g, h: None,
@@ -96,7 +101,7 @@ def test_a_load_budget_smaller_than_a_host_node_loads_its_head():
     tokens = list(range(100, 200))
     cache.tree.insert(tokens, kv.alloc(100))
     cache.tree.evict(100)  # all on the host
-    req = type("R", (), {"fill_ids": tokens + [7], "max_cached_prefix": 100})()
+    req = _waiting(tokens + [7])
     assert cache.prefetch([req], keep=0, most=70) == 70  # the node's first 70 tokens
     assert len(cache.tree.match(tokens)[0]) == 70
     assert cache.prefetch([req], keep=0, most=20) == 0  # a piece under MIN_LOAD_TOKENS waits for more
@@ -115,7 +120,7 @@ def test_prefetch_without_evicting_takes_free_slots_only_and_counts_a_host_hit_a
     cache.tree.evict(200)  # all on the host
     cache.tree.insert(cold, kv.alloc(100))  # a cached prefix on the GPU, evictable
     others = kv.alloc(200)  # running requests hold the rest but 100 slots
-    waiting = type("R", (), {"fill_ids": tokens + [7], "max_cached_prefix": 200})()
+    waiting = _waiting(tokens + [7])
     assert cache.prefetch([waiting], keep=20, most=1000, evict=False) == 80 and kv.num_free == 20
     assert len(cache.tree.match(cold)[0]) == 100  # nothing evicted for a request not admitted yet
     assert cache.host_hit_tokens == 0  # a prefetch is not a hit until a request reads it
@@ -140,7 +145,7 @@ def test_prefetch_evicts_colder_prefixes_beyond_what_the_next_plan_keeps():
     cache.tree.insert(cold, kv.alloc(100))  # a cached prefix on the GPU, evictable
     others = kv.alloc(200)  # running requests hold the rest but 100 slots
     copies.clear()
-    waiting = type("R", (), {"fill_ids": tokens + [7], "max_cached_prefix": 200})()
+    waiting = _waiting(tokens + [7])
     assert cache.prefetch([waiting], keep=20, most=1000) == 180  # 100 free + 100 evictable - 20 kept
     assert copies == [("back", 100), ("load", 180)]  # the cold prefix went to the host first
     assert kv.num_free == 20 and cache.tier_moves.prefetched == 180
@@ -208,7 +213,7 @@ def test_a_load_evicted_unread_is_no_host_hit_later():
     tokens = list(range(1000, 1200))
     cache.tree.insert(tokens, kv.alloc(200))
     cache.tree.evict(200)
-    waiting = type("R", (), {"fill_ids": tokens + [7], "max_cached_prefix": 200})()
+    waiting = _waiting(tokens + [7])
     assert cache.prefetch([waiting], keep=0, most=1000) == 200
     cache.tree.evict(200)  # unread: back to the host only
     cache.tree.insert(tokens, kv.alloc(200))  # a request computed it again: its KV takes the node over

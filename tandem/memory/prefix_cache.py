@@ -173,7 +173,9 @@ class PrefixCache:
         return Hold.SKIP
 
     def _host_only_tokens(self, req: Request) -> int:
-        on_gpu, cached = self.tree.match_lengths(req.fill_ids[:req.max_cached_prefix])
+        # A waiting request's outputs are empty unless it was preempted: no copy of its prompt then.
+        tokens = req.fill_ids if req.output_token_ids else req.prompt_token_ids
+        on_gpu, cached = self.tree.match_lengths(tokens, req.max_cached_prefix)
         return cached - on_gpu
 
     def _load_host_part(self, node: Node, tokens: list[int], start: int, most: int) -> tuple[list[int], Node]:

@@ -87,14 +87,16 @@ class RadixCache:
         """Length of the longest cached prefix; changes nothing (for ordering the queue)."""
         return self.match_lengths(tokens)[1]
 
-    def match_lengths(self, tokens: list[int]) -> tuple[int, int]:
-        """(on the GPU, in either tier): lengths of the longest cached prefix; changes nothing."""
+    def match_lengths(self, tokens: list[int], end: int | None = None) -> tuple[int, int]:
+        """(on the GPU, in either tier): lengths of the longest cached prefix of tokens[:end]
+        (`end`: no copy of a long prompt to cut it); changes nothing."""
         node, i, gpu = self.root, 0, 0
-        while i < len(tokens):
+        end = len(tokens) if end is None else min(end, len(tokens))
+        while i < end:
             child = node.children.get(tokens[i])
             if child is None:
                 break
-            n = common_length(child.key, tokens, i)
+            n = common_length(child.key, tokens, i, end)
             i += n
             gpu = i if child.slots and gpu == i - n else gpu  # a GPU node's parent is on the GPU
             if n < len(child.key):
@@ -356,10 +358,10 @@ class RadixCache:
             "prefix cache: a droppable host copy is missing from the host tier's LRU heap"
 
 
-def common_length(key: list[int], tokens: list[int], start: int) -> int:
-    """How many leading tokens of `key` equal tokens[start:]; list compares run in C."""
-    n = min(len(key), len(tokens) - start)
-    if key[:n] == tokens[start:start + n]:
+def common_length(key: list[int], tokens: list[int], start: int, end: int | None = None) -> int:
+    """How many leading tokens of `key` equal tokens[start:end]; list compares run in C."""
+    n = min(len(key), (len(tokens) if end is None else end) - start)
+    if (key if n == len(key) else key[:n]) == tokens[start:start + n]:  # a whole node: one copy, not two
         return n
     lo, hi = 0, n  # binary search for the first mismatch: O(log n) slice compares
     while lo < hi:
