@@ -142,6 +142,10 @@ class Experiments:
     # off, 2,380 tok/s, 1.2/9.0 s, 0.93 (conversations whose histories stay on the GPU keep
     # passing the others: the p99 tail); the tier off, 1,978 tok/s, 3.0/6.5 s.
     host_kv_fifo_beyond_prefetch: bool = False
+    # Host KV tier: how many waiting requests at the queue's head prefetch loads for (and, with
+    # the FIFO experiment, the ones that may be passed). Whether more makes FIFO drain less is
+    # the next A/B (session 17 ran 4 only).
+    host_kv_prefetch_requests: int = 4  # = prefix_cache.PREFETCH_REQUESTS (a test holds them equal)
     # Host KV tier: one step's copy time per window for both directions, which the one copy
     # stream runs back to back (off: a step's worth each, two steps of copies per step).
     host_kv_shared_pace: bool = True
@@ -174,6 +178,10 @@ class Experiments:
                 if value.lower() not in _BOOL_WORDS:
                     raise ValueError(f"--experiment {name} takes on/off, got {value!r}")
                 setattr(exp, name, _BOOL_WORDS[value.lower()])
+            elif isinstance(getattr(exp, name), int):
+                if not value.isdigit():
+                    raise ValueError(f"--experiment {name} takes a count, got {value!r}")
+                setattr(exp, name, int(value))
             else:
                 setattr(exp, name, value)
         return exp

@@ -229,7 +229,8 @@ class Engine:
                          load_tokens_per_step=cfg.max_prefill_tokens,
                          admit_after_prefetch=cfg.experiments.host_kv_prefetch
                          and cfg.experiments.host_kv_admit_after_prefetch,
-                         fifo_beyond_prefetch=cfg.experiments.host_kv_fifo_beyond_prefetch)
+                         fifo_beyond_prefetch=cfg.experiments.host_kv_fifo_beyond_prefetch,
+                         prefetch_requests=cfg.experiments.host_kv_prefetch_requests)
                 if self.kv_tier is not None else None)
         self.prefix_cache = PrefixCache(self.kv_slots, enabled=cfg.enable_prefix_caching,
                                         debug=self.debug.prefix_cache, host=host)

@@ -181,15 +181,21 @@ def test_the_queue_head_waits_for_prefetch_at_most_a_few_plans():
     cache.check([])
 
 
-def test_prefetch_loads_for_the_queue_head_only_and_skips_what_is_on_the_gpu():
-    """Prefetch reads the first PREFETCH_REQUESTS waiting requests, in order, and loads host
-    parts only: a request whose match is all on the GPU costs no match (no LRU touch)."""
-    from tandem.memory.prefix_cache import PREFETCH_REQUESTS
+@pytest.mark.parametrize("window", [None, 2])
+def test_prefetch_loads_for_the_queue_head_only_and_skips_what_is_on_the_gpu(window):
+    """Prefetch reads the first PREFETCH_REQUESTS waiting requests (or the tier's own count),
+    in order, and loads host parts only: a request whose match is all on the GPU costs no
+    match (no LRU touch)."""
     kv, host_pool = SlotAllocator(4000), SlotAllocator(4000, first=0)
     loads = []
-    cache = PrefixCache(kv, host=HostTier(host_pool, write_back=lambda g, h: None,
-                                          load=lambda h, g: loads.append(len(g)), admit_after_prefetch=True))
-    histories = [[1000 * (c + 1) + i for i in range(100)] for c in range(PREFETCH_REQUESTS + 2)]
+    tier = HostTier(host_pool, write_back=lambda g, h: None, load=lambda h, g: loads.append(len(g)),
+                    admit_after_prefetch=True)
+    if window is not None:
+        tier.prefetch_requests = window
+    cache = PrefixCache(kv, host=tier)
+    n = cache.prefetch_requests
+    assert n == (window or 4)
+    histories = [[1000 * (c + 1) + i for i in range(100)] for c in range(n + 2)]
     for h in histories:
         cache.tree.insert(h, kv.alloc(100))
     cache.tree.evict(cache.tree.evictable_tokens)  # every history on the host only
@@ -200,9 +206,9 @@ def test_prefetch_loads_for_the_queue_head_only_and_skips_what_is_on_the_gpu():
     waiting = [Request(f"r{c}", h + [5], SamplingParams(max_tokens=1), seed=0, max_samples=1)
                for c, h in enumerate(histories)]
     waiting.insert(1, Request("hot", on_gpu + [5], SamplingParams(max_tokens=1), seed=0, max_samples=1))
-    assert cache.prefetch(waiting, keep=0, most=10_000) == 100 * (PREFETCH_REQUESTS - 1)
-    assert loads == [100] * (PREFETCH_REQUESTS - 1)  # the head's cold ones; "hot" took a place
-    assert cache.tree.match_lengths(histories[PREFETCH_REQUESTS - 1] + [5]) == (0, 100)  # not reached
+    assert cache.prefetch(waiting, keep=0, most=10_000) == 100 * (n - 1)
+    assert loads == [100] * (n - 1)  # the head's cold ones; "hot" took a place
+    assert cache.tree.match_lengths(histories[n - 1] + [5]) == (0, 100)  # not reached
     assert hot_node.last_access == clock  # prefetch did not mark the hot path as used
     cache.check([])
 
@@ -606,6 +612,15 @@ def _target_and_draft_bytes(path) -> int:
     per_token = HostKVPool.bytes_per_token([engine.kv, engine.draft_kv])
     engine.close()
     return per_token
+
+
+def test_the_engine_hands_the_tier_experiments_to_the_prefix_cache(tiny_text_model):
+    from tandem.config import Experiments
+    exp = Experiments(host_kv_prefetch_requests=7, host_kv_fifo_beyond_prefetch=True)
+    engine = _engine(tiny_text_model, max_total_tokens=300, host_kv_cache_gb=0.001, experiments=exp)
+    host = engine.prefix_cache.host
+    assert (engine.prefix_cache.prefetch_requests, host.fifo_beyond_prefetch, host.admit_after_prefetch) == (7, True, True)
+    engine.close()
 
 
 def test_host_tier_with_a_draft_holds_both_caches_per_token(tiny_text_model):

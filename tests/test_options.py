@@ -123,9 +123,13 @@ def test_bool_or_path_options_parse_a_path():
 
 def test_experiment_overrides_parse_switches_and_reject_unknown_names():
     from tandem.config import Experiments
-    exp = Experiments.from_overrides(["fused_kv_write=off", "cascade_attention=auto", "grammar_overlap=1"])
+    exp = Experiments.from_overrides(["fused_kv_write=off", "cascade_attention=auto", "grammar_overlap=1",
+                                      "host_kv_prefetch_requests=16"])
     assert (exp.fused_kv_write, exp.cascade_attention, exp.grammar_overlap) == (False, "auto", True)
+    assert exp.host_kv_prefetch_requests == 16
+    from tandem.memory.prefix_cache import PREFETCH_REQUESTS
+    assert Experiments().host_kv_prefetch_requests == PREFETCH_REQUESTS  # one default, stated twice
     assert Experiments.from_overrides([]) == Experiments()
-    for bad in (["no_such_switch=on"], ["fused_kv_write"], ["fused_kv_write=maybe"]):
+    for bad in (["no_such_switch=on"], ["fused_kv_write"], ["fused_kv_write=maybe"], ["host_kv_prefetch_requests=x"]):
         with pytest.raises(ValueError, match="--experiment"):
             Experiments.from_overrides(bad)

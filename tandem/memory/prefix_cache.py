@@ -35,7 +35,7 @@ from tandem.request import Request
 
 MIN_LOAD_TOKENS = 64  # a smaller piece of a host node waits for a larger budget
 MAX_PREFETCH_WAITS = 32  # plans a request waits for prefetch before its admission loads the rest
-PREFETCH_REQUESTS = 4  # the waiting requests at the queue's head whose host parts prefetch loads
+PREFETCH_REQUESTS = 4  # default of the waiting requests at the queue's head whose host parts prefetch loads
 
 
 class Hold(enum.Enum):
@@ -55,6 +55,7 @@ class HostTier:
     load_tokens_per_step: int = 16384
     admit_after_prefetch: bool = False  # `PrefixCache.prefetch_hold`
     fifo_beyond_prefetch: bool = False  # `PrefixCache.prefetch_hold`
+    prefetch_requests: int = PREFETCH_REQUESTS  # `PrefixCache.prefetch`
 
 
 @dataclass
@@ -148,8 +149,13 @@ class PrefixCache:
                 self.host_hit_tokens += self.tree.take_loaded(node)  # now or prefetched, first use
         return len(slots)
 
+    @property
+    def prefetch_requests(self) -> int:
+        """How many waiting requests at the queue's head prefetch loads for (0: no host tier)."""
+        return self.host.prefetch_requests if self.host is not None else 0
+
     def prefetch_hold(self, req: Request, prefetched: bool) -> Hold | None:
-        """Should admission hold back `req` (`prefetched`: among the PREFETCH_REQUESTS at the
+        """Should admission hold back `req` (`prefetched`: among the `prefetch_requests` at the
         queue's head, whose host parts prefetch loads in the processing windows) while requests
         run, rather than admit it now, when its step's forward would wait on the device for its
         match's host part to load? Only while MIN_LOAD_TOKENS or more of it are on the host only.
@@ -209,7 +215,7 @@ class PrefixCache:
 
     def prefetch(self, waiting: Iterable[Request], keep: int, most: int, evict: bool = True) -> int:
         """In the processing window: load the host part of the matches of the first
-        PREFETCH_REQUESTS `waiting` requests (the queue's head, in order), at most
+        `prefetch_requests` `waiting` requests (the queue's head, in order), at most
         `most` tokens, into slots beyond the `keep` the next plan may need, so that admission
         finds them on the GPU and the forward reading them has had a step's head start. Returns
         the tokens queued.
@@ -220,7 +226,7 @@ class PrefixCache:
         11407aa, evicting for requests not admitted yet, in a pool too small for the running
         set, made room the running requests then took back; `keep` now reserves their need)."""
         queued = 0
-        for req in itertools.islice(waiting, PREFETCH_REQUESTS) if self.host is not None else ():
+        for req in itertools.islice(waiting, self.prefetch_requests):
             if not self._host_only_tokens(req):
                 continue  # nothing to load: no match, which would mark its path as used
             room = (self.available() if evict else self.kv_slots.num_free) - keep

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
 from tandem.memory.allocator import SlotAllocator
-from tandem.memory.prefix_cache import PREFETCH_REQUESTS, Hold, PrefixCache
+from tandem.memory.prefix_cache import Hold, PrefixCache
 from tandem.request import PROMPT_HASH_BLOCK, Request, Status
 from tandem.scheduler.batch import Row, ScheduledBatch
 
@@ -363,7 +363,7 @@ class Scheduler:
             return rows
         pending = self._pending_prefixes(prefilling)
         reused = sum(len(r.cached_prefix) for r in rows if r.cached_prefix is not None)
-        prefetched = set(map(id, itertools.islice(self.waiting, PREFETCH_REQUESTS)))  # prefetch's choice
+        prefetched = set(map(id, itertools.islice(self.waiting, self.cache.prefetch_requests)))  # its loads
         for req in self._admission_order():
             if budget <= 0 or len(self.running) >= self.cfg.max_running_requests:
                 break
