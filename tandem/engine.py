@@ -972,7 +972,6 @@ def _step_record(batch: ScheduledBatch, t_start: float, t_launch: float, t_end: 
         verify_k=sum(r.spec_k for r in batch.rows) if batch.is_verify else None)
 
 
-# Waiting requests whose host-tier prefixes are loaded ahead of admission (the queue's head).
 NO_TOKEN_ERROR = "no token satisfies the request's constraints (its grammar allows only tokens it bans)"
 
 # What close() drops: everything that holds device memory or refers back to the engine.

@@ -169,13 +169,11 @@ class PrefixCache:
         host = self.host
         if host is None or not host.admit_after_prefetch or req.prefetch_waits >= MAX_PREFETCH_WAITS:
             return None
-        if not prefetched and not host.fifo_beyond_prefetch:
-            prefetched = True  # the default: anyone may be passed, and counts it
         if self._host_only_tokens(req) < MIN_LOAD_TOKENS:
             return None
-        if not prefetched:
+        if host.fifo_beyond_prefetch and not prefetched:
             return Hold.STOP
-        req.prefetch_waits += 1
+        req.prefetch_waits += 1  # by default anyone may be passed, and counts it
         return Hold.SKIP
 
     def _host_only_tokens(self, req: Request) -> int:
