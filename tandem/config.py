@@ -149,6 +149,11 @@ class Experiments:
     # Host KV tier: one step's copy time per window for both directions, which the one copy
     # stream runs back to back (off: a step's worth each, two steps of copies per step).
     host_kv_shared_pace: bool = True
+    # Host KV tier: the processing window (prefetch, write-ahead) runs before the wait for the
+    # previous step's result, inside the time the host would spend waiting for it (off: after
+    # that result is processed, where it delays the next plan: H200 at a8a74e0, the window
+    # before a small prefill step took 1.6 ms of the ~4.3 ms the GPU idled there).
+    host_kv_window_before_wait: bool = True
     # Cascade decode attention (rows sharing a cached prefix read it once per group): auto groups
     # by `CascadeRule`'s cost thresholds, on groups every shared prefix (>= 2 rows), off never.
     # Off until it pays: on the H200 at 80cf6d5 auto halved the shared-prefix workload (9,555

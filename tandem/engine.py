@@ -579,6 +579,8 @@ class Engine:
                 launched.record.host_load_tokens, launched.record.host_write_back_tokens = self.kv_tier.fenced_tokens
                 launched.tier_wait = self.kv_tier.fence_wait
         previous, self.pending = self.pending, launched  # in flight before anything else can fail
+        early_window = self.kv_tier is not None and self.cfg.experiments.host_kv_window_before_wait
+        window_error = self._tier_window() if early_window else None
         try:
             if previous is not None:
                 outputs.extend(self._process(previous))  # step N's result, while step N+1 runs
@@ -592,12 +594,24 @@ class Engine:
             self._count_launched(launched)  # N+1 is fully queued: it stays in flight
             raise
         self._count_launched(launched)
+        if window_error is not None:
+            raise window_error  # after step N's outputs are in `outputs`: none is lost
         if self.cfg.disable_overlap:
             self._drain(outputs)
-        if self.kv_tier is not None:
+        if self.kv_tier is not None and not early_window:
             self._move_between_tiers()
         if self.prefix_cache.debug:
             self.prefix_cache.check(self.scheduler.kv_holders())
+
+    def _tier_window(self) -> BaseException | None:
+        """The tier window before step N's result is waited for: its host work (tree walks,
+        copy launches) fills time the host would spend waiting, not the gap before the next
+        plan. Returns its error instead of raising it, so that N is processed first."""
+        try:
+            self._move_between_tiers()
+        except BaseException as exc:  # noqa: B036 (re-raised by the caller once N is processed)
+            return exc
+        return None
 
     def _move_between_tiers(self) -> None:
         """The window after a launch: host-tier copies queued now run beside the forward, and

@@ -466,6 +466,69 @@ def test_a_preempted_request_comes_back_through_the_host_tier(tiny_text_model, o
     engine.close()
 
 
+def _small_tiered_engine(path, **kw) -> Engine:
+    """A pool far smaller than chat_specs' working set, and a host tier that holds it."""
+    gb = 4096 * engine_bytes_per_token(_engine(path, max_total_tokens=64)) / 2**30
+    return _engine(path, max_total_tokens=400, chunked_prefill_size=48, max_prefill_tokens=96,
+                   host_kv_cache_gb=gb, **kw)
+
+
+@pytest.mark.parametrize("before_wait", [True, False])
+def test_the_tier_window_runs_while_the_previous_step_is_awaited(tiny_text_model, before_wait):
+    """Default: after step S + 1 is launched, the tier window runs before step S's result is
+    waited for and processed (its host work fills that wait, not the gap before the next plan);
+    the experiment's other side processes S first. Outputs are the same either way."""
+    from tandem.config import Experiments
+    rounds = chat_specs(conversations=6, turns=3, seed=8)
+    want = run_chats(_engine(tiny_text_model, max_total_tokens=20000), rounds)
+    engine = _small_tiered_engine(tiny_text_model, experiments=Experiments(host_kv_window_before_wait=before_wait))
+    order: list[tuple[str, int]] = []
+    window, process, drain = engine._move_between_tiers, engine._process, engine._drain
+    engine._move_between_tiers = lambda: order.append(("window", engine.pending.batch.step)) or window()
+    engine._process = lambda pending: order.append((kind[0], pending.batch.step)) or process(pending)
+    kind = ["process"]  # a drain (before a plan or launch that needs S's result) is not the case here
+
+    def drain_marked(outputs):
+        kind[0] = "drain"
+        drain(outputs)
+        kind[0] = "process"
+
+    engine._drain = drain_marked
+    assert run_chats(engine, rounds) == want
+    at = {entry: i for i, entry in enumerate(order)}
+    pairs = [(at[("window", s + 1)], i) for (kind, s), i in at.items() if kind == "process" and ("window", s + 1) in at]
+    assert len(pairs) > 20, order[:20]
+    assert all((w < p) == before_wait for w, p in pairs), order[:20]
+    assert_kv_conserved(engine)
+    engine.close()
+
+
+def test_a_failing_tier_window_loses_no_output(tiny_text_model):
+    """The window runs before step S is processed. When it fails (here after its prefetch loads
+    were queued), S is processed all the same: the step raises, S's outputs come with the next
+    step, and every request's greedy tokens equal a run without the fault."""
+    rounds = chat_specs(conversations=10, turns=4, seed=3)  # prefetch loads here (test above)
+    want = run_chats(_engine(tiny_text_model, max_total_tokens=20000), rounds)
+    engine = _small_tiered_engine(tiny_text_model)
+    prefetch, fired = engine.prefix_cache.prefetch, []
+
+    def prefetch_then_fail(*args, **kwargs):
+        queued = prefetch(*args, **kwargs)
+        if queued and len(fired) < 3:
+            fired.append(queued)
+            raise RuntimeError("injected: the tier window failed after queuing its loads")
+        return queued
+
+    engine.prefix_cache.prefetch = prefetch_then_fail
+    got = {}
+    for specs in rounds:
+        got.update(run_workload(engine, specs, arrive_per_step=6, step_errors=(RuntimeError,)))
+    assert len(fired) == 3
+    assert got == want
+    assert_kv_conserved(engine)
+    engine.close()
+
+
 def test_zero_host_tier_is_todays_cache(tiny_text_model):
     rounds = chat_specs(conversations=4, turns=2, seed=5)
     engine = _engine(tiny_text_model, max_total_tokens=300, host_kv_cache_gb=0)
