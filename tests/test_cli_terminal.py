@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -108,12 +109,18 @@ def test_the_command_prints_one_line_and_no_traceback(tmp_path):
 
 @pytest.fixture
 def engine(tiny_text_model):
-    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
-        pytest.skip("SIGINT has a handler of its own here: Ctrl-C is not held between steps")
+    # Users' processes have Python's default SIGINT handler; a pytest-xdist worker ignores SIGINT
+    # (its controller takes Ctrl-C), so the tests install the default for their duration.
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("SIGINT handlers can be set only in the main thread")
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     from tandem.entrypoints.ranks import build_engine
-    engine = build_engine(EngineConfig(model=str(tiny_text_model), device=TEST_DEVICE, max_model_len=512))
-    yield engine
-    engine.close()
+    try:
+        engine = build_engine(EngineConfig(model=str(tiny_text_model), device=TEST_DEVICE, max_model_len=512))
+        yield engine
+        engine.close()
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 REPLY = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
