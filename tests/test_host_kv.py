@@ -391,6 +391,16 @@ def run_chats(engine: Engine, rounds: list[list[Spec]]) -> dict:
     return results
 
 
+def _small_tiered_engine(path, host_tokens: int = 4096, **kw) -> Engine:
+    """A pool far smaller than chat_specs' working set, and a host tier of `host_tokens` (4096
+    hold it; fewer make the host tier evict too)."""
+    probe = _engine(path, max_total_tokens=64)
+    gb = host_tokens * engine_bytes_per_token(probe) / 2**30
+    probe.close()
+    return _engine(path, max_total_tokens=400, chunked_prefill_size=48, max_prefill_tokens=96,
+                   host_kv_cache_gb=gb, **kw)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("overlap,host_tokens,ahead", [(True, 4096, True), (False, 4096, True),
                                                       (True, 300, True), (True, 4096, False)])
@@ -399,12 +409,9 @@ def test_small_pool_with_host_tier_equals_unbounded_pool(tiny_text_model, overla
     and prefetch on (the default) or both off (copies only at eviction and admission)."""
     from tandem.config import Experiments
     rounds = chat_specs(conversations=10, turns=4, seed=3)
-    unbounded = _engine(tiny_text_model, max_total_tokens=20000)
-    want = run_chats(unbounded, rounds)
-    gb = host_tokens * engine_bytes_per_token(unbounded) / 2**30
-    engine = _engine(tiny_text_model, max_total_tokens=400, chunked_prefill_size=48, max_prefill_tokens=96,
-                     disable_overlap=not overlap, host_kv_cache_gb=gb, timeline=True,
-                     experiments=Experiments(host_kv_write_ahead=ahead, host_kv_prefetch=ahead))
+    want = run_chats(_engine(tiny_text_model, max_total_tokens=20000), rounds)
+    engine = _small_tiered_engine(tiny_text_model, host_tokens, disable_overlap=not overlap, timeline=True,
+                                  experiments=Experiments(host_kv_write_ahead=ahead, host_kv_prefetch=ahead))
     prefetched, prefetch = [], engine.prefix_cache.prefetch
     engine.prefix_cache.prefetch = lambda *a, **k: prefetched.append(prefetch(*a, **k)) or prefetched[-1]
     written_ahead, write_ahead = [], engine.prefix_cache.write_ahead
@@ -466,13 +473,6 @@ def test_a_preempted_request_comes_back_through_the_host_tier(tiny_text_model, o
     engine.close()
 
 
-def _small_tiered_engine(path, **kw) -> Engine:
-    """A pool far smaller than chat_specs' working set, and a host tier that holds it."""
-    gb = 4096 * engine_bytes_per_token(_engine(path, max_total_tokens=64)) / 2**30
-    return _engine(path, max_total_tokens=400, chunked_prefill_size=48, max_prefill_tokens=96,
-                   host_kv_cache_gb=gb, **kw)
-
-
 @pytest.mark.parametrize("before_wait", [True, False])
 def test_the_tier_window_runs_while_the_previous_step_is_awaited(tiny_text_model, before_wait):
     """Default: after step S + 1 is launched, the tier window runs before step S's result is
@@ -483,20 +483,22 @@ def test_the_tier_window_runs_while_the_previous_step_is_awaited(tiny_text_model
     want = run_chats(_engine(tiny_text_model, max_total_tokens=20000), rounds)
     engine = _small_tiered_engine(tiny_text_model, experiments=Experiments(host_kv_window_before_wait=before_wait))
     order: list[tuple[str, int]] = []
+    # A drain (before a plan or launch that needs S's result) processes S early: not the case here.
+    processing = ["process"]
     window, process, drain = engine._move_between_tiers, engine._process, engine._drain
     engine._move_between_tiers = lambda: order.append(("window", engine.pending.batch.step)) or window()
-    engine._process = lambda pending: order.append((kind[0], pending.batch.step)) or process(pending)
-    kind = ["process"]  # a drain (before a plan or launch that needs S's result) is not the case here
+    engine._process = lambda pending: order.append((processing[0], pending.batch.step)) or process(pending)
 
     def drain_marked(outputs):
-        kind[0] = "drain"
+        processing[0] = "drain"
         drain(outputs)
-        kind[0] = "process"
+        processing[0] = "process"
 
     engine._drain = drain_marked
     assert run_chats(engine, rounds) == want
     at = {entry: i for i, entry in enumerate(order)}
-    pairs = [(at[("window", s + 1)], i) for (kind, s), i in at.items() if kind == "process" and ("window", s + 1) in at]
+    pairs = [(at[("window", s + 1)], i) for (what, s), i in at.items()
+             if what == "process" and ("window", s + 1) in at]
     assert len(pairs) > 20, order[:20]
     assert all((w < p) == before_wait for w, p in pairs), order[:20]
     assert_kv_conserved(engine)
