@@ -165,10 +165,6 @@ class Experiments:
     # Decode at small batch (issue 21): residual add + RMSNorm run in the prologue of the next
     # projection's small-M GEMM where the tuner found that faster (off: a norm kernel per norm).
     fused_norm_gemm: bool = True
-    # Small-M GEMM plans settled per M bucket on a decoder layer's chain of dependent projections
-    # (`gemm_tuner.tune_chain`: as tuned per shape, all fused, or cuBLAS); off: per-shape timing
-    # alone, which judged the fused prologues at M = 8 a tie where the chain ran 7% faster.
-    gemm_chain_tuning: bool = True
     # Split-K decode attention: the last split program of each row merges (off: a separate
     # merge launch per layer). Off: on the H200 (session 13) it saved 7 us of a 0.95 ms batch-1
     # step and took back PDL's 59 us gain when both were on (docs/benchmarks.md).

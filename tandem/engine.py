@@ -195,8 +195,7 @@ class Engine:
         from tandem.kernels.gemm_tuner import tune_model
         models = [self.model] + ([self.draft_model] if self.draft_model is not None else [])
         return tune_model(torch.nn.ModuleList(models), self.dtype,
-                          fuse_norm=self.cfg.experiments.fused_norm_gemm,
-                          chain=self.cfg.experiments.gemm_chain_tuning)
+                          fuse_norm=self.cfg.experiments.fused_norm_gemm)
 
     def _build_memory(self) -> None:
         mc, cfg = self.model.local_config, self.cfg  # this rank's KV heads

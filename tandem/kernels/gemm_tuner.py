@@ -11,12 +11,7 @@ layers of the same shape share one measurement. Each candidate is timed the way 
 a CUDA graph, each on a different copy of the weight so the copies together exceed L2
 (a decode step streams ~1 GB of weights; a layer's weight is never cache-resident).
 Timing launches from Python instead measures the host, not the kernel.
-
-Then the chain step (`tune_chain`): each M bucket's plan sets (as tuned per shape, every fused
-input fused, cuBLAS) are timed on a decoder layer's projections run as a chain of dependent
-launches, as decode runs them, and the fastest set is given to every layer of that shape.
 """
-import copy
 import logging
 import time
 
@@ -103,7 +98,7 @@ def tune_shape(weight: torch.Tensor, scale: torch.Tensor | None, x_dtype: torch.
 @torch.no_grad()
 def tune_gated_shape(weight: torch.Tensor, scale: torch.Tensor | None, x_dtype: torch.dtype, m: int,
                      unfused: GemmConfig | None) -> tuple[GemmConfig | None, float, float]:
-    """(the fastest fused config, its ms, the baseline's ms) for a gated layer's fused input (packed gate, up rows [m, 2K]; the kernel forms
+    """The same for a gated layer's fused input (packed gate, up rows [m, 2K]; the kernel forms
     silu(gate) * up while loading them). The baseline is what the caller runs otherwise: the
     SiLU-mul kernel, then the layer's unfused plan (`unfused`, or cuBLAS)."""
     k = weight.shape[1]
@@ -113,7 +108,7 @@ def tune_gated_shape(weight: torch.Tensor, scale: torch.Tensor | None, x_dtype: 
     two_step_ms = graph_time_ms(lambda i: linear(silu_mul(gate_up), weights[i], None, scale, plan), len(weights))
     best, best_ms = _fastest(
         lambda cfg: lambda i: small_m_gemm(gate_up, weights[i], None, scale, cfg, silu_mul=True),
-        weights, m, float("inf"))
+        weights, m, two_step_ms)
     return best, best_ms, two_step_ms
 
 
@@ -136,7 +131,7 @@ def tune_normed_shape(weight: torch.Tensor, scale: torch.Tensor | None, x_dtype:
     two_step_ms = graph_time_ms(two_step, len(weights))
     best, best_ms = _fastest(
         lambda cfg: lambda i: small_m_gemm_add_norm(x, norm, weights[i], None, scale, cfg),
-        weights, m, float("inf"))
+        weights, m, two_step_ms)
     return best, best_ms, two_step_ms
 
 
@@ -159,28 +154,20 @@ def _fastest(launcher, weights: list[torch.Tensor], m: int, baseline_ms: float) 
 
 
 def tune_model(model: torch.nn.Module, dtype: torch.dtype, max_m: int = MAX_SMALL_M,
-               fuse_norm: bool = True, chain: bool = True) -> dict:
+               fuse_norm: bool = True) -> dict:
     """Fill every `Linear`'s plan (a gated layer's `silu_plan`, and with `fuse_norm` a normed
-    layer's `norm_plan`) for M buckets up to `max_m`; with `chain`, then settle each decoder
-    layer shape's plans on its dependent chain of projections (`tune_chain`). Returns the
-    per-shape results {(N, K, weight dtype, M, fused input: None, "silu_mul" or "norm"):
-    (config or None, ms, baseline ms)} for logging and benchmarks (the baseline: cuBLAS, or the
-    two launches a fused input replaces; a fused config is kept there only where it beat them)."""
+    layer's `norm_plan`) for M buckets up to `max_m`; returns the results by shape
+    {(N, K, weight dtype, M, fused input: None, "silu_mul" or "norm"): (config, ms, baseline
+    ms)} for logging and benchmarks (the baseline: cuBLAS, or the two launches it replaces)."""
     started = time.monotonic()
     results: dict = {}
-    offers: dict = {}  # fused input key -> its fastest config, kept or not (the chain's "fused" plans)
     layers = [mod for mod in model.modules() if isinstance(mod, Linear)]
-    buckets = [b for b in M_BUCKETS if b <= max_m]
     for layer in layers:
-        for m in buckets:
-            _tune_layer(layer, dtype, m, fuse_norm, results, offers)
-    chains = {}
-    if chain:
-        for shape, decoder_layers in _decoder_layers_by_shape(model).items():
-            chains[shape] = (len(decoder_layers), tune_chain(decoder_layers, dtype, buckets, offers))
+        for m in (b for b in M_BUCKETS if b <= max_m):
+            _tune_layer(layer, dtype, m, fuse_norm, results)
     torch.cuda.empty_cache()  # the timing copies
-    log.info("small-M GEMM tuning: %d shapes in %.1fs; %s; chains: %s", len(results), time.monotonic() - started,
-             plan_summary(results), "; ".join(f"{n} layers {kept}" for n, kept in chains.values()) or "none")
+    log.info("small-M GEMM tuning: %d shapes in %.1fs; %s", len(results), time.monotonic() - started,
+             plan_summary(results))
     for (n, k, wdt, m, fused), (cfg, ms, base_ms) in results.items():
         log.debug("N=%d K=%d %s M=%d%s: %s %.1f us (baseline %.1f us)", n, k, wdt, m,
                   f" {fused} input" if fused else "", cfg, ms * 1e3, base_ms * 1e3)
@@ -198,9 +185,8 @@ def plan_summary(results: dict) -> str:
                      for kind, by_m in chosen.items())
 
 
-def _tune_layer(layer: Linear, dtype: torch.dtype, m: int, fuse_norm: bool, results: dict, offers: dict) -> None:
-    """One layer's plans for one M bucket, measuring each shape once (into `results`; each
-    fused input's fastest config, kept or not, into `offers`)."""
+def _tune_layer(layer: Linear, dtype: torch.dtype, m: int, fuse_norm: bool, results: dict) -> None:
+    """One layer's plans for one M bucket, measuring each shape once (into `results`)."""
     w = layer.weight
     key = (w.shape[0], w.shape[1], w.dtype, m, None)
     if key not in results:
@@ -214,112 +200,6 @@ def _tune_layer(layer: Linear, dtype: torch.dtype, m: int, fuse_norm: bool, resu
     for name, tune, plan in fused_inputs:
         fused = key[:4] + (name,)
         if fused not in results:
-            cfg, ms, base_ms = tune(w, layer.weight_scale, dtype, m, unfused)
-            offers[fused] = cfg
-            results[fused] = (cfg, ms, base_ms) if cfg is not None and ms < base_ms else (None, base_ms, base_ms)
+            results[fused] = tune(w, layer.weight_scale, dtype, m, unfused)
         if results[fused][0] is not None:
             plan[m] = results[fused][0]
-
-
-# ---- the chain: one decoder layer's projections, dependent launches as decode runs them ----
-# Timed alone, a fused prologue ties with its two launches at a few rows (M = 8 on the built-in
-# shape: 4.2 / 4.2 us), yet in a 5-row verify forward the fused layers ran 7% faster (1,067 against
-# 1,151 us on the H200, session 19), and with PDL off 12% slower: per-shape timing does not see a
-# launch's cost in a chain of dependent kernels. So each M bucket's candidate plan sets are timed
-# on the layer's own chain (`DecoderLayer.projection_chain`), each layer fed the previous one's
-# output, and the fastest set is kept for every layer of that shape.
-CHAIN_VARIANTS = ("tuned", "fused", "cublas")
-
-
-def _decoder_layers_by_shape(model: torch.nn.Module) -> dict[tuple, list[torch.nn.Module]]:
-    """Decoder layers (modules with a `projection_chain`) grouped by their projections' weight
-    shapes and dtypes (a draft model's layers form their own group); tensor-parallel layers
-    (a projection with an all-reduce) are left out: their chain would run collectives."""
-    groups: dict[tuple, list[torch.nn.Module]] = {}
-    for mod in model.modules():
-        if not hasattr(mod, "projection_chain"):
-            continue
-        linears = _chain_linears(mod)
-        if any(lin.reduce is not None for lin in linears):
-            continue
-        shape = tuple((tuple(lin.weight.shape), lin.weight.dtype) for lin in linears)
-        groups.setdefault(shape, []).append(mod)
-    return groups
-
-
-def _chain_linears(layer: torch.nn.Module) -> list[Linear]:
-    return [mod for mod in layer.modules() if isinstance(mod, Linear)]
-
-
-def _plans(layer: torch.nn.Module, m: int) -> list[tuple]:
-    """(plan, silu_plan, norm_plan) entries of bucket m, per Linear of the layer."""
-    return [(lin.plan.get(m), lin.silu_plan.get(m), lin.norm_plan.get(m)) for lin in _chain_linears(layer)]
-
-
-def _set_plans(layer: torch.nn.Module, m: int, plans: list[tuple]) -> None:
-    for lin, entries in zip(_chain_linears(layer), plans):
-        for plan, cfg in zip((lin.plan, lin.silu_plan, lin.norm_plan), entries):
-            if cfg is None:
-                plan.pop(m, None)
-            else:
-                plan[m] = cfg
-
-
-def chain_variants(layer: torch.nn.Module, m: int, offers: dict) -> dict[str, list[tuple]]:
-    """Bucket m's candidate plan sets for the layer's Linears: as tuned per shape; with every
-    fused input that has an offer fused; cuBLAS with no fused input. Duplicates dropped."""
-    tuned = _plans(layer, m)
-    fused = []
-    for lin, (plan, silu, norm) in zip(_chain_linears(layer), tuned):
-        key = (lin.weight.shape[0], lin.weight.shape[1], lin.weight.dtype, m)
-        fused.append((plan, offers.get(key + ("silu_mul",)) if lin.gated else silu,
-                      offers.get(key + ("norm",), norm) if lin.normed and norm is None else norm))
-    variants = {"tuned": tuned, "fused": fused, "cublas": [(None, None, None)] * len(tuned)}
-    out: dict[str, list[tuple]] = {}
-    for name, plans in variants.items():
-        if plans not in out.values():
-            out[name] = plans
-    return out
-
-
-@torch.no_grad()
-def tune_chain(layers: list[torch.nn.Module], dtype: torch.dtype, buckets: list[int], offers: dict) -> dict[int, str]:
-    """For each M bucket, time `chain_variants` of the first layer on a dependent chain of its
-    copies (enough to stream the weights from HBM, as decode does) and give every layer in
-    `layers` the fastest set. Returns the variant kept per bucket."""
-    first = layers[0]
-    linears = _chain_linears(first)
-    weight_bytes = sum(lin.weight.numel() * lin.weight.element_size() for lin in linears)
-    # Copies share the buffers (the rotary tables, FP8 scales: read-only) and own their weights.
-    shared = {id(t): t for t in first.buffers()}
-    copies = [first] + [copy.deepcopy(first, dict(shared)) for _ in range(max(1, STREAM_BYTES // weight_bytes))]
-    kept: dict[int, str] = {}
-    for m in buckets:
-        variants = chain_variants(first, m, offers)
-        if len(variants) == 1:
-            kept[m] = "tuned"
-            continue
-        x = torch.randn(m, linears[0].in_features, device=linears[0].weight.device, dtype=dtype)
-        times = {}
-        for name, plans in variants.items():
-            for layer in copies:
-                _set_plans(layer, m, plans)
-            times[name] = _chain_time_ms(copies, x)
-        kept[m] = min(times, key=times.get)
-        for layer in layers:
-            _set_plans(layer, m, variants[kept[m]])
-        log.debug("chain M=%d: %s", m, ", ".join(f"{n} {t * 1e3:.1f} us" for n, t in times.items()))
-    return kept
-
-
-def _chain_time_ms(copies: list[torch.nn.Module], x: torch.Tensor) -> float:
-    """Device ms per layer of the layers' projection chains run back to back, each layer fed
-    the one before (dependent launches), captured in a graph and replayed."""
-    state: dict = {}
-
-    def one(i: int) -> None:
-        if i == 0:
-            state["x"], state["residual"] = x, None
-        state["x"], state["residual"] = copies[i].projection_chain(state["x"], state["residual"])
-
-    return graph_time_ms(one, len(copies))

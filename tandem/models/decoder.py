@@ -81,15 +81,6 @@ class DecoderLayer(nn.Module):
         gate_up, residual = _norm_project(self.post_attention_layernorm, self.mlp.gate_up_proj, x, residual)
         return self.mlp.down(gate_up), residual
 
-    def projection_chain(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The layer's projections in their order and through their own paths, attention left
-        out (o_proj reads qkv's first q columns): the dependent chain the startup GEMM tuner
-        times (`tune_chain`), as a decode step runs it."""
-        qkv, residual = _norm_project(self.input_layernorm, self.self_attn.qkv_proj, x, residual)
-        x = self.self_attn.o_proj(qkv[..., :self.self_attn.q_size])
-        gate_up, residual = _norm_project(self.post_attention_layernorm, self.mlp.gate_up_proj, x, residual)
-        return self.mlp.down(gate_up), residual
-
 
 def _norm_project(norm: RMSNorm, proj: Linear, x: torch.Tensor,
                   residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
