@@ -21,3 +21,6 @@ def test_rows_have_both_sides(tiny_text_model, tmp_path, same_process):
     for r in rows:
         assert r["plain_tok_s"] > 0 and r["spec_tok_s"] > 0 and r["identical"]
         assert r["output_tokens"] == 10 * r["batch"]
+        assert len(r["plain_runs_ms"]) == len(r["spec_runs_ms"]) == 1  # --repeat 1
+        # The reported rate is the median run's: here the one run.
+        assert r["plain_tok_s"] == pytest.approx(r["output_tokens"] / (r["plain_runs_ms"][0] / 1e3), rel=1e-3)

@@ -16,7 +16,7 @@ import json
 import statistics
 import time
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from multiprocessing import get_context
 
 from tandem.entrypoints.llm import LLM
@@ -97,6 +97,12 @@ class TaskRow:
     output_tokens: int
     spec_gpu_busy: float | None
     identical: bool  # greedy outputs equal plain decoding's
+    # Each timed run's wall ms, and the plain side's GPU busy: on the H200 (session 19) one plain
+    # engine ran two tasks at half its speed on the others; these say whether a side's figure is
+    # one slow run or a slow engine, and whether its GPU or its host was the slow part.
+    plain_runs_ms: list[float] = field(default_factory=list)
+    spec_runs_ms: list[float] = field(default_factory=list)
+    plain_gpu_busy: float | None = None
 
 
 def add_model_args(ap: argparse.ArgumentParser) -> None:
@@ -134,6 +140,7 @@ def _timed(llm: LLM, task: str, batch: int, max_tokens: int, repeat: int) -> tup
     after = engine.stats()
     delta = {k: after[k] - before[k] for k in after if k.startswith("spec_decode_num") and
              isinstance(after[k], int)}
+    delta["runs_ms"] = [round(w * 1e3, 2) for w in walls]
     delta["steps"] = (after["steps"] - before["steps"]) // (repeat + 1)  # the warm-up ran too
     delta["verify_steps"] = (after.get("spec_decode_verify_steps", 0)
                              - before.get("spec_decode_verify_steps", 0)) // (repeat + 1)
@@ -169,12 +176,13 @@ def run(model: str | None, spec: dict, tasks: list[str], batches: list[int], max
         plain, speculative = (_in_fresh_process(_side, args) for args in sides)
     results = {key: [plain[key], speculative[key]] for key in plain}
     rows = []
-    for (task, b), ((plain_s, plain_ids, _), (spec_s, spec_ids, d)) in results.items():
+    for (task, b), ((plain_s, plain_ids, p), (spec_s, spec_ids, d)) in results.items():
         tokens = sum(len(t) for t in spec_ids)
         drafts, accepted = d.get("spec_decode_num_drafts", 0), d.get("spec_decode_num_accepted_tokens", 0)
         rows.append(TaskRow(task, b, sum(len(t) for t in plain_ids) / plain_s, tokens / spec_s,
                             plain_s / spec_s, 1 + accepted / drafts if drafts else None, d["verify_steps"],
-                            d["steps"], tokens, d.get("gpu_busy"), plain_ids == spec_ids))
+                            d["steps"], tokens, d.get("gpu_busy"), plain_ids == spec_ids,
+                            p["runs_ms"], d["runs_ms"], p.get("gpu_busy")))
     return rows
 
 
@@ -206,12 +214,13 @@ def main(argv: list[str] | None = None) -> None:
                [int(b) for b in args.batch_sizes.split(",")], args.max_tokens, args.device, args.dtype, args.repeat,
                args.same_process)
     print(f"{'task':10} {'batch':>5} {'plain tok/s':>12} {'spec tok/s':>11} {'x':>6} {'accept len':>10} "
-          f"{'verify/steps':>13} {'gpu busy':>8} same")
+          f"{'verify/steps':>13} {'gpu busy (plain / spec)':>23} same  runs ms (plain / spec)")
     for r in rows:
         acc = f"{r.mean_acceptance_length:.2f}" if r.mean_acceptance_length else "-"
-        busy = f"{r.spec_gpu_busy:.3f}" if r.spec_gpu_busy is not None else "-"
+        busy = " / ".join(f"{b:.3f}" if b is not None else "-" for b in (r.plain_gpu_busy, r.spec_gpu_busy))
+        runs = " / ".join(",".join(f"{w:.0f}" for w in side) for side in (r.plain_runs_ms, r.spec_runs_ms))
         print(f"{r.task:10} {r.batch:5d} {r.plain_tok_s:12,.0f} {r.spec_tok_s:11,.0f} {r.speedup:6.2f} {acc:>10} "
-              f"{r.verify_steps:6d}/{r.steps:<6d} {busy:>8} {r.identical}")
+              f"{r.verify_steps:6d}/{r.steps:<6d} {busy:>23} {r.identical!s:5} {runs}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"speculative_config": json.loads(args.speculative_config), "max_tokens": args.max_tokens,
