@@ -19,7 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
@@ -42,6 +42,7 @@ class VerifyRow:
     verify_eager_ms: float
     first_position_max_diff: float  # |verify logits[pos 0] - decode logits|, the layout check
     layouts_max_diff: float  # |verify logits - extend layout's|, every position
+    plans: str = "tuned"  # the small-M GEMM plans: as tuned, or "fused@M" (--force-fused)
 
     @property
     def ratio(self) -> float:
@@ -119,6 +120,48 @@ def measure(engine: Engine, batch: int, k: int, context: int, iters: int) -> Ver
     return VerifyRow(batch, k, context, timed[0], timed[1], timed[2], eager[0], eager[1], diff, layouts)
 
 
+@torch.no_grad()
+def force_fused(engine: Engine, bucket: int) -> int:
+    """Give every normed projection (qkv, gate/up) and gated one (down) a fused-prologue plan
+    at M bucket `bucket`: the fastest fused candidate, even where the startup tuner timed it
+    slower than the norm or SiLU-mul launch plus the GEMM. The A/B behind it (H200, session
+    19): the tuner, timing each shape alone, keeps the launches apart at M = 8, yet a 5-row
+    verify forward of the built-in shape ran 10% faster with them fused (PDL on). CUDA only.
+    Returns how many plans it set."""
+    from tandem.kernels.gemm_tuner import candidates, graph_time_ms  # imports Triton: CUDA only
+    from tandem.kernels.small_m_gemm import NormInput, small_m_gemm, small_m_gemm_add_norm
+    from tandem.models.linear import Linear
+    sms = torch.cuda.get_device_properties(engine.device).multi_processor_count
+    chosen: dict[tuple, object] = {}
+    count = 0
+    for layer in (m for m in engine.model.modules() if isinstance(m, Linear)):
+        for kind, plan in (("norm", layer.norm_plan if layer.normed else None),
+                           ("silu_mul", layer.silu_plan if layer.gated else None)):
+            if plan is None:
+                continue
+            w, scale = layer.weight, layer.weight_scale
+            n, k = w.shape
+            key = (n, k, w.dtype, kind)
+            if key not in chosen:
+                x = torch.randn(bucket, 2 * k if kind == "silu_mul" else k, device=w.device, dtype=engine.dtype)
+                norm = NormInput(torch.ones(k, device=w.device, dtype=engine.dtype), 1e-6, torch.randn_like(x))
+
+                # Copies of the weight past the L2 (192 MiB, as the tuner streams them): decode
+                # never finds a layer's weight in cache.
+                ws = [w] + [w.clone() for _ in range(min(63, (192 << 20) // (w.numel() * w.element_size())))]
+
+                def launch(cfg, x=x, norm=norm, ws=ws, scale=scale, kind=kind):
+                    if kind == "silu_mul":
+                        return lambda i: small_m_gemm(x, ws[i], None, scale, cfg, silu_mul=True)
+                    return lambda i: small_m_gemm_add_norm(x, norm, ws[i], None, scale, cfg)
+                timed = {cfg: graph_time_ms(launch(cfg), len(ws)) for cfg in candidates(n, k, bucket, sms)}
+                chosen[key] = min(timed, key=timed.get)
+                del ws
+            plan[bucket] = chosen[key]
+            count += 1
+    return count
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="tandem bench spec-verify", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -129,27 +172,39 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--k", type=int, default=4, help="proposals per row (a verify scores k + 1 tokens)")
     ap.add_argument("--context", type=int, default=512, help="cached tokens per row")
     ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--force-fused", type=int, metavar="M",
+                    help="then measure again with every fused norm / SiLU-mul prologue plan forced at M "
+                         "bucket M (1, 2, 4, 8 or 16; CUDA): the A/B of the tuner's choice there")
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args(argv)
     sizes = [int(s) for s in args.batch_sizes.split(",") if s]
+    if args.force_fused is not None and args.force_fused not in (1, 2, 4, 8, 16):
+        ap.error(f"--force-fused takes an M bucket (1, 2, 4, 8 or 16), got {args.force_fused}")
     span = args.context + args.k + 1
     engine = Engine(EngineConfig(model=str(preset_dir(args.preset)), dummy_weights=True, device=args.device,
                                  dtype=args.dtype, cuda_graph="off", warm_up="off", max_model_len=span,
                                  max_running_requests=max(sizes) + 1,
                                  max_total_tokens=max(sizes) * span + 1))
     try:
+        if args.force_fused is not None and engine.device.type != "cuda":
+            ap.error("--force-fused needs CUDA (the small-M GEMM plans are CUDA's)")
         rows = [measure(engine, b, args.k, args.context, args.iters) for b in sizes]
+        if args.force_fused is not None:
+            forced = force_fused(engine, args.force_fused)
+            print(f"forced {forced} fused prologue plans at M bucket {args.force_fused}")
+            rows += [replace(measure(engine, b, args.k, args.context, args.iters), plans=f"fused@{args.force_fused}")
+                     for b in sizes]
     finally:
         engine.close()
     print(f"verify of k + 1 = {args.k + 1} tokens per row vs one decode step, {args.preset}, "
           f"{args.context} cached tokens per row ({'CUDA graphs' if engine.device.type == 'cuda' else 'eager'}):")
-    print("| batch | decode ms | verify ms | verify / decode | extend layout ms | extend / decode | "
+    print("| plans | batch | decode ms | verify ms | verify / decode | extend layout ms | extend / decode | "
           "eager decode ms | eager verify ms | check | layouts |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r.batch} | {r.decode_ms:.3f} | {r.verify_ms:.3f} | {r.ratio:.3f} | {r.verify_extend_ms:.3f} | "
-              f"{r.verify_extend_ms / r.decode_ms:.3f} | {r.decode_eager_ms:.3f} | {r.verify_eager_ms:.3f} | "
-              f"{r.first_position_max_diff:.2g} | {r.layouts_max_diff:.2g} |")
+        print(f"| {r.plans} | {r.batch} | {r.decode_ms:.3f} | {r.verify_ms:.3f} | {r.ratio:.3f} | "
+              f"{r.verify_extend_ms:.3f} | {r.verify_extend_ms / r.decode_ms:.3f} | {r.decode_eager_ms:.3f} | "
+              f"{r.verify_eager_ms:.3f} | {r.first_position_max_diff:.2g} | {r.layouts_max_diff:.2g} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "rows": [{**asdict(r), "ratio": r.ratio} for r in rows]}, f, indent=1)
