@@ -34,9 +34,14 @@ def test_force_fused_takes_an_m_bucket_and_needs_cuda(value, message, capsys):
 def test_force_fused_measures_both_plan_sets_on_cuda(tmp_path):
     out = tmp_path / "sv.json"
     assert spec_verify.main(["--preset", "tiny", "--device", "cuda", "--dtype", "bfloat16", "--batch-sizes", "1",
-                             "--context", "64", "--iters", "3", "--force-fused", "8", "--json", str(out)]) == 0
+                             "--context", "64", "--iters", "3", "--force-fused", "8", "--kernels",
+                             "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
     assert [r["plans"] for r in rows] == ["tuned", "fused@8"]
+    # Forced fused prologues at M = 8 drop the 5-row verify's norm and SiLU-mul launches.
+    count = {(r["plans"], name): sum(n for _, n, _ in table) for r in rows for name, table in r["kernels"].items()}
+    assert count[("fused@8", "verify")] < count[("tuned", "verify")] or count[("tuned", "verify")] == \
+        count[("tuned", "decode")], count
     tuned, fused = rows
     # The fused prologues compute the same forward: the 5-row verify (M bucket 8, forced fused)
     # still agrees with the 1-row decode as closely as it did with the tuned plans, bf16 apart.

@@ -43,6 +43,8 @@ class VerifyRow:
     first_position_max_diff: float  # |verify logits[pos 0] - decode logits|, the layout check
     layouts_max_diff: float  # |verify logits - extend layout's|, every position
     plans: str = "tuned"  # the small-M GEMM plans: as tuned, or "fused@M" (--force-fused)
+    # --kernels: per forward ("decode", "verify"), [kernel, launches, self device us] a replay
+    kernels: dict | None = None
 
     @property
     def ratio(self) -> float:
@@ -99,8 +101,30 @@ def _time_eager(fn, iters: int, device: torch.device) -> float:
     return (time.perf_counter() - start) / iters * 1e3
 
 
+def kernel_table(fn, replays: int = 10) -> list[list]:
+    """[kernel name, launches, self device us] per replay of `fn` captured in a CUDA graph,
+    slowest first (torch.profiler). With PDL on (the default) a kernel starts before the one
+    ahead of it finishes and its time includes that wait: the counts hold, the times need
+    TANDEM_PDL=0."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            graph.replay()
+        torch.cuda.synchronize()
+    rows = [[ev.key, ev.count / replays, ev.self_device_time_total / replays]
+            for ev in prof.key_averages() if ev.self_device_time_total > 0]
+    graph.reset()
+    return sorted(rows, key=lambda r: -r[2])
+
+
 @torch.no_grad()
-def measure(engine: Engine, batch: int, k: int, context: int, iters: int) -> VerifyRow:
+def measure(engine: Engine, batch: int, k: int, context: int, iters: int, kernels: bool = False) -> VerifyRow:
     shapes = Shapes(engine, batch, k, context)
     # Fill the context's KV once (a prefill of `context` random tokens is not needed: any KV
     # values time the same), then check the layout on the verify's first position.
@@ -117,7 +141,12 @@ def measure(engine: Engine, batch: int, k: int, context: int, iters: int) -> Ver
         timed = [graph_time_ms(lambda _, fb=fb: shapes.run(fb), 1, iters) for fb in batches]
     else:
         timed = eager
-    return VerifyRow(batch, k, context, timed[0], timed[1], timed[2], eager[0], eager[1], diff, layouts)
+    tables = None
+    if kernels and dev.type == "cuda":
+        tables = {name: kernel_table(lambda fb=fb: shapes.run(fb)) for name, fb in
+                  (("decode", shapes.decode), ("verify", shapes.verify))}
+    return VerifyRow(batch, k, context, timed[0], timed[1], timed[2], eager[0], eager[1], diff, layouts,
+                     kernels=tables)
 
 
 @torch.no_grad()
@@ -175,6 +204,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--force-fused", type=int, metavar="M",
                     help="then measure again with every fused norm / SiLU-mul prologue plan forced at M "
                          "bucket M (1, 2, 4, 8 or 16; CUDA): the A/B of the tuner's choice there")
+    ap.add_argument("--kernels", action="store_true",
+                    help="also each forward's CUDA kernels a replay (counts; times are real with TANDEM_PDL=0)")
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args(argv)
     sizes = [int(s) for s in args.batch_sizes.split(",") if s]
@@ -188,12 +219,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.force_fused is not None and engine.device.type != "cuda":
             ap.error("--force-fused needs CUDA (the small-M GEMM plans are CUDA's)")
-        rows = [measure(engine, b, args.k, args.context, args.iters) for b in sizes]
+        rows = [measure(engine, b, args.k, args.context, args.iters, args.kernels) for b in sizes]
         if args.force_fused is not None:
             forced = force_fused(engine, args.force_fused)
             print(f"forced {forced} fused prologue plans at M bucket {args.force_fused}")
-            rows += [replace(measure(engine, b, args.k, args.context, args.iters), plans=f"fused@{args.force_fused}")
-                     for b in sizes]
+            rows += [replace(measure(engine, b, args.k, args.context, args.iters, args.kernels),
+                             plans=f"fused@{args.force_fused}") for b in sizes]
     finally:
         engine.close()
     print(f"verify of k + 1 = {args.k + 1} tokens per row vs one decode step, {args.preset}, "
@@ -205,6 +236,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {r.plans} | {r.batch} | {r.decode_ms:.3f} | {r.verify_ms:.3f} | {r.ratio:.3f} | "
               f"{r.verify_extend_ms:.3f} | {r.verify_extend_ms / r.decode_ms:.3f} | {r.decode_eager_ms:.3f} | "
               f"{r.verify_eager_ms:.3f} | {r.first_position_max_diff:.2g} | {r.layouts_max_diff:.2g} |")
+    for r in rows:
+        for name, table in (r.kernels or {}).items():
+            print(f"{r.plans} batch {r.batch} {name}: {sum(n for _, n, _ in table):.0f} kernels a replay, "
+                  f"{sum(us for _, _, us in table):.1f} us of kernel time")
+            for kernel, n, us in table[:12]:
+                print(f"  {us:9.1f} us {n:6.1f}x  {kernel[:90]}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "rows": [{**asdict(r), "ratio": r.ratio} for r in rows]}, f, indent=1)
