@@ -171,6 +171,8 @@ def force_fused(engine: Engine, bucket: int) -> int:
             w, scale = layer.weight, layer.weight_scale
             n, k = w.shape
             key = (n, k, w.dtype, kind)
+            if key not in chosen and not candidates(n, k, bucket, sms):
+                chosen[key] = None  # no tile fits K (the tiny preset's K = 64): the tuned plan stays
             if key not in chosen:
                 x = torch.randn(bucket, 2 * k if kind == "silu_mul" else k, device=w.device, dtype=engine.dtype)
                 norm = NormInput(torch.ones(k, device=w.device, dtype=engine.dtype), 1e-6, torch.randn_like(x))
@@ -186,8 +188,9 @@ def force_fused(engine: Engine, bucket: int) -> int:
                 timed = {cfg: graph_time_ms(launch(cfg), len(ws)) for cfg in candidates(n, k, bucket, sms)}
                 chosen[key] = min(timed, key=timed.get)
                 del ws
-            plan[bucket] = chosen[key]
-            count += 1
+            if chosen[key] is not None:
+                plan[bucket] = chosen[key]
+                count += 1
     return count
 
 
