@@ -157,8 +157,7 @@ def force_fused(engine: Engine, bucket: int) -> int:
     19): the tuner, timing each shape alone, keeps the launches apart at M = 8, yet a 5-row
     verify forward of the built-in shape ran 10% faster with them fused (PDL on). CUDA only.
     Returns how many plans it set."""
-    from tandem.kernels.gemm_tuner import candidates, graph_time_ms  # imports Triton: CUDA only
-    from tandem.kernels.small_m_gemm import NormInput, small_m_gemm, small_m_gemm_add_norm
+    from tandem.kernels.gemm_tuner import candidates  # imports Triton: CUDA only
     from tandem.models.linear import Linear
     sms = torch.cuda.get_device_properties(engine.device).multi_processor_count
     chosen: dict[tuple, object] = {}
@@ -168,30 +167,38 @@ def force_fused(engine: Engine, bucket: int) -> int:
                            ("silu_mul", layer.silu_plan if layer.gated else None)):
             if plan is None:
                 continue
-            w, scale = layer.weight, layer.weight_scale
-            n, k = w.shape
-            key = (n, k, w.dtype, kind)
-            if key not in chosen and not candidates(n, k, bucket, sms):
-                chosen[key] = None  # no tile fits K (the tiny preset's K = 64): the tuned plan stays
+            n, k = layer.weight.shape
+            key = (n, k, layer.weight.dtype, kind)
             if key not in chosen:
-                x = torch.randn(bucket, 2 * k if kind == "silu_mul" else k, device=w.device, dtype=engine.dtype)
-                norm = NormInput(torch.ones(k, device=w.device, dtype=engine.dtype), 1e-6, torch.randn_like(x))
-
-                # Copies of the weight past the L2 (192 MiB, as the tuner streams them): decode
-                # never finds a layer's weight in cache.
-                ws = [w] + [w.clone() for _ in range(min(63, (192 << 20) // (w.numel() * w.element_size())))]
-
-                def launch(cfg, x=x, norm=norm, ws=ws, scale=scale, kind=kind):
-                    if kind == "silu_mul":
-                        return lambda i: small_m_gemm(x, ws[i], None, scale, cfg, silu_mul=True)
-                    return lambda i: small_m_gemm_add_norm(x, norm, ws[i], None, scale, cfg)
-                timed = {cfg: graph_time_ms(launch(cfg), len(ws)) for cfg in candidates(n, k, bucket, sms)}
-                chosen[key] = min(timed, key=timed.get)
-                del ws
+                chosen[key] = _fastest_fused(layer, kind, bucket, engine.dtype, candidates(n, k, bucket, sms))
             if chosen[key] is not None:
                 plan[bucket] = chosen[key]
                 count += 1
     return count
+
+
+def _fastest_fused(layer, kind: str, bucket: int, dtype: torch.dtype, configs: list):
+    """The fastest of `configs` for `layer`'s fused prologue `kind` at M = `bucket`, timed in a
+    CUDA graph; None when no tile fits its K (the tiny preset's K = 64): its tuned plan stays."""
+    if not configs:
+        return None
+    from tandem.kernels.gemm_tuner import graph_time_ms
+    from tandem.kernels.small_m_gemm import NormInput, small_m_gemm, small_m_gemm_add_norm
+    w, scale = layer.weight, layer.weight_scale
+    k = w.shape[1]
+    x = torch.randn(bucket, 2 * k if kind == "silu_mul" else k, device=w.device, dtype=dtype)
+    norm = NormInput(torch.ones(k, device=w.device, dtype=dtype), 1e-6, torch.randn_like(x))
+
+    # Copies of the weight past the L2 (192 MiB, as the tuner streams them): decode
+    # never finds a layer's weight in cache.
+    ws = [w] + [w.clone() for _ in range(min(63, (192 << 20) // (w.numel() * w.element_size())))]
+
+    def launch(cfg):
+        if kind == "silu_mul":
+            return lambda i: small_m_gemm(x, ws[i], None, scale, cfg, silu_mul=True)
+        return lambda i: small_m_gemm_add_norm(x, norm, ws[i], None, scale, cfg)
+    timed = {cfg: graph_time_ms(launch(cfg), len(ws)) for cfg in configs}
+    return min(timed, key=timed.get)
 
 
 def main(argv: list[str] | None = None) -> int:
