@@ -7,6 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tandem.kernels.grid import cdiv, next_power_of_2
 from tandem.kernels.pdl import pdl_options, pdl_prologue
 
 
@@ -29,8 +30,8 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     inter = two_i // 2
     out = torch.empty(num_tokens, inter, dtype=gate_up.dtype, device=gate_up.device)
     if num_tokens:
-        block = min(1024, triton.next_power_of_2(inter))
-        _silu_mul_kernel[(num_tokens, triton.cdiv(inter, block))](
+        block = min(1024, next_power_of_2(inter))
+        _silu_mul_kernel[(num_tokens, cdiv(inter, block))](
             gate_up, out, gate_up.stride(0), out.stride(0), inter, BLOCK=block,
             num_warps=4, **pdl_options(gate_up.device),
         )

@@ -21,6 +21,7 @@ import triton.language as tl
 from tandem.cascade_layout import MAX_PARTS, WORK_INTS, CascadeInputs, max_group_rows
 from tandem.kernels.decode_attention import (LOG2E, MIN_ROW_SPLIT_TOKENS, _merge_head, _used_splits,
                                              decode_num_splits, decode_suffix_partials, default_block_n)
+from tandem.kernels.grid import next_power_of_2
 
 
 # Per-step ints (the suffix split count, and the strides of the mid buffers, which hold
@@ -131,7 +132,7 @@ def cascade_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     decode_suffix_partials(q, k_cache, v_cache, req_to_token, req_slots, seq_lens, c.shared_lens, scale,
                            mid_o, mid_lse, suffix_splits, min_split_tokens, block_n)
     shared_prefix_partials(q, k_cache, v_cache, req_to_token, req_slots, c, scale, mid_o, mid_lse, suffix_splits)
-    block_d = triton.next_power_of_2(head_dim)
+    block_d = next_power_of_2(head_dim)
     _cascade_merge_kernel[(batch, num_heads)](
         mid_o, mid_lse, out, seq_lens, c.shared_lens, c.shared_parts,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
@@ -159,7 +160,7 @@ def shared_prefix_partials(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         v_cache.stride(0), v_cache.stride(1), req_to_token.stride(0),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         scale * LOG2E, split_offset,
-        GROUP=group, HEAD_DIM=head_dim, BLOCK_M=max(16, triton.next_power_of_2(c.max_group_size * group)),
-        BLOCK_N=default_block_n(head_dim), BLOCK_D=triton.next_power_of_2(head_dim),
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_M=max(16, next_power_of_2(c.max_group_size * group)),
+        BLOCK_N=default_block_n(head_dim), BLOCK_D=next_power_of_2(head_dim),
         DOT_PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32", num_warps=4, num_stages=2,
     )

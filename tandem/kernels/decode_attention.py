@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tandem.kernels.grid import cdiv, next_power_of_2
 from tandem.kernels.pdl import pdl_options, pdl_prologue
 
 LOG2E = 1.4426950408889634
@@ -232,8 +233,8 @@ def _num_sms(device: torch.device) -> int:
 
 def _head_block(group: int) -> tuple[int, int]:
     """(BLOCK_H, head blocks per KV head) for a GQA group size."""
-    block_h = min(MAX_BLOCK_H, max(16, triton.next_power_of_2(group)))
-    return block_h, triton.cdiv(group, block_h)
+    block_h = min(MAX_BLOCK_H, max(16, next_power_of_2(group)))
+    return block_h, cdiv(group, block_h)
 
 
 def default_block_n(head_dim: int) -> int:
@@ -246,8 +247,8 @@ def decode_num_splits(batch_size: int, num_kv_heads: int, group: int, max_seq_le
     """Splits per sequence from host ints only: enough programs for ~2 waves of SMs,
     but no split shorter than MIN_TOKENS_PER_SPLIT."""
     programs = batch_size * num_kv_heads * _head_block(group)[1]
-    by_occupancy = triton.cdiv(2 * _num_sms(device), programs)
-    by_length = triton.cdiv(max(max_seq_len, 1), MIN_TOKENS_PER_SPLIT)
+    by_occupancy = cdiv(2 * _num_sms(device), programs)
+    by_length = cdiv(max(max_seq_len, 1), MIN_TOKENS_PER_SPLIT)
     return max(1, min(by_occupancy, by_length, MAX_SPLITS))
 
 
@@ -330,7 +331,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         mid_o, mid_lse, out, seq_lens,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0),
         mid_lse.stride(1), out.stride(0), out.stride(1), num_splits, min_split_tokens,
-        HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
+        HEAD_DIM=head_dim, BLOCK_D=next_power_of_2(head_dim),
         BLOCK_N=block_n, num_warps=4, **pdl_options(q.device),
     )
     return out
@@ -372,7 +373,7 @@ def _launch_split(q, k_cache, v_cache, req_to_token, req_slots, seq_lens, start_
         mid_lse.stride(0), mid_lse.stride(1), out.stride(0), out.stride(1),
         scale * LOG2E, num_splits, min_split_tokens,
         GROUP=group, HEAD_BLOCKS=head_blocks, HEAD_DIM=head_dim, SPLIT=split,
-        BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=next_power_of_2(head_dim),
         DOT_PRECISION=precision, HAS_START=start_lens is not None, FUSED_MERGE=fused,
         num_warps=4, num_stages=2,
         **pdl_options(q.device),

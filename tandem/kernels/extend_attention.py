@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tandem.kernels.grid import cdiv, next_power_of_2
+
 LOG2E = 1.4426950408889634
 
 
@@ -123,14 +125,14 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     default_m, default_n, num_warps = _default_blocks(head_dim)
     block_m = block_m or default_m
     block_n = block_n or default_n
-    grid = (batch, triton.cdiv(max_extend_len, block_m), num_heads)
+    grid = (batch, cdiv(max_extend_len, block_m), num_heads)
     _extend_kernel[grid](
         q, k_cache, v_cache, out, req_to_token, req_slots, seq_lens, prefix_lens, qo_indptr,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1), out.stride(0), out.stride(1),
         req_to_token.stride(0), scale * LOG2E,
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_D=next_power_of_2(head_dim),
         DOT_PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32",
         num_warps=num_warps, num_stages=2,
     )

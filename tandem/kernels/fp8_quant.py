@@ -8,6 +8,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tandem.kernels.grid import next_power_of_2
+
 FP8_MAX = 448.0
 
 
@@ -31,7 +33,7 @@ def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
     scale = torch.empty(m, 1, dtype=torch.float32, device=x.device)
     if m:
-        block = triton.next_power_of_2(k)
+        block = next_power_of_2(k)
         _quantize_rows_kernel[(m,)](x, q, scale, k, x.stride(0), q.stride(0), FP8_MAX=FP8_MAX,
                                     BLOCK=block, num_warps=8 if block >= 4096 else 4)
     return q, scale

@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tandem.kernels.grid import next_power_of_2
+
 
 @triton.jit
 def _write_kv_kernel(
@@ -51,6 +53,6 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, loc: torch.Tensor,
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
-        BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_H=next_power_of_2(num_kv_heads), BLOCK_D=next_power_of_2(head_dim),
         num_warps=4,
     )

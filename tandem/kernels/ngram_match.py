@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tandem.kernels.grid import next_power_of_2
+
 
 @triton.jit
 def _ngram_match_kernel(
@@ -65,6 +67,6 @@ def ngram_match(history: torch.Tensor, slots: torch.Tensor, lengths: torch.Tenso
         return tokens, count
     _ngram_match_kernel[(B,)](
         history, history.stride(0), slots, lengths, tokens, count, window, k,
-        MIN_N=min_n, MAX_N=max_n, BLOCK=min(1024, triton.next_power_of_2(window)),
-        BLOCK_K=triton.next_power_of_2(k), num_warps=4)
+        MIN_N=min_n, MAX_N=max_n, BLOCK=min(1024, next_power_of_2(window)),
+        BLOCK_K=next_power_of_2(k), num_warps=4)
     return tokens, count

@@ -10,6 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tandem.kernels.grid import next_power_of_2
 from tandem.kernels.pdl import pdl_options, pdl_prologue
 
 
@@ -39,19 +40,21 @@ def _rms_norm_kernel(
 def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
     n = x.shape[-1]
     assert weight.shape == (n,) and weight.is_contiguous()
-    x2 = x.reshape(-1, n)
+    # The decoder's rows are 2-D already: no reshape, no view back (host time, issue 21).
+    flat = x.dim() == 2
+    x2 = x if flat else x.reshape(-1, n)
     assert x2.stride(-1) == 1
-    out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    out = torch.empty_like(x2, memory_format=torch.contiguous_format)
     if residual is not None:
         assert residual.shape == x.shape and residual.dtype == x.dtype
-        r2 = residual.reshape(-1, n)
+        r2 = residual if flat else residual.reshape(-1, n)
         assert r2.stride(-1) == 1
         res_out = torch.empty_like(out)
     else:
         r2 = res_out = out  # unused
     rows = x2.shape[0]
     if rows:
-        block = triton.next_power_of_2(n)
+        block = next_power_of_2(n)
         _rms_norm_kernel[(rows,)](
             x2, r2, out, res_out, weight,
             x2.stride(0), r2.stride(0), out.stride(0), res_out.stride(0),
@@ -59,7 +62,7 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
             HAS_RESIDUAL=residual is not None, BLOCK_N=block,
             num_warps=max(1, min(8, block // 256)), **pdl_options(x.device),
         )
-    return out.view(x.shape), res_out.view(x.shape)
+    return (out, res_out) if flat else (out.view(x.shape), res_out.view(x.shape))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

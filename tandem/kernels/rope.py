@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tandem.kernels.grid import cdiv, next_power_of_2
 from tandem.kernels.pdl import pdl_options, pdl_prologue
 
 
@@ -122,7 +123,7 @@ def _qk_norm_rope_kernel(
 def default_heads_per_program(num_tokens: int, num_q_heads: int) -> int:
     """One head per program for small batches (parallelism over SMs); four for large ones
     (fewer, fatter programs); docs/benchmarks.md (fused Triton kernels, 2026-11-30) has the timings."""
-    return 1 if num_tokens <= 64 else min(4, triton.next_power_of_2(num_q_heads))
+    return 1 if num_tokens <= 64 else min(4, next_power_of_2(num_q_heads))
 
 
 class CacheOut(NamedTuple):
@@ -162,11 +163,11 @@ def rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.T
     half = head_dim // 2
     block_h = heads_per_program or default_heads_per_program(num_tokens, num_q_heads)
     assert block_h & (block_h - 1) == 0, "heads_per_program must be a power of two"
-    block_half = triton.next_power_of_2(half)
-    k_blocks = triton.cdiv(num_k_heads, block_h)
+    block_half = next_power_of_2(half)
+    k_blocks = cdiv(num_k_heads, block_h)
     # V head blocks follow the K ones; each copies its rows to the cache.
     v_blocks = k_blocks if cache is not None else 0
-    grid = (num_tokens, triton.cdiv(num_q_heads, block_h) + k_blocks + v_blocks)
+    grid = (num_tokens, cdiv(num_q_heads, block_h) + k_blocks + v_blocks)
     # Without a cache the pointers are placeholders (HAS_CACHE=False never touches them).
     v_, k_cache, v_cache, loc = (v, *cache) if cache is not None else (k, k, k, positions)
     _qk_norm_rope_kernel[grid](

@@ -30,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tandem.kernels.grid import cdiv, next_power_of_2
 from tandem.kernels.pdl import pdl_options, pdl_prologue
 
 
@@ -185,7 +186,7 @@ MAX_M = 16
 
 def k_per_split(k: int, cfg: GemmConfig) -> int:
     """K elements per split: whole BLOCK_K tiles, so only the last split can be ragged."""
-    return triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
+    return cdiv(cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
 
 
 def small_m_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -230,16 +231,16 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, sc
     if m == 0:
         return out.reshape(*x.shape[:-1], n), new_residual
     per_split = k_per_split(k, cfg)
-    splits = triton.cdiv(k, per_split)
+    splits = cdiv(k, per_split)
     even_k = k % cfg.block_k == 0 and per_split * splits == k
     # Split-K workspaces: fp32 partial outputs, and (norm) each split's part of the rows' sum
     # of squares; allocated per call, like the output (graph capture keeps them in its pool).
     partial = torch.empty(splits, m, n, dtype=torch.float32, device=x.device) if splits > 1 else out
     sq = (torch.empty(splits, m, dtype=torch.float32, device=x.device)
           if splits > 1 and norm is not None else partial)
-    block_m = 1 if m == 1 else (triton.next_power_of_2(m) if cfg.per_lane else 16)
+    block_m = 1 if m == 1 else (next_power_of_2(m) if cfg.per_lane else 16)
     eps = norm.eps if norm is not None else 0.0
-    _small_m_gemm_kernel[(triton.cdiv(n, cfg.block_n), splits)](
+    _small_m_gemm_kernel[(cdiv(n, cfg.block_n), splits)](
         x2, weight, scale if scale is not None else weight, bias if bias is not None else weight,
         out, partial, res2, norm.weight if norm is not None else weight, res_out, sq,
         m, n, k, per_split, x2.stride(0), weight.stride(0), out.stride(0),
@@ -252,7 +253,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, sc
     )
     if splits > 1:
         block = 1024
-        _split_reduce_kernel[(m, triton.cdiv(n, block))](
+        _split_reduce_kernel[(m, cdiv(n, block))](
             partial, sq, bias if bias is not None else partial, out, m, n, k, partial.stride(0),
             out.stride(0), splits, eps, HAS_BIAS=bias is not None, NORM=norm is not None,
             BLOCK=block, num_warps=4, **pdl_options(x.device))
