@@ -16,9 +16,9 @@ import logging
 import time
 
 import torch
-import triton
 
 from tandem.kernels.activation import silu_mul
+from tandem.kernels.grid import cdiv, next_power_of_2
 from tandem.kernels.norm import fused_add_rms_norm
 from tandem.kernels.small_m_gemm import GemmConfig, NormInput, k_per_split, small_m_gemm, small_m_gemm_add_norm
 from tandem.models.linear import MAX_SMALL_M, Linear, linear, m_bucket
@@ -46,14 +46,14 @@ def candidates(n: int, k: int, m: int, num_sms: int) -> list[GemmConfig]:
     if 1 < m <= 8:
         tiles += [(bn, _LANE_ELEMENTS // (m * bn), 4, True) for bn in _LANE_BLOCK_N]
     for block_n, block_k, warps, per_lane in tiles:
-        if block_k > triton.next_power_of_2(k):
+        if block_k > next_power_of_2(k):
             continue
-        blocks = triton.cdiv(n, block_n)
+        blocks = cdiv(n, block_n)
         max_split = max(1, k // block_k)
         for waves in (0, 2, 4):
-            split = min(max_split, triton.next_power_of_2(triton.cdiv(waves * num_sms, blocks))) if waves else 1
+            split = min(max_split, next_power_of_2(cdiv(waves * num_sms, blocks))) if waves else 1
             cfg = GemmConfig(block_n, block_k, max(split, 1), warps, per_lane=per_lane)
-            if cfg not in out and triton.cdiv(k, k_per_split(k, cfg)) == cfg.split_k:
+            if cfg not in out and cdiv(k, k_per_split(k, cfg)) == cfg.split_k:
                 out.append(cfg)
     return out
 
