@@ -169,6 +169,9 @@ class Experiments:
     # merge launch per layer). Off: on the H200 (session 13) it saved 7 us of a 0.95 ms batch-1
     # step and took back PDL's 59 us gain when both were on (docs/benchmarks.md).
     fused_decode_merge: bool = False
+    # Prefill-only steps up to a bucketed token count replay CUDA graphs (tandem.prefill_graphs;
+    # off: they launch eagerly, ~9 kernels a layer from Python). Needs cuda_graph on.
+    prefill_graphs: bool = True
 
     @classmethod
     def from_overrides(cls, pairs: list[str]) -> "Experiments":

@@ -82,6 +82,7 @@ class DecodeGraphs:
         self.cascade = cascade
         self.graphs: dict[tuple[int, int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.memory_bytes = 0  # device memory the captured graphs took (measured at capture)
+        self.pool = None  # the graphs' memory pool, once captured
         # The debug FutureMap's device assert cannot be captured (its message is copied from
         # pageable host memory), so in debug mode the gather runs eagerly into a static buffer.
         self.resolve_in_graph = not future_map.debug
@@ -126,7 +127,9 @@ class DecodeGraphs:
 
     @torch.no_grad()
     def capture(self) -> None:
-        pool = torch.cuda.graph_pool_handle()
+        # The graphs' memory pool; the prefill graphs capture into it too (all replays are
+        # ordered on the one forward stream, and every output lives outside the pool).
+        self.pool = pool = torch.cuda.graph_pool_handle()
         for cascade in (False, True):
             buckets = [b for b in self.buckets if not cascade or self.has_cascade(b)]
 

@@ -24,6 +24,7 @@ from tandem.diagnostics.timeline import StepRecord, Timeline
 from tandem.grammar import GrammarManager
 from tandem.limits import context_error
 from tandem.cuda_graph import DecodeGraphs, default_buckets
+from tandem.kernels.extend_attention import extend_block_rows
 from tandem.cascade_layout import max_group_rows
 from tandem.config import EngineConfig, ModelConfig, resolve_device, resolve_dtype
 from tandem.memory.allocator import SlotAllocator
@@ -44,6 +45,7 @@ from tandem.overlap.results import ResultCopier
 from tandem.overlap.staging import InputStager
 from tandem.overlap.streams import StreamSet
 from tandem.request import Request, Status
+from tandem.prefill_graphs import MAX_ROWS, PrefillGraphs, graph_token_limit, prefill_buckets
 from tandem.runner import ModelRunner, PendingResult
 from tandem.sampling import Sampler, SamplingParams
 from tandem.sampling.prompt_logprobs import PromptLogprobs
@@ -266,7 +268,8 @@ class Engine:
         free, total = torch.cuda.mem_get_info(dev)
         models = [self.model] + ([self.draft_model] if self.draft_model is not None else [])
         weights = sum(t.nbytes for m in models for t in itertools.chain(m.parameters(), m.buffers()))
-        graphs = graph_reserve(self._graph_max_batch(), mc.vocab_size, activations, tokens)
+        graphs = graph_reserve(self._graph_max_batch(), mc.vocab_size, activations, tokens,
+                               self._prefill_graph_tokens())
         buffers = request_buffers(cfg.max_running_requests, self.max_model_len, mc.vocab_size)
         return plan_kv_pool(total, cfg.gpu_memory_utilization, total - free, weights, activations, buffers,
                             graphs, per_token, min_tokens=self._min_pool_tokens())
@@ -292,6 +295,15 @@ class Engine:
 
     def _graph_max_batch(self) -> int:
         return self._graph_buckets()[-1] if self._graphs_usable() else 0
+
+    def _prefill_graph_tokens(self) -> int:
+        """The largest prefill step graphed (0: none). Not with a draft model: its forward reads
+        the same batch, and its attention tiles can differ from the block table's."""
+        if not (self._graphs_usable() and self.cfg.experiments.prefill_graphs) or self.draft_model is not None:
+            return 0
+        params = sum(p.numel() for p in self.model.parameters())
+        tokens = graph_token_limit(params, self.cfg.max_prefill_tokens)
+        return tokens if tokens >= 16 else 0
 
     def _build_loop(self) -> None:
         cfg, rows, spec = self.cfg, self.cfg.max_running_requests, self.speculative
@@ -319,7 +331,8 @@ class Engine:
         self.runner = ModelRunner(self.model, self.kv, self.table, self.backend, self.sampler,
                                   self.future_map, self.streams, self.stager, self.copier, graphs,
                                   mirror=self.parallel.sender, spec=self.spec_state,
-                                  verify_graphs=self._capture_verify_graphs(), cascade=cascade)
+                                  verify_graphs=self._capture_verify_graphs(), cascade=cascade,
+                                  prefill_graphs=self._capture_prefill_graphs(graphs))
         self.scheduler = Scheduler(
             SchedulerConfig(rows, cfg.max_prefill_tokens, cfg.chunked_prefill_size, cfg.enable_mixed_batch,
                             cfg.schedule_policy, max_reused_tokens_per_step=reused,
@@ -365,6 +378,19 @@ class Engine:
         graphs.capture()
         return graphs
 
+    def _capture_prefill_graphs(self, decode: DecodeGraphs | None) -> PrefillGraphs | None:
+        """Prefill-only steps up to `_prefill_graph_tokens()`, in the decode graphs' memory pool
+        and logits buffer."""
+        tokens = self._prefill_graph_tokens()
+        if decode is None or not tokens:
+            return None
+        block = extend_block_rows(self.model_config.head_dim)
+        buckets = prefill_buckets(tokens, min(MAX_ROWS, decode.max_batch), block)
+        graphs = PrefillGraphs(self.model, self.kv, self.table, self.backend, self.streams, self.stager,
+                               buckets, block, self.max_model_len, decode.logits)
+        graphs.capture(decode.pool)
+        return graphs
+
     def _capture_verify_graphs(self) -> VerifyGraphs | None:
         """Verify steps of up to disable_by_batch_size rows, graphed like decode steps."""
         spec = self.speculative
@@ -398,6 +424,8 @@ class Engine:
             self.runner.graphs.close()
         if self.runner.verify_graphs is not None:
             self.runner.verify_graphs.close()
+        if self.runner.prefill_graphs is not None:
+            self.runner.prefill_graphs.close()
         self.grammar.shutdown()  # its compile threads end; queued compilations are cancelled
         pinned = usable and self.kv_tier is not None and self.device.type == "cuda"
         # Drop every reference to device state; the scheduler's admit hook refers back to
@@ -916,8 +944,9 @@ class Engine:
                 "prefix_cache_hit_tokens": self.prefix_cache.hit_tokens,
                 "prefix_cache_queried_tokens": self.prefix_cache.queried_tokens,
                 **self._host_tier_stats(),
-                "cuda_graph_memory_mib": sum(g.memory_bytes for g in (self.runner.graphs, self.runner.verify_graphs)
-                                             if g is not None) / 2**20,
+                "cuda_graph_memory_mib": sum(g.memory_bytes for g in (self.runner.graphs, self.runner.verify_graphs,
+                                                                      self.runner.prefill_graphs) if g is not None) / 2**20,
+                "prefill_graph_steps": self.runner.prefill_graphs.replays if self.runner.prefill_graphs else 0,
                 "num_preemptions": self.scheduler.num_preemptions,
                 "cascade_steps": self.runner.cascade_steps,  # decode steps with shared-prefix groups
                 "cascade_rows": self.runner.cascade_rows,  # rows those steps grouped, summed

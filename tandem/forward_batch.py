@@ -29,6 +29,9 @@ class ForwardBatch:
     is_decode: bool  # every request has exactly one new token
     max_seq_len: int
     cascade: CascadeInputs | None = None  # decode only: two-level attention over shared prefixes
+    # Extend only: (rows, query-block indices) of each attention program, planned on the host
+    # (a graphed prefill step's fixed grid); None: the dense grid over (row, query block).
+    extend_blocks: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 def query_rows_batch(input_ids: torch.Tensor, positions: torch.Tensor, locs: torch.Tensor,

@@ -75,12 +75,15 @@ def plan_kv_pool(total: int, utilization: float, in_use: int, weights: int, acti
     return budget
 
 
-def graph_reserve(max_batch: int, vocab_size: int, activations: int, profiled_tokens: int) -> int:
-    """Decode graphs share one fp32 [max_batch, vocab] logits buffer; their other work buffers
-    scale with the batch like the profiled activations (at least 64 MiB for small models)."""
+def graph_reserve(max_batch: int, vocab_size: int, activations: int, profiled_tokens: int,
+                  prefill_tokens: int = 0) -> int:
+    """Decode graphs share one fp32 [max_batch, vocab] logits buffer (prefill graphs use its
+    first rows); the graphs' work buffers, one memory pool for both, scale with their largest
+    step (max_batch decode rows or `prefill_tokens`) like the profiled activations (at least
+    64 MiB for small models)."""
     if max_batch == 0:
         return 0
-    work = activations * max_batch // max(profiled_tokens, 1)
+    work = activations * max(max_batch, prefill_tokens) // max(profiled_tokens, 1)
     return max_batch * vocab_size * 4 + max(work, 64 * 2**20)
 
 

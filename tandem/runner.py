@@ -17,6 +17,7 @@ from tandem.overlap.future_map import FutureMap
 from tandem.overlap.results import HostResult, ResultCopier
 from tandem.overlap.staging import InputStager
 from tandem.overlap.streams import StreamSet
+from tandem.prefill_graphs import PrefillBucket, PrefillGraphs
 from tandem.request import Request
 from tandem.sampling import Sampler, SamplingInputs, SamplingParams
 from tandem.sampling.inputs import SampleOutput, seed_to_int64
@@ -64,8 +65,10 @@ class ModelRunner:
                  sampler: Sampler, future_map: FutureMap, streams: StreamSet,
                  stager: InputStager, copier: ResultCopier, graphs: DecodeGraphs | None = None,
                  timing: bool = False, mirror=None, spec: SpecState | None = None,
-                 verify_graphs: VerifyGraphs | None = None, cascade: CascadeRule | None = None):
+                 verify_graphs: VerifyGraphs | None = None, cascade: CascadeRule | None = None,
+                 prefill_graphs: PrefillGraphs | None = None):
         self.model, self.kv, self.table, self.backend = model, kv, table, backend
+        self.prefill_graphs = prefill_graphs  # small prefill-only steps replay these; None: eager
         self.spec = spec  # speculative decoding's device state; None: off
         self.verify_graphs = verify_graphs
         self.sampler, self.future_map, self.streams = sampler, future_map, streams
@@ -87,8 +90,11 @@ class ModelRunner:
         verify = batch.is_verify
         cascade = self._cascade_plan(batch)
         bucket = self._verify_bucket(batch, defer_sampling) if verify else self._graph_bucket(batch, cascade)
+        prefill = self._prefill_bucket(batch) if not verify and bucket is None else None
         if verify:
             fields = _verify_metadata(batch, bucket)
+        elif prefill is not None:  # the graph's fields first, then the cached prefixes' table rows
+            fields = self.prefill_graphs.metadata(batch, prefill) | _cached_prefix_fields(batch.rows)
         else:
             fields = _metadata(batch) if bucket is None else _decode_metadata(batch, bucket)
         if cascade is not None:  # staged in the same copy as the rest of the step's inputs
@@ -98,16 +104,18 @@ class ModelRunner:
         try:
             if verify:
                 return self._queue_verify(batch, fields, dev, bucket, defer_sampling)
-            return self._queue_step(batch, bucket, fields, dev, defer_sampling)
+            return self._queue_step(batch, bucket, prefill, fields, dev, defer_sampling)
         except BaseException:
             # Write-after-read on every path: a retry of this step number stages into the same
             # ring slot behind whatever this attempt queued on the forward stream.
             self.stager.mark_consumed(batch.step)
             raise
 
-    def _queue_step(self, batch: ScheduledBatch, bucket: int | None, fields: dict[str, list[int]],
-                    dev: dict[str, torch.Tensor], defer_sampling: bool) -> PendingResult:
-        """Sampling inputs, then the forward (eager or a graph replay), then the sampling."""
+    def _queue_step(self, batch: ScheduledBatch, bucket: int | None, prefill: PrefillBucket | None,
+                    fields: dict[str, list[int]], dev: dict[str, torch.Tensor], defer_sampling: bool
+                    ) -> PendingResult:
+        """Sampling inputs, then the forward (eager, a decode graph's replay (`bucket`) or a
+        prefill graph's (`prefill`)), then the sampling."""
         rows, sample_rows = batch.rows, batch.sample_rows
         sampling = None
         if sample_rows:
@@ -125,7 +133,12 @@ class ModelRunner:
             if self.timing:
                 pending.forward_start = self.streams.event(timing=True)
                 pending.forward_start.record(forward)
-            if bucket is None:
+            if prefill is not None:
+                logits, sample_slots = self._replay_prefill(batch, prefill, fields, dev)
+                if self.spec is not None:
+                    idx = dev["sample_token_idx"][:len(sample_rows)]
+                    pending.sampled_input_positions = dev["positions"][idx]
+            elif bucket is None:
                 logits, pending.prompt_logprobs = self._eager_logits(batch, fields, dev)
                 sample_slots = dev["sample_slots"]
                 if self.spec is not None:
@@ -301,6 +314,19 @@ class ModelRunner:
             return None
         return self.graphs.bucket(len(batch.rows))
 
+    def _prefill_bucket(self, batch: ScheduledBatch) -> PrefillBucket | None:
+        return self.prefill_graphs.bucket(batch) if self.prefill_graphs is not None else None
+
+    def _replay_prefill(self, batch: ScheduledBatch, bucket: PrefillBucket, fields: dict[str, list[int]],
+                        dev: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The sampled rows' logits and slots of a graphed prefill step (on the forward stream)."""
+        if fields["cached_locs"]:  # rows reusing cached prefixes: their table rows before the replay
+            self.table.write_prefixes_on_device(dev["cached_req_slots"], dev["cached_lens"],
+                                                dev["cached_locs"], len(fields["cached_locs"]))
+        logits = self.prefill_graphs.replay(bucket, batch.step % self.stager.depth)
+        n = len(batch.sample_rows)
+        return logits[:n], dev["sample_slots"][:n]
+
     def _eager_logits(self, batch: ScheduledBatch, fields: dict[str, list[int]], dev: dict[str, torch.Tensor]
                       ) -> tuple[torch.Tensor | None, PromptLogprobs | None]:
         """The sampled rows' logits, and the prompt logprobs of the scored prefill rows."""
@@ -373,7 +399,6 @@ def _metadata(batch: ScheduledBatch) -> dict[str, list[int]]:
     input_ids, positions, locs, token_req = [], [], [], []
     req_slots, seq_lens, prefix_lens, qo_indptr = [], [], [], [0]
     decode_idx, decode_slots, sample_idx, sample_slots = [], [], [], []
-    cached_locs, cached_req_slots, cached_lens = [], [], []
     lp_idx, lp_targets = [], []  # prompt logprobs: scored rows (flat token index) and their tokens
     for row in batch.rows:
         slot, start, n = row.req.slot, row.start, len(row.kv_slots)
@@ -399,16 +424,22 @@ def _metadata(batch: ScheduledBatch) -> dict[str, list[int]]:
         if row.sample_index is not None:
             sample_idx.append(len(input_ids) - 1)
             sample_slots.append(slot)
-        if row.cached_prefix is not None:
-            cached_locs += row.cached_prefix
-            cached_req_slots.append(slot)
-            cached_lens.append(len(row.cached_prefix))
     return {"input_ids": input_ids, "positions": positions, "out_cache_loc": locs,
             "token_req_slots": token_req, "req_slots": req_slots, "seq_lens": seq_lens,
             "prefix_lens": prefix_lens, "qo_indptr": qo_indptr, "decode_token_idx": decode_idx,
             "decode_slots": decode_slots, "sample_token_idx": sample_idx, "sample_slots": sample_slots,
-            "cached_locs": cached_locs, "cached_req_slots": cached_req_slots, "cached_lens": cached_lens,
-            "prompt_lp_token_idx": lp_idx, "prompt_lp_targets": lp_targets}
+            **_cached_prefix_fields(batch.rows), "prompt_lp_token_idx": lp_idx, "prompt_lp_targets": lp_targets}
+
+
+def _cached_prefix_fields(rows: list) -> dict[str, list[int]]:
+    """The table rows of prefixes reused from the cache: written before the step's attention."""
+    locs, req_slots, lens = [], [], []
+    for row in rows:
+        if row.cached_prefix is not None:
+            locs += row.cached_prefix
+            req_slots.append(row.req.slot)
+            lens.append(len(row.cached_prefix))
+    return {"cached_locs": locs, "cached_req_slots": req_slots, "cached_lens": lens}
 
 
 def _decode_metadata(batch: ScheduledBatch, bucket: int) -> dict[str, list[int]]:

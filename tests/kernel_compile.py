@@ -30,7 +30,7 @@ POINTERS = {  # by argument name; anything else in CamelCase or *_ptr is bf16
     "Cos": "*fp32", "Sin": "*fp32",
 }
 INDEX_POINTERS = {"ReqSlots", "SeqLens", "StartLens", "PrefixLens", "QoIndptr", "GroupRows", "GroupIndptr",
-                  "Work", "SharedLens", "SharedParts", "Loc", "Pos", "Slots", "Lengths"}
+                  "Work", "SharedLens", "SharedParts", "Loc", "Pos", "Slots", "Lengths", "BlockRows", "BlockIndex"}
 FLOATS = {"qk_scale", "eps"}
 ATTN = dict(HEAD_DIM=128, BLOCK_D=128, DOT_PRECISION="tf32")
 
@@ -75,7 +75,10 @@ def kernels() -> dict:
         "decode_unsplit": (_kernel(da, "_decode_split_kernel"), dict(SPLIT=False, HAS_START=False, **split), {}),
         "decode_merge": (_kernel(da, "_decode_merge_kernel"), dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_N=64), {}),
         "extend": (_kernel("tandem.kernels.extend_attention", "_extend_kernel"),
-                   dict(GROUP=2, BLOCK_M=64, BLOCK_N=64, **ATTN), {}),
+                   dict(GROUP=2, BLOCK_M=64, BLOCK_N=64, BLOCK_TABLE=False, **ATTN), {}),
+        # A graphed prefill step's grid: (row, query block) per program from a host-planned table.
+        "extend_block_table": (_kernel("tandem.kernels.extend_attention", "_extend_kernel"),
+                               dict(GROUP=2, BLOCK_M=128, BLOCK_N=64, BLOCK_TABLE=True, **ATTN), {}),
         "cascade_shared": (_kernel(ca, "_shared_prefix_kernel"), dict(GROUP=2, BLOCK_M=64, BLOCK_N=64, **ATTN), {}),
         "cascade_merge": (_kernel(ca, "_cascade_merge_kernel"), dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_N=64), {}),
         "small_m_gemm": (_kernel("tandem.kernels.small_m_gemm", "_small_m_gemm_kernel"), gemm, sizes),

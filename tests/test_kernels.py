@@ -228,6 +228,38 @@ def test_extend_default_blocks(dtype):
     _extend_case((4, 2, 128), dtype, prefix_lens=[70, 0], extend_lens=[40, 130])
 
 
+def _block_table(extend_lens: list[int], block: int, entries: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row, query block) of every block of every row, then unused entries past every row's end."""
+    rows = [i for i, n in enumerate(extend_lens) for _ in range(-(-n // block))]
+    index = [j for n in extend_lens for j in range(-(-n // block))]
+    unused = entries - len(rows)
+    as_int64 = lambda xs: torch.tensor(xs, dtype=torch.int64, device=DEVICE)  # noqa: E731
+    return as_int64(rows + [0] * unused), as_int64(index + [max(extend_lens) // block + 1] * unused)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_extend_block_table_matches_dense_grid(dtype):
+    """A host-planned block table (a graphed prefill step's grid, with unused entries) gives the
+    dense grid's output; a row of length 0 holding tokens (the graph's padding row) writes zeros."""
+    heads, prefix_lens, extend_lens = (6, 2, 64), [0, 45, 0, 13], [37, 1, 20, 5]
+    num_heads, num_kv_heads, head_dim = heads
+    seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
+    k_cache, v_cache, r2t, req_slots = _paged(seq_lens, num_kv_heads, head_dim, dtype)
+    q = torch.randn(sum(extend_lens), num_heads, head_dim, device=DEVICE).to(dtype)
+    as_int32 = lambda xs: torch.tensor(xs, dtype=torch.int32, device=DEVICE)  # noqa: E731
+    qo_indptr = as_int32([0] + torch.tensor(extend_lens).cumsum(0).tolist())
+    args = (q, k_cache, v_cache, r2t, req_slots, as_int32(seq_lens), as_int32(prefix_lens), qo_indptr,
+            head_dim ** -0.5, max(extend_lens))
+    dense = extend_attention(*args, block_m=16, block_n=32)
+    table = extend_attention(*args, block_m=16, block_n=32, blocks=_block_table(extend_lens, 16, 12))
+    assert torch.equal(dense, table)
+    # The last row as padding: length 0, prefix 0; its tokens' outputs are zeros.
+    seq_lens[-1] = prefix_lens[-1] = 0
+    args = args[:5] + (as_int32(seq_lens), as_int32(prefix_lens)) + args[7:]
+    padded = extend_attention(*args, block_m=16, block_n=32, blocks=_block_table(extend_lens, 16, 12))
+    assert torch.equal(padded[:-5], dense[:-5]) and not padded[-5:].any()
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_write_kv_matches_reference(dtype):
     num_slots, kvh, d, t = 32, 3, 96, 7

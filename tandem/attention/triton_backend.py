@@ -49,4 +49,4 @@ class TritonAttention:
                                     min_split_tokens=self.min_split_tokens, counters=self.split_counters)
         return extend_attention(q, k_cache, v_cache, batch.req_to_token, batch.req_slots,
                                 batch.seq_lens, batch.prefix_lens, batch.qo_indptr, scale,
-                                max(batch.host_extend_lens, default=0))
+                                max(batch.host_extend_lens, default=0), blocks=batch.extend_blocks)

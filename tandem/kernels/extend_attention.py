@@ -6,6 +6,10 @@ BLOCK_M) under the causal mask, so the attention loop is split in two and only t
 diagonal part pays for the mask. The new tokens' K/V are already in the cache, so
 both parts read keys the same way, through `req_to_token`. Query blocks past a
 request's length (the grid is sized by the longest request) do no work.
+
+With a block table (`blocks`: each program's row and query block, planned on the host) the
+grid is (entries, head) instead: a CUDA graph of a prefill step sizes it by its token bucket,
+not by rows x the longest row, so its padding costs a few idle programs, not R x T / BLOCK_M.
 """
 import torch
 import triton
@@ -49,15 +53,21 @@ def _attend(q, acc, m_i, l_i, K, V, slot_row, kv_head, start, end, q_pos,
 
 @triton.jit
 def _extend_kernel(
-    Q, K, V, Out, ReqToToken, ReqSlots, SeqLens, PrefixLens, QoIndptr,
+    Q, K, V, Out, ReqToToken, ReqSlots, SeqLens, PrefixLens, QoIndptr, BlockRows, BlockIndex,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     stride_r2t, qk_scale,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_TABLE: tl.constexpr,
 ):
-    b = tl.program_id(0)
-    block_m = tl.program_id(1)
-    h = tl.program_id(2)
+    if BLOCK_TABLE:  # grid (table entries, heads): the entry names the row and query block
+        b = tl.load(BlockRows + tl.program_id(0)).to(tl.int32)
+        block_m = tl.load(BlockIndex + tl.program_id(0)).to(tl.int32)
+        h = tl.program_id(1)
+    else:  # grid (rows, query blocks of the longest row, heads)
+        b = tl.program_id(0)
+        block_m = tl.program_id(1)
+        h = tl.program_id(2)
     kv_head = h // GROUP
 
     q_start = tl.load(QoIndptr + b)
@@ -95,6 +105,11 @@ def _extend_kernel(
              out.to(Out.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
 
 
+def extend_block_rows(head_dim: int) -> int:
+    """Query rows a program of the default tiles covers: a block table's unit."""
+    return _default_blocks(head_dim)[0]
+
+
 def _default_blocks(head_dim: int) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps): Hopper-sized tiles that fit shared memory."""
     if head_dim <= 128:
@@ -106,11 +121,14 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      req_to_token: torch.Tensor, req_slots: torch.Tensor, seq_lens: torch.Tensor,
                      prefix_lens: torch.Tensor, qo_indptr: torch.Tensor, scale: float,
                      max_extend_len: int, out: torch.Tensor | None = None, *,
-                     block_m: int | None = None, block_n: int | None = None) -> torch.Tensor:
+                     block_m: int | None = None, block_n: int | None = None,
+                     blocks: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """q [T, H, D] packed request-major -> [T, H, D]; matches `torch_backend.extend_attention`.
 
-    `max_extend_len` (a host int) only sizes the grid; it must be >= every request's
-    new-token count.
+    `max_extend_len` (a host int) only sizes the dense grid; it must be >= every request's
+    new-token count. `blocks`: (rows, query-block indices), one program per entry and head, in
+    units of `block_m` (default `extend_block_rows(D)`); they must cover every block of every
+    row (entries past a row's end do nothing), and `max_extend_len` is then unused.
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
@@ -120,20 +138,26 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         out = torch.empty_like(q)
     assert out.shape == q.shape and out.stride(2) == 1
     batch = req_slots.shape[0]
-    if num_tokens == 0 or batch == 0 or max_extend_len <= 0:
+    if num_tokens == 0 or batch == 0 or (blocks is None and max_extend_len <= 0):
         return out
     default_m, default_n, num_warps = _default_blocks(head_dim)
     block_m = block_m or default_m
     block_n = block_n or default_n
-    grid = (batch, cdiv(max_extend_len, block_m), num_heads)
+    if blocks is None:
+        grid = (batch, cdiv(max_extend_len, block_m), num_heads)
+        block_rows = block_index = req_slots  # unread placeholders (BLOCK_TABLE is off)
+    else:
+        block_rows, block_index = blocks
+        grid = (block_rows.shape[0], num_heads)
     _extend_kernel[grid](
         q, k_cache, v_cache, out, req_to_token, req_slots, seq_lens, prefix_lens, qo_indptr,
+        block_rows, block_index,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1), out.stride(0), out.stride(1),
         req_to_token.stride(0), scale * LOG2E,
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_D=next_power_of_2(head_dim),
         DOT_PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32",
-        num_warps=num_warps, num_stages=2,
+        BLOCK_TABLE=blocks is not None, num_warps=num_warps, num_stages=2,
     )
     return out
