@@ -86,9 +86,10 @@ def _extend_kernel(
     q_pos = prefix_len + offs_m
 
     # An idle block (past this request's end) gets empty key ranges instead of an
-    # early return, so control flow stays uniform.
+    # early return, so control flow stays uniform. Both ranges end at the row's length: a
+    # graphed step's padding row holds tokens but has length 0, so it reads no key (zeros).
     active = block_m * BLOCK_M < extend_len
-    diag_start = tl.where(active, prefix_len + block_m * BLOCK_M, 0)
+    diag_start = tl.where(active, tl.minimum(prefix_len + block_m * BLOCK_M, seq_len), 0)
     diag_end = tl.where(active, tl.minimum(prefix_len + (block_m + 1) * BLOCK_M, seq_len), 0)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
