@@ -199,18 +199,27 @@ def test_decode_fused_merge_single_split_is_direct():
     assert torch.equal(out[0], torch.zeros_like(out[0]))
 
 
-def _extend_case(heads, dtype, prefix_lens, extend_lens, **kwargs):
+def _as_int32(xs: list[int]) -> torch.Tensor:
+    return torch.tensor(xs, dtype=torch.int32, device=DEVICE)
+
+
+def _extend_inputs(heads, dtype, prefix_lens, extend_lens) -> tuple:
+    """extend_attention's positional arguments for random paged caches and queries."""
     num_heads, num_kv_heads, head_dim = heads
     seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
     k_cache, v_cache, r2t, req_slots = _paged(seq_lens, num_kv_heads, head_dim, dtype)
     q = torch.randn(sum(extend_lens), num_heads, head_dim, device=DEVICE).to(dtype)
-    as_int32 = lambda xs: torch.tensor(xs, dtype=torch.int32, device=DEVICE)  # noqa: E731
-    qo_indptr = as_int32([0] + torch.tensor(extend_lens).cumsum(0).tolist())
-    scale = head_dim ** -0.5
-    out = extend_attention(q, k_cache, v_cache, r2t, req_slots, as_int32(seq_lens),
-                           as_int32(prefix_lens), qo_indptr, scale, max(extend_lens), **kwargs)
+    qo_indptr = _as_int32([0] + torch.tensor(extend_lens).cumsum(0).tolist())
+    return (q, k_cache, v_cache, r2t, req_slots, _as_int32(seq_lens), _as_int32(prefix_lens), qo_indptr,
+            head_dim ** -0.5, max(extend_lens))
+
+
+def _extend_case(heads, dtype, prefix_lens, extend_lens, **kwargs):
+    args = _extend_inputs(heads, dtype, prefix_lens, extend_lens)
+    q, k_cache, v_cache, r2t, req_slots, seq_lens = args[:6]
+    out = extend_attention(*args, **kwargs)
     expected = ref.extend_attention(q.float(), k_cache.float(), v_cache.float(), r2t,
-                                    req_slots.tolist(), seq_lens, extend_lens, scale)
+                                    req_slots.tolist(), seq_lens.tolist(), extend_lens, args[8])
     _close(out, expected, dtype)
 
 
@@ -241,22 +250,16 @@ def _block_table(extend_lens: list[int], block: int, entries: int) -> tuple[torc
 def test_extend_block_table_matches_dense_grid(dtype):
     """A host-planned block table (a graphed prefill step's grid, with unused entries) gives the
     dense grid's output; a row of length 0 holding tokens (the graph's padding row) writes zeros."""
-    heads, prefix_lens, extend_lens = (6, 2, 64), [0, 45, 0, 13], [20, 1, 5, 37]
-    num_heads, num_kv_heads, head_dim = heads
+    prefix_lens, extend_lens = [0, 45, 0, 13], [20, 1, 5, 37]
+    args = _extend_inputs((6, 2, 64), dtype, prefix_lens, extend_lens)
     seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
-    k_cache, v_cache, r2t, req_slots = _paged(seq_lens, num_kv_heads, head_dim, dtype)
-    q = torch.randn(sum(extend_lens), num_heads, head_dim, device=DEVICE).to(dtype)
-    as_int32 = lambda xs: torch.tensor(xs, dtype=torch.int32, device=DEVICE)  # noqa: E731
-    qo_indptr = as_int32([0] + torch.tensor(extend_lens).cumsum(0).tolist())
-    args = (q, k_cache, v_cache, r2t, req_slots, as_int32(seq_lens), as_int32(prefix_lens), qo_indptr,
-            head_dim ** -0.5, max(extend_lens))
     dense = extend_attention(*args, block_m=16, block_n=32)
     table = extend_attention(*args, block_m=16, block_n=32, blocks=_block_table(extend_lens, 16, 12))
     assert torch.equal(dense, table)
     # The last row as padding: length 0, prefix 0, 3 query blocks; its tokens' outputs are
     # zeros (no key read: its table row may be shorter than its token count).
     seq_lens[-1] = prefix_lens[-1] = 0
-    args = args[:5] + (as_int32(seq_lens), as_int32(prefix_lens)) + args[7:]
+    args = args[:5] + (_as_int32(seq_lens), _as_int32(prefix_lens)) + args[7:]
     padded = extend_attention(*args, block_m=16, block_n=32, blocks=_block_table(extend_lens, 16, 12))
     assert torch.equal(padded[:-37], dense[:-37]) and not padded[-37:].any()
 
