@@ -135,20 +135,17 @@ class ModelRunner:
                 pending.forward_start.record(forward)
             if prefill is not None:
                 logits, sample_slots = self._replay_prefill(batch, prefill, fields, dev)
-                if self.spec is not None:
-                    idx = dev["sample_token_idx"][:len(sample_rows)]
-                    pending.sampled_input_positions = dev["positions"][idx]
             elif bucket is None:
                 logits, pending.prompt_logprobs = self._eager_logits(batch, fields, dev)
                 sample_slots = dev["sample_slots"]
-                if self.spec is not None:
-                    pending.sampled_input_positions = dev["positions"][dev["sample_token_idx"]]
             else:
                 logits = self.graphs.replay(bucket, batch.step % self.stager.depth, dev["req_slots"],
                                             cascade=CASCADE_FIELDS[0] in fields)[:len(rows)]
                 sample_slots = dev["req_slots"][:len(rows)]
-                if self.spec is not None:
-                    pending.sampled_input_positions = dev["positions"][:len(rows)]
+            if self.spec is not None:  # the sampled rows' input positions (a decode graph samples every row)
+                pending.sampled_input_positions = (
+                    dev["positions"][:len(rows)] if bucket is not None
+                    else dev["positions"][dev["sample_token_idx"][:len(sample_rows)]])  # prefill graphs: padded
         pending.unsampled = (logits, sample_slots, sampling)
         if not defer_sampling:
             self.sample(pending)
@@ -320,20 +317,22 @@ class ModelRunner:
     def _replay_prefill(self, batch: ScheduledBatch, bucket: PrefillBucket, fields: dict[str, list[int]],
                         dev: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """The sampled rows' logits and slots of a graphed prefill step (on the forward stream)."""
-        if fields["cached_locs"]:  # rows reusing cached prefixes: their table rows before the replay
-            self.table.write_prefixes_on_device(dev["cached_req_slots"], dev["cached_lens"],
-                                                dev["cached_locs"], len(fields["cached_locs"]))
+        self._write_cached_prefixes(fields, dev)  # the graph's attention reads them
         logits = self.prefill_graphs.replay(bucket, batch.step % self.stager.depth)
         n = len(batch.sample_rows)
         return logits[:n], dev["sample_slots"][:n]
+
+    def _write_cached_prefixes(self, fields: dict[str, list[int]], dev: dict[str, torch.Tensor]) -> None:
+        """Rows reusing cached prefixes: their table rows, on the forward stream before the attention."""
+        if fields["cached_locs"]:
+            self.table.write_prefixes_on_device(dev["cached_req_slots"], dev["cached_lens"],
+                                                dev["cached_locs"], len(fields["cached_locs"]))
 
     def _eager_logits(self, batch: ScheduledBatch, fields: dict[str, list[int]], dev: dict[str, torch.Tensor]
                       ) -> tuple[torch.Tensor | None, PromptLogprobs | None]:
         """The sampled rows' logits, and the prompt logprobs of the scored prefill rows."""
         input_ids = self._input_ids(batch, dev)
-        if fields["cached_locs"]:  # rows reusing cached prefixes: their table rows first
-            self.table.write_prefixes_on_device(dev["cached_req_slots"], dev["cached_lens"],
-                                                dev["cached_locs"], len(fields["cached_locs"]))
+        self._write_cached_prefixes(fields, dev)
         self.table.write_on_device(dev["token_req_slots"], dev["positions"], dev["out_cache_loc"])
         fb = ForwardBatch(
             input_ids=input_ids, positions=dev["positions"], out_cache_loc=dev["out_cache_loc"],
