@@ -37,3 +37,8 @@ def test_the_row_says_where_the_time_and_the_slowest_requests_went(capsys):
     assert slowest and slowest[0][0] == max(t for t, _, _ in slowest) >= row["ttft_p99_ms"] - 0.05  # rounded to 0.1 ms
     assert all(0 <= turn < 3 and waits >= 0 for _, turn, waits in slowest)
     assert [t for t, _, _ in slowest] == sorted((t for t, _, _ in slowest), reverse=True)
+    kinds = row["by_kind"]
+    assert kinds["prefill"]["steps"] > 0 and kinds["decode"]["steps"] > 0
+    assert kinds["prefill"]["steps"] + kinds["decode"]["steps"] == row["steps"]
+    assert kinds["decode"]["idle_s"] == 0 and kinds["decode"]["forward_ms"] is None  # the CPU has no device timings
+    assert kinds["prefill"]["schedule_ms"] > 0 and kinds["prefill"]["launch_ms"] > 0

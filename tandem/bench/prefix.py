@@ -161,6 +161,9 @@ class PrefixRow:
     # The requests at or past TTFT p99: (ttft ms, turn of their conversation, plans they waited for
     # the host tier's prefetch), slowest first. Did the tail wait for prefetch, or in the queue?
     slowest: list | None = None
+    # Per step kind ("prefill", "decode"): steps, device idle seconds before them, and median host
+    # planning / launch and device forward ms. Which kind of step leaves the GPU idle, and why?
+    by_kind: dict | None = None
 
     @property
     def output_tok_s(self) -> float:
@@ -297,7 +300,7 @@ def run_one(args: argparse.Namespace) -> PrefixRow:
                      summary["gpu_tier_stall_ms"] / 1e3 if "gpu_tier_stall_ms" in summary else None,
                      {why: delta[key] for why, key in MOVED_TOKENS.items()} if engine.kv_tier is not None else None,
                      summary.get("mean_tier_window_ms"), *by_tenth(engine.timeline.records[first:]),
-                     slowest(firsts, ttft_p99))
+                     slowest(firsts, ttft_p99), by_kind(engine.timeline.records[first:]))
 
 
 def by_tenth(records: list) -> tuple[list | None, list]:
@@ -310,6 +313,23 @@ def by_tenth(records: list) -> tuple[list | None, list]:
         return None, batch
     idle = [round(sum(r.gpu_idle_before_ms or 0.0 for r in t) / 1e3, 3) for t in tenths]
     return idle, batch
+
+
+def by_kind(records: list) -> dict:
+    """Steps, idle seconds before them and median planning / launch / forward ms, per step kind."""
+    def median(values: list) -> float | None:
+        values = [v for v in values if v is not None]
+        return round(statistics.median(values), 2) if values else None
+
+    kinds = {}
+    for kind, steps in (("prefill", [r for r in records if not r.is_decode]),
+                        ("decode", [r for r in records if r.is_decode])):
+        kinds[kind] = {"steps": len(steps),
+                       "idle_s": round(sum(r.gpu_idle_before_ms or 0.0 for r in steps) / 1e3, 3),
+                       "schedule_ms": median([r.schedule_ms for r in steps]),
+                       "launch_ms": median([r.launch_ms for r in steps]),
+                       "forward_ms": median([r.gpu_forward_ms for r in steps])}
+    return kinds
 
 
 def slowest(firsts: list[FirstToken], ttft_p99: float) -> list[list]:
