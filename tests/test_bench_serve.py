@@ -58,3 +58,115 @@ def test_cli_parses_rates_and_ranges():
         build_parser().parse_args(["--rates", "0"])
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--input-len", "9:3"])
+
+
+# ---- the client against a scripted SSE server: several processes, results back in order ----
+class _ScriptedSSE:
+    """A raw asyncio HTTP/1.1 server on a thread: each request streams `max_tokens` completion
+    chunks, `gap_s` apart, then [DONE]. It counts the streams open at once (peak)."""
+
+    def __init__(self, gap_s: float = 0.001):
+        import asyncio
+        import threading
+        self.gap_s, self.open, self.peak = gap_s, 0, 0
+        self.loop = asyncio.new_event_loop()
+        ready = threading.Event()
+
+        def serve():
+            asyncio.set_event_loop(self.loop)
+            self.server = self.loop.run_until_complete(asyncio.start_server(self._handle, "127.0.0.1", 0))
+            self.port = self.server.sockets[0].getsockname()[1]
+            ready.set()
+            self.loop.run_forever()
+
+        self.thread = threading.Thread(target=serve, daemon=True)
+        self.thread.start()
+        ready.wait(10)
+
+    async def _handle(self, reader, writer):
+        import asyncio
+        import json
+        while True:
+            try:
+                head = await reader.readuntil(b"\r\n\r\n")
+            except (asyncio.IncompleteReadError, ConnectionError):
+                return
+            length = next(int(h.split(b":")[1]) for h in head.split(b"\r\n") if h.lower().startswith(b"content-length:"))
+            body = json.loads(await reader.readexactly(length))
+            self.open += 1
+            self.peak = max(self.peak, self.open)
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
+            for _ in range(body["max_tokens"]):
+                line = b'data: {"choices": [{"index": 0, "text": "x"}]}\n\n'
+                writer.write(b"%x\r\n%s\r\n" % (len(line), line))
+                await writer.drain()
+                await asyncio.sleep(self.gap_s)
+            self.open -= 1
+            done = b"data: [DONE]\n\n"
+            writer.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(done), done))
+            await writer.drain()
+
+    def close(self):
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+
+
+def _run(server, reqs, processes, **kw):
+    from tandem.bench.serve import run_rate
+    return run_rate(f"http://127.0.0.1:{server.port}/v1/completions", reqs, kw.pop("rate", math.inf), model=None,
+                    chat=False, ignore_eos=False, seed=0, api_key=None, max_concurrency=kw.pop("cap", None),
+                    processes=processes)
+
+
+def test_requests_sent_from_several_processes_come_back_in_workload_order():
+    """Each request asks for its own number of chunks; every result must carry its own count (a
+    merge that mixed up the processes' parts would not)."""
+    from tandem.bench.serve import BenchRequest
+    server = _ScriptedSSE()
+    try:
+        reqs = [BenchRequest("p", 1, n) for n in (3, 9, 4, 7, 2, 8, 5)]
+        run = _run(server, reqs, processes=3, rate=200.0)
+        assert [r.output_tokens for r in run.results] == [3, 9, 4, 7, 2, 8, 5]
+        assert all(r.ok and len(r.itl) == r.output_tokens - 1 and r.ttft > 0 for r in run.results)
+        assert run.duration > 0 and run.client_lag_ms and all(lag > -1.0 for lag in run.client_lag_ms)
+        one = _run(server, reqs, processes=1)
+        assert [r.output_tokens for r in one.results] == [3, 9, 4, 7, 2, 8, 5]
+    finally:
+        server.close()
+
+
+def test_a_concurrency_cap_holds_across_client_processes():
+    from tandem.bench.serve import BenchRequest
+    server = _ScriptedSSE(gap_s=0.01)
+    try:
+        reqs = [BenchRequest("p", 1, 4) for _ in range(8)]
+        run = _run(server, reqs, processes=4, cap=3)
+        assert all(r.ok for r in run.results) and server.peak <= 3  # caps 1 + 1 + 1 of the 3 processes left
+        server.peak = 0
+        assert all(r.ok for r in _run(server, reqs, processes=4).results) and server.peak > 3  # the check can fail
+    finally:
+        server.close()
+
+
+def test_summarize_reports_the_clients_event_loop_lag():
+    s = summarize([RequestResult(True, output_tokens=2, ttft=0.1, e2e=0.2, itl=[0.1])], 1.0, 1.0,
+                  client_lag_ms=[0.1] * 99 + [50.0])
+    assert s["client_lag_ms"]["p50"] == pytest.approx(0.1) and s["client_lag_ms"]["max"] == 50.0
+    assert summarize([], 1.0, 1.0)["client_lag_ms"] == {"p50": None, "p99": None, "max": None}
+
+
+def test_server_ttft_quantiles_from_two_metrics_reads():
+    from tandem.bench.launch import histogram_quantiles
+    name = "tandem_time_to_first_token_seconds"
+
+    def read(counts, total):
+        m = {f'{name}_bucket{{le="{le}"}}': c for le, c in zip(("0.01", "0.02", "0.04", "+Inf"), counts)}
+        return {**m, f"{name}_count": counts[-1], f"{name}_sum": total}
+
+    before = read((1, 1, 1, 1), 0.005)
+    after = read((1, 5, 11, 11), 0.005 + 10 * 0.02)  # 4 in (0.01, 0.02], 6 in (0.02, 0.04]
+    q = histogram_quantiles(before, after, name)
+    assert q["mean"] == pytest.approx(20.0)
+    assert q["p50"] == pytest.approx(20.0 + 20.0 * (5 - 4) / 6)  # the 5th of 10 is the 1st of 6 above 20 ms
+    assert q["p90"] == pytest.approx(20.0 + 20.0 * (9 - 4) / 6)
+    assert histogram_quantiles(after, after, name) == {"mean": None, "p50": None, "p90": None, "p99": None}

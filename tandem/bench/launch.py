@@ -87,6 +87,28 @@ def metrics(url: str) -> dict[str, float]:
     return {m[1]: float(m[2]) for m in re.finditer(r"^([a-z_]+(?:\{[^}]*\})?) ([-+.eE0-9a-z]+)$", text, re.M)}
 
 
+def histogram_quantiles(before: dict[str, float], after: dict[str, float], name: str,
+                        qs: tuple[float, ...] = (0.5, 0.9, 0.99)) -> dict[str, float | None]:
+    """Mean and quantiles (ms, linear inside a bucket) of what a Prometheus histogram `name` (in
+    seconds) observed between two `metrics` reads; None where nothing was observed."""
+    count = after.get(f"{name}_count", 0.0) - before.get(f"{name}_count", 0.0)
+    out: dict[str, float | None] = {"mean": None, **{f"p{round(q * 100)}": None for q in qs}}
+    if count <= 0:
+        return out
+    out["mean"] = (after[f"{name}_sum"] - before.get(f"{name}_sum", 0.0)) / count * 1e3
+    bounds = sorted((float(m[1]), after[k] - before.get(k, 0.0)) for k in after
+                    if (m := re.fullmatch(re.escape(name) + r'_bucket\{le="([^"]+)"\}', k)) and m[1] != "+Inf")
+    for q in qs:
+        lo, below = 0.0, 0.0
+        for le, cumulative in bounds:
+            if cumulative >= q * count:
+                share = (q * count - below) / (cumulative - below) if cumulative > below else 1.0
+                out[f"p{round(q * 100)}"] = (lo + share * (le - lo)) * 1e3
+                break
+            lo, below = le, cumulative
+    return out
+
+
 def settled(url: str, kv_usage: float = 0.0, timeout: float = 30.0) -> tuple[bool, dict[str, float]]:
     """(reached, metrics): wait until nothing runs or waits and KV usage is `kv_usage` (the
     engine reports after its last step, so this polls)."""

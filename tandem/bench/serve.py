@@ -18,6 +18,8 @@ import argparse
 import asyncio
 import json
 import math
+import multiprocessing
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -138,26 +140,116 @@ def _carries_token(msg: dict, chat: bool) -> bool:
     return True
 
 
-async def run_rate(url: str, reqs: list[BenchRequest], rate: float, *, model: str | None, chat: bool,
-                   ignore_eos: bool, seed: int, api_key: str | None,
-                   max_concurrency: int | None) -> tuple[list[RequestResult], float]:
+LAG_PROBE_S = 0.005  # the client's event-loop lag probe: one wake-up this often
+
+
+@dataclass
+class RateRun:
+    """One rate's run: every request's result (in workload order), the wall time from the first
+    send to the last response, and how late each client process's event loop woke (ms): a loop
+    that is late is a client too slow for the stream of events, and every latency it measures
+    includes that wait."""
+
+    results: list[RequestResult]
+    duration: float
+    client_lag_ms: list[float]
+
+
+@dataclass
+class _PartRun:
+    results: list[RequestResult]  # in the part's order
+    start: float  # time.monotonic(): one clock for every process of the machine
+    end: float
+    lag_ms: list[float]
+
+
+def run_rate(url: str, reqs: list[BenchRequest], rate: float, *, model: str | None, chat: bool,
+             ignore_eos: bool, seed: int, api_key: str | None, max_concurrency: int | None,
+             processes: int = 1) -> RateRun:
+    """Send `reqs` at Poisson arrival times from `processes` client processes (round-robin: each
+    sends every n-th request at its own arrival time; a concurrency cap is split between them).
+    One Python process parses ~15-30k streamed events/s (this project's CPU box, 2026-12-04); past
+    that its own queue shows up as TTFT and bunched tokens, so a fast server needs several."""
     arrivals = poisson_arrivals(len(reqs), rate, np.random.default_rng(seed))
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    gate = asyncio.Semaphore(max_concurrency) if max_concurrency else None
-    async with httpx.AsyncClient(timeout=httpx.Timeout(None), limits=limits, headers=headers) as http:
-        start = time.perf_counter()
+    processes = max(1, min(processes, len(reqs), max_concurrency or len(reqs)))
+    parts = [[(i, _body(reqs[i], model, chat, ignore_eos), float(arrivals[i]))
+              for i in range(p, len(reqs), processes)] for p in range(processes)]
+    caps = [None if max_concurrency is None else max_concurrency // processes + (p < max_concurrency % processes)
+            for p in range(processes)]
+    if processes == 1:
+        runs = [asyncio.run(_send_part(url, parts[0], time.monotonic(), chat, headers, caps[0]))]
+    else:
+        runs = _in_processes(url, parts, chat, headers, caps)
+    results: list[RequestResult] = [RequestResult(ok=False)] * len(reqs)
+    for part, run in zip(parts, runs):
+        for (i, _, _), res in zip(part, run.results):
+            results[i] = res
+    return RateRun(results, max(r.end for r in runs) - min(r.start for r in runs),
+                   [lag for r in runs for lag in r.lag_ms])
 
-        async def one(req: BenchRequest, at: float) -> RequestResult:
-            await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
-            body = _body(req, model, chat, ignore_eos)
+
+def _in_processes(url: str, parts: list[list], chat: bool, headers: dict, caps: list) -> list[_PartRun]:
+    """Each part in a process of its own (forked: nothing to import again), all starting at one
+    moment once every process is up."""
+    ctx = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
+    pipes, procs = [], []
+    for part, cap in zip(parts, caps):
+        mine, theirs = ctx.Pipe()
+        proc = ctx.Process(target=_part_process, args=(theirs, url, part, chat, headers, cap), daemon=True)
+        proc.start()
+        pipes.append(mine)
+        procs.append(proc)
+    try:
+        for pipe in pipes:
+            pipe.recv()  # "ready"
+        start = time.monotonic() + 0.05
+        for pipe in pipes:
+            pipe.send(start)
+        runs = [pipe.recv() for pipe in pipes]
+    finally:
+        for proc in procs:
+            proc.join(5)
+            if proc.is_alive():
+                proc.kill()
+    return runs
+
+
+def _part_process(pipe, url: str, part: list, chat: bool, headers: dict, cap: int | None) -> None:
+    pipe.send("ready")
+    start = pipe.recv()
+    pipe.send(asyncio.run(_send_part(url, part, start, chat, headers, cap)))
+
+
+async def _send_part(url: str, part: list, start: float, chat: bool, headers: dict, cap: int | None) -> _PartRun:
+    """Send this part's requests, each at start + its arrival time, while a probe measures how
+    late the event loop wakes."""
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    gate = asyncio.Semaphore(cap) if cap else None
+    lags: list[float] = []
+    done = asyncio.Event()
+
+    async def probe() -> None:
+        while not done.is_set():
+            t = time.monotonic()
+            await asyncio.sleep(LAG_PROBE_S)
+            lags.append((time.monotonic() - t - LAG_PROBE_S) * 1e3)
+
+    async with httpx.AsyncClient(timeout=httpx.Timeout(None), limits=limits, headers=headers) as http:
+
+        async def one(body: dict, at: float) -> RequestResult:
+            await asyncio.sleep(max(0.0, start + at - time.monotonic()))
             if gate is None:
                 return await send_one(http, url, body, chat)
             async with gate:
                 return await send_one(http, url, body, chat)
 
-        results = await asyncio.gather(*(one(r, float(a)) for r, a in zip(reqs, arrivals)))
-        return list(results), time.perf_counter() - start
+        prober = asyncio.create_task(probe())
+        results = await asyncio.gather(*(one(body, at) for _, body, at in part))
+        end = time.monotonic()
+        done.set()
+        await prober
+    return _PartRun(list(results), start, end, lags)
 
 
 def _pcts(values: list[float]) -> dict[str, float | None]:
@@ -167,7 +259,8 @@ def _pcts(values: list[float]) -> dict[str, float | None]:
     return {"mean": float(a.mean()), **{f"p{q}": float(np.percentile(a, q)) for q in (50, 90, 99)}}
 
 
-def summarize(results: list[RequestResult], duration: float, rate: float) -> dict:
+def summarize(results: list[RequestResult], duration: float, rate: float,
+              client_lag_ms: list[float] | None = None) -> dict:
     ok = [r for r in results if r.ok]
     out_tokens = sum(r.output_tokens for r in ok)
     in_tokens = sum(r.prompt_tokens for r in ok)
@@ -184,7 +277,16 @@ def summarize(results: list[RequestResult], duration: float, rate: float) -> dic
         "tpot_ms": _pcts([t for r in ok if (t := r.tpot) is not None]),
         "itl_ms": _pcts([x for r in ok for x in r.itl]),
         "e2e_ms": _pcts([r.e2e for r in ok]),
+        # How late the client's event loop woke (ms): large next to TTFT or ITL, the client measured itself.
+        "client_lag_ms": _lag_pcts(client_lag_ms or []),
     }
+
+
+def _lag_pcts(lags_ms: list[float]) -> dict[str, float | None]:
+    if not lags_ms:
+        return {"p50": None, "p99": None, "max": None}
+    a = np.asarray(lags_ms)
+    return {"p50": float(np.percentile(a, 50)), "p99": float(np.percentile(a, 99)), "max": float(a.max())}
 
 
 def format_table(summaries: list[dict]) -> str:
@@ -235,6 +337,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
                    help="do not send ignore_eos (for servers that refuse the extension)")
     p.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight")
+    p.add_argument("--client-processes", type=int, default=min(4, os.cpu_count() or 1),
+                   help="client processes sending the requests (round-robin); one Python process parses "
+                        "~15-30k streamed events/s, so a fast server needs several (default: min(4, CPUs))")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write every figure to this file")
     return p
@@ -258,11 +363,12 @@ def bench_serve_main(argv: list[str]) -> int:
     summaries = []
     for rate in args.rates:
         _reset_prefix_cache(base, headers)  # every rate sends the same prompts: none starts warm
-        results, duration = asyncio.run(run_rate(url, reqs, rate, model=model, chat=chat,
-                                                 ignore_eos=args.ignore_eos, seed=args.seed,
-                                                 api_key=args.api_key, max_concurrency=args.max_concurrency))
-        summaries.append(summarize(results, duration, rate))
-        print(f"rate {rate}: {summaries[-1]['completed']}/{len(results)} ok in {duration:.1f}s", file=sys.stderr)
+        run = run_rate(url, reqs, rate, model=model, chat=chat, ignore_eos=args.ignore_eos, seed=args.seed,
+                       api_key=args.api_key, max_concurrency=args.max_concurrency, processes=args.client_processes)
+        summaries.append(summarize(run.results, run.duration, rate, run.client_lag_ms))
+        print(f"rate {rate}: {summaries[-1]['completed']}/{len(run.results)} ok in {run.duration:.1f}s "
+              f"({args.client_processes} client process(es), event-loop lag p99 "
+              f"{summaries[-1]['client_lag_ms']['p99']:.1f} ms)", file=sys.stderr)
     print(format_table(summaries))
     if args.json:
         config = {k: v for k, v in vars(args).items() if k != "api_key"}

@@ -71,13 +71,17 @@ def run_server(args: argparse.Namespace) -> dict:
 
 
 def _one_rate(args: argparse.Namespace, url: str, rate: float) -> dict:
+    before = launch.metrics(url)
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "serve.json"
         rc = serve.bench_serve_main(_bench_argv(args, url, rate, out))
         summary = json.loads(out.read_text())["results"][0]
     m = launch.metrics(url)  # "recent steps": the load's last steps, read right after it
+    # The server's own TTFT (arrival to the first token reaching its front end): the client's
+    # TTFT less this is delivery (streaming and the client's parsing).
+    server_ttft = launch.histogram_quantiles(before, m, "tandem_time_to_first_token_seconds")
     return {**summary, "exit_code": rc, "gpu_busy": m.get("tandem_gpu_busy_fraction"),
-            "host_ms_per_step": m.get("tandem_host_ms_per_step")}
+            "host_ms_per_step": m.get("tandem_host_ms_per_step"), "server_ttft_ms": server_ttft}
 
 
 def _stop(proc: subprocess.Popen) -> None:
