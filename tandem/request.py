@@ -47,6 +47,7 @@ class Request:
     cached_len: int = 0
     cache_node: object = None
     duplicate_slots: list[int] = field(default_factory=list)
+    host_hit_nodes: list = field(default_factory=list)  # loaded nodes this admission read first (host hits)
     num_cached_tokens: int = 0  # prompt tokens reused from the cache at first admission
     table_pending: int = 0  # leading table entries (reused from the cache) not yet on the device
     num_computed: int = 0  # tokens whose KV is written by work already launched

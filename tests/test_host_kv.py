@@ -227,6 +227,32 @@ def test_a_load_evicted_unread_is_no_host_hit_later():
     assert cache.admit(again) == 200 and cache.host_hit_tokens == 0  # its own KV, never a load read
 
 
+def test_an_undone_admission_takes_its_host_hit_back():
+    """Admission counts the loads it reads as host hits; one that does not go ahead (no room)
+    gives them back, so the request's later admission counts them once, even after the node went
+    back to the host and was loaded again meanwhile (the CPU's multi-turn run had host hits above
+    all hits: 0.83 against 0.51)."""
+    kv, host_pool = SlotAllocator(300), SlotAllocator(400, first=0)
+    cache = PrefixCache(kv, host=HostTier(host_pool, write_back=lambda g, h: None, load=lambda h, g: None))
+    tokens = list(range(1000, 1200))
+    cache.tree.insert(tokens, kv.alloc(200))
+    cache.tree.evict(200)
+    req = Request("r", tokens + [7], SamplingParams(max_tokens=1), seed=0, max_samples=1)
+    cache.new_step()
+    assert cache.admit(req) == 200 and cache.host_hit_tokens == 200
+    cache.undo_admit(req)  # no room this step
+    assert (cache.host_hit_tokens, cache.hit_tokens) == (0, 0)
+    cache.tree.evict(200)  # back to the host before the request's turn comes again
+    assert cache.prefetch([_waiting(tokens + [7])], keep=0, most=1000) == 200
+    cache.new_step()
+    assert cache.admit(req) == 200 and (cache.host_hit_tokens, cache.hit_tokens) == (200, 200)
+    cache.undo_admit(req)
+    cache.new_step()
+    assert cache.admit(req) == 200 and (cache.host_hit_tokens, cache.hit_tokens) == (200, 200)  # loaded once, read once
+    cache.release(req)
+    cache.check([])
+
+
 def test_copy_pace_budget_is_a_steps_worth_at_the_measured_rate():
     pace = CopyPace(token_bytes=10, most_tokens=10_000, least_tokens=10, assumed_bytes_per_s=1e6)
     assert pace.window().tokens(None) == 10  # no step seen yet

@@ -130,7 +130,7 @@ class PrefixCache:
         asking for prompt logprobs takes no hit on its first admission). Returns the matched
         length."""
         fill = req.fill_ids
-        req.kv_slots, req.cached_len, req.cache_node, req.duplicate_slots = [], 0, None, []
+        req.kv_slots, req.cached_len, req.cache_node, req.duplicate_slots, req.host_hit_nodes = [], 0, None, [], []
         self.queried_tokens += len(fill)
         if not self.enabled:
             return 0
@@ -146,7 +146,8 @@ class PrefixCache:
             req.kv_slots, req.cached_len, req.cache_node = slots, len(slots), node
             self.hit_tokens += len(slots)
             if self.host is not None:
-                self.host_hit_tokens += self.tree.take_loaded(node)  # now or prefetched, first use
+                req.host_hit_nodes = self.tree.take_loaded(node)  # now or prefetched, first use
+                self.host_hit_tokens += sum(len(n.key) for n in req.host_hit_nodes)
         return len(slots)
 
     @property
@@ -252,10 +253,12 @@ class PrefixCache:
     def undo_admit(self, req: Request) -> None:
         """Admission did not go ahead (no room): drop the lock, keep the tree as it was."""
         if req.cache_node is not None:
+            self.tree.give_back_loaded(req.host_hit_nodes)  # before the unlock: still on the GPU
+            self.host_hit_tokens -= sum(len(n.key) for n in req.host_hit_nodes)
             self.tree.unlock(req.cache_node)
             self.hit_tokens -= req.cached_len
         self.queried_tokens -= len(req.fill_ids)
-        req.kv_slots, req.cached_len, req.cache_node = [], 0, None
+        req.kv_slots, req.cached_len, req.cache_node, req.host_hit_nodes = [], 0, None, []
 
     def cache_prefill(self, req: Request) -> None:
         """Cache the prompt tokens whose KV writes were launched, so that requests sharing
@@ -273,7 +276,7 @@ class PrefixCache:
         if req.cache_node is not None:
             self.tree.unlock(req.cache_node)
         self.kv_slots.free(req.kv_slots[req.cached_len:] + req.duplicate_slots)
-        req.kv_slots, req.cached_len, req.cache_node, req.duplicate_slots = [], 0, None, []
+        req.kv_slots, req.cached_len, req.cache_node, req.duplicate_slots, req.host_hit_nodes = [], 0, None, [], []
 
     def _insert(self, req: Request, upto: int) -> None:
         present, node = self.tree.insert(req.fill_ids[:upto], req.kv_slots[:upto])

@@ -305,16 +305,24 @@ class RadixCache:
         else:
             self.evictable_tokens += len(node.key)
 
-    def take_loaded(self, node: Node) -> int:
-        """Tokens on the path root..node loaded back from the host and read for the first time
-        now (a host hit); they count once."""
-        tokens = 0
+    def take_loaded(self, node: Node) -> list[Node]:
+        """The nodes on the path root..node loaded back from the host and read for the first
+        time now (host hits): each counts once (`give_back_loaded` undoes a read that did not
+        go ahead)."""
+        taken = []
         while node is not self.root:
             if node.loaded:
-                tokens += len(node.key)
+                taken.append(node)
                 node.loaded = False
             node = node.parent
-        return tokens
+        return taken
+
+    @staticmethod
+    def give_back_loaded(nodes: list[Node]) -> None:
+        """An admission that read these loads did not go ahead: the next reader counts them.
+        They are still on the GPU (the admission's lock kept them there)."""
+        for node in nodes:
+            node.loaded = True
 
     def _nodes(self) -> Iterator[Node]:
         stack = [self.root]
