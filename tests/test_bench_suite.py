@@ -188,3 +188,14 @@ def test_a_benchmark_record_is_compared_with_the_newest_that_has_its_figures(tmp
     assert previous_record(tmp_path, "H200", "full", figures={"offline.x.tok_s"}) == benches
     assert previous_record(tmp_path, "H200", "full", figures={"serve.y"}) is None
     assert previous_record(tmp_path, "H200", "full", figures=set()) == tests_only  # tests only: any
+
+
+def test_the_summary_line_reports_the_servers_throughput_not_the_engines():
+    from tandem.bench.suite_record import summary_line
+    figures = {"serve.qwen3-0.6b.engine.rate128.output_tok_s": {"value": 18749.0},  # first, as records have it
+               "serve.qwen3-0.6b.rate128.output_tok_s": {"value": 18018.0},
+               "serve.qwen3-0.6b.rate128.serve_over_engine": {"value": 0.961}}
+    record = {"figures": figures, "tests": {"passed": 3, "failed": 0}, "date": "2026-12-04T15:02:42Z",
+              "device": "NVIDIA H200", "commit": "c5b39c4"}
+    line = summary_line(record, "r.json")
+    assert "serve 128 req/s out tok/s 18,018" in line and "serve/engine 0.961" in line

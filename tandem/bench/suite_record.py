@@ -152,7 +152,10 @@ def summary_line(record: dict, path_name: str) -> str:
     t = record["tests"]
     bits = [f"tests {t.get('passed', 0)} passed / {t.get('failed', 0) + t.get('errors', 0)} failed"]
     for key, label in _SUMMARY:
-        value = next((v for k, v in f.items() if fnmatch.fnmatchcase(k, key) and v is not None), None)
+        # "serve.*" would match the engine's in-process run too ("serve.MODEL.engine.rate128..."):
+        # the line reports the server's figures, as its label says.
+        value = next((v for k, v in f.items() if fnmatch.fnmatchcase(k, key) and v is not None
+                      and (".engine." not in k or ".engine." in key)), None)
         if value is not None:
             bits.append(f"{label} {value:,.3g}" if abs(value) < 10 else f"{label} {value:,.0f}")
     return (f"{record['date'][:10]} — {record['device']}, suite at {record['commit']}: " + "; ".join(bits)
