@@ -122,6 +122,17 @@ def settled(url: str, kv_usage: float = 0.0, timeout: float = 30.0) -> tuple[boo
         time.sleep(0.2)
 
 
+def cpu_seconds(pid: int) -> float | None:
+    """User plus system CPU time a live process has used (all its threads), None once it is gone
+    or without /proc."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def rss_mib(pid: int) -> float | None:
     """Resident memory of a live process (VmRSS), None once it is gone."""
     try:

@@ -202,6 +202,8 @@ def _serve_figures(path: Path, key: str) -> Figures:
             figs[f"{k}.server_ttft_p50_ms"] = _info(server_ttft, "ms")
         if (lag := (r.get("client_lag_ms") or {}).get("p99")) is not None:
             figs[f"{k}.client_lag_p99_ms"] = _info(lag, "ms")
+        if r.get("front_end_cpu_share") is not None:
+            figs[f"{k}.front_end_cpu_share"] = _info(r["front_end_cpu_share"], "cores")
     return figs
 
 
