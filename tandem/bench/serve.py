@@ -181,7 +181,7 @@ def run_rate(url: str, reqs: list[BenchRequest], rate: float, *, model: str | No
         runs = [asyncio.run(_send_part(url, parts[0], time.monotonic(), chat, headers, caps[0]))]
     else:
         runs = _in_processes(url, parts, chat, headers, caps)
-    results: list[RequestResult] = [RequestResult(ok=False)] * len(reqs)
+    results = [RequestResult(ok=False) for _ in reqs]
     for part, run in zip(parts, runs):
         for (i, _, _), res in zip(part, run.results):
             results[i] = res
@@ -207,18 +207,24 @@ def _in_processes(url: str, parts: list[list], chat: bool, headers: dict, caps: 
         for pipe in pipes:
             pipe.send(start)
         runs = [pipe.recv() for pipe in pipes]
-    finally:
+    finally:  # a process that failed sent its error instead (raised below) or died (EOFError above)
         for proc in procs:
             proc.join(5)
             if proc.is_alive():
                 proc.kill()
+    failed = [run for run in runs if isinstance(run, str)]
+    if failed:
+        raise RuntimeError(f"a client process failed: {failed[0]}")
     return runs
 
 
 def _part_process(pipe, url: str, part: list, chat: bool, headers: dict, cap: int | None) -> None:
     pipe.send("ready")
     start = pipe.recv()
-    pipe.send(asyncio.run(_send_part(url, part, start, chat, headers, cap)))
+    try:
+        pipe.send(asyncio.run(_send_part(url, part, start, chat, headers, cap)))
+    except Exception as exc:  # noqa: BLE001 (the parent raises it with its text)
+        pipe.send(f"{type(exc).__name__}: {exc}")
 
 
 async def _send_part(url: str, part: list, start: float, chat: bool, headers: dict, cap: int | None) -> _PartRun:
