@@ -42,3 +42,40 @@ def test_the_row_says_where_the_time_and_the_slowest_requests_went(capsys):
     assert kinds["prefill"]["steps"] + kinds["decode"]["steps"] == row["steps"]
     assert kinds["decode"]["idle_s"] == 0 and kinds["decode"]["forward_ms"] is None  # the CPU has no device timings
     assert kinds["prefill"]["schedule_ms"] > 0 and kinds["prefill"]["launch_ms"] > 0
+
+
+def test_phase_timers_split_each_iterations_host_time_by_phase(capsys):
+    """`--phase-timers`: per phase, [median, mean] ms per iteration, for prefill-planning
+    iterations, the ones before them and decode-only ones; the wrappers are gone afterwards."""
+    row = _row(capsys, "--host-kv-cache-gb", "0.05", "--phase-timers")
+    phases = row["phases"]
+    assert phases["iterations"] >= row["steps"] and phases["prefill_iterations"] == row["by_kind"]["prefill"]["steps"]
+    prefill, decode = phases["prefill"], phases["decode"]
+    assert prefill["Scheduler.schedule"][1] >= prefill["Scheduler._plan"][1] >= prefill["Scheduler._prefill_rows"][1] > 0
+    assert prefill["PrefixCache.admit"][1] > 0 and prefill["ModelRunner.launch"][1] > 0
+    assert prefill["iteration"][1] >= prefill["Scheduler.schedule"][1] + prefill["ModelRunner.launch"][1]
+    assert "KVTierCopier._copy" in prefill or "KVTierCopier._copy" in phases["before_prefill"]
+    assert decode["ModelRunner.launch"][1] > 0 and decode["iteration"][0] < prefill["iteration"][0]
+    assert _row(capsys, "--host-kv-cache-gb", "0.05")["phases"] is None  # off by default
+
+
+def test_phase_timers_leave_the_engine_as_it_was(tmp_path):
+    from tandem.config import EngineConfig
+    from tandem.diagnostics.phases import phase_timers
+    from tandem.engine import Engine
+    from tandem.sampling import SamplingParams
+    from tiny_models import make_tiny_model
+
+    engine = Engine(EngineConfig(model=str(make_tiny_model(tmp_path, "llama")), device="cpu", dtype="float32"))
+    parts = (engine, engine.scheduler, engine.prefix_cache, engine.prefix_cache.tree, engine.runner)
+    before = [set(vars(part)) for part in parts]
+    with phase_timers(engine) as log:
+        assert "schedule" in vars(engine.scheduler) and "_run_step" in vars(engine)  # wrapped for the block
+        engine.add_request([1, 2, 3, 4], SamplingParams(max_tokens=3, temperature=0.0))
+        while engine.has_unfinished():
+            engine.step()
+    assert [set(vars(part)) for part in parts] == before  # every wrapper removed
+    kinds = [it.get("kind") for it in log.iterations]
+    assert kinds[0] == "prefill" and "decode" in kinds
+    assert all(it["iteration"] >= it.get("Scheduler.schedule", 0.0) for it in log.iterations)
+    engine.close()

@@ -44,6 +44,7 @@ from tandem.bench.presets import preset_dir
 from tandem.config import EngineConfig, Experiments
 from tandem.diagnostics.compiles import count_compiles
 from tandem.diagnostics.profile import step_window
+from tandem.diagnostics.phases import phase_timers
 from tandem.engine import Engine
 from tandem.sampling import SamplingParams
 
@@ -164,6 +165,9 @@ class PrefixRow:
     # Per step kind ("prefill", "decode"): steps, device idle seconds before them, and median host
     # planning / launch and device forward ms. Which kind of step leaves the GPU idle, and why?
     by_kind: dict | None = None
+    # `--phase-timers`: per host phase, [median, mean] ms per engine iteration, for iterations
+    # that planned a prefill step, the ones before them, and decode-only ones (diagnostics.phases).
+    phases: dict | None = None
 
     @property
     def output_tok_s(self) -> float:
@@ -274,7 +278,8 @@ def run_one(args: argparse.Namespace) -> PrefixRow:
     window = (step_window(engine, *args.profile_steps) if args.profile_steps else contextlib.nullcontext([]))
     host_window = (step_window(engine, *args.host_profile_steps, rows=40, host=True) if args.host_profile_steps
                    else contextlib.nullcontext([]))
-    with count_compiles() as compiles, window as tables, host_window as host_tables:
+    timers = phase_timers(engine) if args.phase_timers else contextlib.nullcontext(None)
+    with count_compiles() as compiles, window as tables, host_window as host_tables, timers as phase_log:
         inputs, outputs, wall, firsts = drive(engine, make_workload(args, vocab, args.seed), "run")
     ttft = [f.ttft_ms for f in firsts]
     ttft_p99 = _percentile(ttft, 99)
@@ -300,7 +305,8 @@ def run_one(args: argparse.Namespace) -> PrefixRow:
                      summary["gpu_tier_stall_ms"] / 1e3 if "gpu_tier_stall_ms" in summary else None,
                      {why: delta[key] for why, key in MOVED_TOKENS.items()} if engine.kv_tier is not None else None,
                      summary.get("mean_tier_window_ms"), *by_tenth(engine.timeline.records[first:]),
-                     slowest(firsts, ttft_p99), by_kind(engine.timeline.records[first:]))
+                     slowest(firsts, ttft_p99), by_kind(engine.timeline.records[first:]),
+                     phase_log.summary() if phase_log is not None else None)
 
 
 def by_tenth(records: list) -> tuple[list | None, list]:
@@ -391,6 +397,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--host-profile-steps", type=int, nargs=2, metavar=("FIRST", "COUNT"),
                     help="cProfile COUNT engine steps of the measured run from step FIRST; prints the functions by "
                          "cumulative host time to stderr (where a host-bound step's time goes)")
+    ap.add_argument("--phase-timers", action="store_true",
+                    help="time the host phases of every engine iteration of the measured run (planning, admission, "
+                         "eviction, tier copies, launch, processing); the row's `phases`")
     ap.add_argument("--experiment", action="append", default=[], metavar="NAME=VALUE",
                     help="an Experiments field for an A/B (repeatable; booleans on/off)")
     ap.add_argument("--json", help="write the rows here")
