@@ -176,12 +176,11 @@ def test_a_processs_cpu_seconds_and_the_front_ends_share():
     import os
     import time
 
-    from tandem.bench.launch import cpu_seconds
-    from tandem.bench.suite_serve import _front_end_cpu
+    from tandem.bench.launch import cpu_seconds, front_end_cpu
     before, t = cpu_seconds(os.getpid()), time.process_time()
     while time.process_time() - t < 0.2:  # busy: CPU time, not sleep
         pass
     assert cpu_seconds(os.getpid()) - before >= 0.15
     assert cpu_seconds(2**22 + 7) is None  # no such process
-    assert _front_end_cpu(3.0, 1.0, 4.0, 20_000) == {"front_end_cpu_us_per_token": 100.0, "front_end_cpu_share": 0.5}
-    assert _front_end_cpu(None, 1.0, 4.0, 10)["front_end_cpu_share"] is None
+    assert front_end_cpu(3.0, 1.0, 4.0, 20_000) == {"front_end_cpu_us_per_token": 100.0, "front_end_cpu_share": 0.5}
+    assert front_end_cpu(None, 1.0, 4.0, 10)["front_end_cpu_share"] is None

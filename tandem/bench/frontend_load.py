@@ -139,8 +139,7 @@ def main(argv: list[str] | None = None) -> int:
                          "failed": s["failed"], "output_tokens": tokens, "tokens_per_s": s["output_token_throughput"],
                          "offered_tokens_per_s": min(args.num_prompts, args.max_running) / args.step_ms * 1e3,
                          "ttft_ms": s["ttft_ms"], "itl_ms": s["itl_ms"], "client_lag_ms": s["client_lag_ms"],
-                         "front_end_cpu_us_per_token": (cpu1 - cpu0) / max(tokens, 1) * 1e6,
-                         "front_end_cpu_share": (cpu1 - cpu0) / wall})
+                         **launch.front_end_cpu(cpu1, cpu0, wall, tokens)})
             r = rows[-1]
             print(f"client processes {procs}: {r['tokens_per_s']:,.0f} tokens/s of {r['offered_tokens_per_s']:,.0f} "
                   f"offered; TTFT p50 {r['ttft_ms']['p50']:.1f} ms; ITL p50/p90/p99 "

@@ -133,6 +133,15 @@ def cpu_seconds(pid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def front_end_cpu(cpu1: float | None, cpu0: float | None, wall_s: float, tokens: int) -> dict:
+    """A server's front-end process (HTTP, SSE; the engine runs in its child) over a run, from
+    two `cpu_seconds` reads: CPU microseconds per streamed token, and its share of one core
+    (near 1: it is saturated, and its queue adds to TTFT and bunches tokens)."""
+    if cpu0 is None or cpu1 is None or tokens <= 0:
+        return {"front_end_cpu_us_per_token": None, "front_end_cpu_share": None}
+    return {"front_end_cpu_us_per_token": (cpu1 - cpu0) / tokens * 1e6, "front_end_cpu_share": (cpu1 - cpu0) / wall_s}
+
+
 def rss_mib(pid: int) -> float | None:
     """Resident memory of a live process (VmRSS), None once it is gone."""
     try:

@@ -82,17 +82,8 @@ def _one_rate(args: argparse.Namespace, url: str, rate: float, server_pid: int) 
     server_ttft = launch.histogram_quantiles(before, m, "tandem_time_to_first_token_seconds")
     return {**summary, "exit_code": rc, "gpu_busy": m.get("tandem_gpu_busy_fraction"),
             "host_ms_per_step": m.get("tandem_host_ms_per_step"), "server_ttft_ms": server_ttft,
-            **_front_end_cpu(launch.cpu_seconds(server_pid), cpu0, time.perf_counter() - t0,
-                             summary["total_output_tokens"])}
-
-
-def _front_end_cpu(cpu1: float | None, cpu0: float | None, wall_s: float, tokens: int) -> dict:
-    """The server's front-end process (HTTP, SSE; the engine runs in its child): CPU microseconds
-    per streamed token, and its share of one core over the rate's run (near 1: it is saturated,
-    and its queue adds to TTFT and bunches tokens)."""
-    if cpu0 is None or cpu1 is None or tokens <= 0:
-        return {"front_end_cpu_us_per_token": None, "front_end_cpu_share": None}
-    return {"front_end_cpu_us_per_token": (cpu1 - cpu0) / tokens * 1e6, "front_end_cpu_share": (cpu1 - cpu0) / wall_s}
+            **launch.front_end_cpu(launch.cpu_seconds(server_pid), cpu0, time.perf_counter() - t0,
+                                   summary["total_output_tokens"])}
 
 
 def _stop(proc: subprocess.Popen) -> None:
