@@ -123,7 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     log = Path(f"/tmp/tandem-frontend-load-{port}.log")
     cmd = [sys.executable, "-m", "tandem.bench.frontend_load", "--serve-paced", str(args.step_ms / 1e3),
            str(args.max_running), "--model", preset_dir("tiny"), "--dummy-weights", "--port", str(port)]
-    proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
     rows = []
     try:
         launch._wait_healthy(url, proc, log, 120)
@@ -147,12 +148,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{args.step_ms} ms); front end {r['front_end_cpu_us_per_token']:.1f} us/token, "
                   f"{r['front_end_cpu_share']:.2f} of a core; client lag p99 {r['client_lag_ms']['p99']:.1f} ms")
     finally:
-        import signal
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        launch.stop_server(proc)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     return 0 if all(r["failed"] == 0 for r in rows) else 1

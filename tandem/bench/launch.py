@@ -64,6 +64,16 @@ def running_servers(*specs: tuple[str | Path, Path, list[str]], device: str = "a
                 proc.wait()
 
 
+def stop_server(proc: subprocess.Popen) -> None:
+    """SIGINT (the server's clean stop), then SIGKILL after 30 s."""
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def _wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout: float) -> int:
     """The engine's pid, once /health answers 200."""
     deadline = time.monotonic() + timeout

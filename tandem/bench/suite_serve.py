@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
-import signal
 import subprocess
 import sys
 import tempfile
@@ -66,7 +65,7 @@ def run_server(args: argparse.Namespace) -> dict:
             report["rates"].append(_one_rate(args, url, rate, proc.pid))
         return report
     finally:
-        _stop(proc)
+        launch.stop_server(proc)
         print(f"[suite-serve] server log tail:\n{log.read_text(errors='replace')[-1500:]}", file=sys.stderr)
 
 
@@ -84,15 +83,6 @@ def _one_rate(args: argparse.Namespace, url: str, rate: float, server_pid: int) 
             "host_ms_per_step": m.get("tandem_host_ms_per_step"), "server_ttft_ms": server_ttft,
             **launch.front_end_cpu(launch.cpu_seconds(server_pid), cpu0, time.perf_counter() - t0,
                                    summary["total_output_tokens"])}
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    proc.send_signal(signal.SIGINT)  # the server's clean stop
-    try:
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
 
 
 def run_engine(args: argparse.Namespace) -> dict:

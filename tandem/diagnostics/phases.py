@@ -38,14 +38,13 @@ PHASES: list[tuple[str, tuple[str, ...]]] = [
 
 @dataclass
 class PhaseLog:
-    """One record per engine iteration: {phase: ms, phase + "#": calls, "kind": ...}."""
+    """One record per engine iteration: {phase: ms, "kind": the step it planned}."""
 
     iterations: list[dict] = field(default_factory=list)
 
-    def summary(self, skip: int = 0) -> dict:
-        """Per-phase [median, mean] ms per iteration, by the kind of step planned (iterations
-        from `skip` on: the measured run's)."""
-        its = self.iterations[skip:]
+    def summary(self) -> dict:
+        """Per-phase [median, mean] ms per iteration, by the kind of step planned."""
+        its = self.iterations
         prefill = [i for i, it in enumerate(its) if it.get("kind") == "prefill"]
         return {"iterations": len(its), "prefill_iterations": len(prefill),
                 "prefill": _medians([its[i] for i in prefill]),
@@ -56,7 +55,7 @@ class PhaseLog:
 def _medians(records: list[dict]) -> dict[str, list[float]]:
     if not records:
         return {}
-    keys = sorted({k for r in records for k in r if k != "kind" and not k.endswith("#")})
+    keys = sorted({k for r in records for k in r if k != "kind"})
     return {k: [round(statistics.median(r.get(k, 0.0) for r in records), 3),
                 round(statistics.mean(r.get(k, 0.0) for r in records), 3)] for k in keys}
 
@@ -86,7 +85,6 @@ def phase_timers(engine) -> Iterator[PhaseLog]:
             finally:
                 rec = current[0]
                 rec[label] = rec.get(label, 0.0) + (perf_counter() - t) * 1e3
-                rec[label + "#"] = rec.get(label + "#", 0) + 1
 
         setattr(obj, name, timed)  # an instance attribute: shadows the method until deleted
         wrapped.append((obj, name))
