@@ -154,6 +154,10 @@ class Experiments:
     # that result is processed, where it delays the next plan: H200 at a8a74e0, the window
     # before a small prefill step took 1.6 ms of the ~4.3 ms the GPU idled there).
     host_kv_window_before_wait: bool = True
+    # Host KV tier: after write-ahead, the window also evicts the written-ahead prefixes the next
+    # plan would evict (no copy: their host copies exist), so a prefill step's plan allocates
+    # from free slots (off: the plan evicts, on the host's path between two forwards).
+    host_kv_evict_ahead: bool = True
     # Cascade decode attention (rows sharing a cached prefix read it once per group): auto groups
     # by `CascadeRule`'s cost thresholds, on groups every shared prefix (>= 2 rows), off never.
     # Off until it pays: on the H200 at 80cf6d5 auto halved the shared-prefix workload (9,555

@@ -660,6 +660,8 @@ class Engine:
             window.spend(written - written0, write_back_rate)
         if exp.host_kv_write_ahead:
             cache.write_ahead(next_need, most=window.tokens(write_back_rate))
+            if exp.host_kv_evict_ahead and self.scheduler.waiting:  # a prefill plan may come next
+                cache.evict_ahead(next_need)
         if self.pending is not None and self.pending.record is not None:
             self.pending.record.tier_window_ms = (time.perf_counter() - started) * 1e3
 

@@ -65,6 +65,7 @@ class Request:
     first_token_time: float | None = None
     num_preemptions: int = 0
     prefetch_waits: int = 0  # plans that left it waiting for its host-tier prefix to load (PrefixCache)
+    host_match_walk: object | None = None  # its prompt's last tree walk (PrefixCache._host_only_tokens)
     mask: object | None = None  # a grammar.MaskProducer (structured output), set once compiled
 
     def bias_at(self, sample_index: int) -> Bias:

@@ -66,6 +66,32 @@ def test_write_ahead_copies_cold_nodes_and_their_eviction_copies_nothing():
     tree.check({})
 
 
+def test_evicting_what_was_written_ahead_copies_nothing_and_keeps_lru_order():
+    tree, kv, host, copies = _tiered_tree(host=20)
+    for first in (10, 20, 30):  # 30 is the warmest
+        tree.insert([first, first + 1, first + 2], kv.alloc(3))
+    assert tree.evict_copied(9) == 0  # nothing written ahead: the coldest needs a copy, so none goes
+    assert tree.write_ahead(6) == 6 and len(copies) == 2  # [10..] and [20..]
+    free = kv.num_free
+    assert tree.evict_copied(9) == 6 and len(copies) == 2  # both, no copy; it stops at [30..]
+    assert kv.num_free == free + 6 and tree.match_length([30, 31, 32]) == 3
+    assert tree.match_lengths([20, 21, 22]) == (0, 3)  # on the host
+    tree.check({})
+    assert tree.evict(3) == 3 and len(copies) == 3  # [30..] is still evictable, with its copy
+    tree.check({})
+
+
+def test_evict_ahead_frees_the_next_plans_need_only_while_it_is_short():
+    kv, host_pool = SlotAllocator(100), SlotAllocator(100, first=0)
+    cache = PrefixCache(kv, host=HostTier(host_pool, write_back=lambda g, h: None, load=lambda h, g: None))
+    for first in range(10, 90, 10):
+        cache.tree.insert(list(range(first, first + 10)), kv.alloc(10))  # 80 of 100 cached
+    assert cache.evict_ahead(15) == 0  # 20 free already
+    cache.write_ahead(50)
+    assert cache.evict_ahead(50) == 30 and kv.num_free == 50  # whole nodes, coldest first
+    assert PrefixCache(SlotAllocator(10)).evict_ahead(50) == 0  # no host tier: nothing to do
+
+
 def test_write_ahead_follows_eviction_down_a_chain():
     tree, kv, host, copies = _tiered_tree(host=20)
     history, slots = [10, 11, 12], kv.alloc(3)
@@ -442,10 +468,14 @@ def test_small_pool_with_host_tier_equals_unbounded_pool(tiny_text_model, overla
     engine.prefix_cache.prefetch = lambda *a, **k: prefetched.append(prefetch(*a, **k)) or prefetched[-1]
     written_ahead, write_ahead = [], engine.prefix_cache.write_ahead
     engine.prefix_cache.write_ahead = lambda *a, **k: written_ahead.append(write_ahead(*a, **k)) or written_ahead[-1]
+    evicted_ahead, evict_ahead = [], engine.prefix_cache.evict_ahead
+    engine.prefix_cache.evict_ahead = lambda *a, **k: evicted_ahead.append(evict_ahead(*a, **k)) or evicted_ahead[-1]
     got = run_chats(engine, rounds)
     # Write-ahead runs whenever the next plan may be short, prefetch whenever a waiting request's
-    # match continues on the host and the pool holds more than the next plan keeps.
+    # match continues on the host and the pool holds more than the next plan keeps; evict-ahead
+    # then frees what write-ahead copied.
     assert (sum(written_ahead) > 0) == ahead and (sum(prefetched) > 0) == ahead, (prefetched, written_ahead)
+    assert (sum(evicted_ahead) > 0) == ahead, evicted_ahead
     assert got == want
     s = engine.stats()
     assert s["host_cache_hit_tokens"] > (500 if host_tokens > 1000 else 100), s  # histories came back
@@ -864,3 +894,58 @@ def test_a_dropped_subtrees_host_copies_are_freed_once():
     assert host.num_free == free_before + 3 and tree.host_tokens == 0
     assert tree.evict_host(10) == 0  # nothing left to drop, and nothing freed twice
     tree.check({})
+
+
+def test_a_kept_match_walk_equals_a_fresh_one_whatever_the_tree_did():
+    """`match_lengths_again` returns its kept walk only while that walk still holds: after
+    random inserts, splits, evictions to the host, drops, host-tier drops and loads, its answer
+    for a fixed set of waiting prompts equals a fresh `match_lengths` every time. And it is
+    kept (not walked again) across operations that leave its path alone."""
+    rng = random.Random(11)
+    tree, kv, host, _ = _tiered_tree(gpu=300, host=150)
+    prompts = [[rng.randrange(3) for _ in range(rng.randint(4, 20))] for _ in range(12)]
+    walks: list = [None] * len(prompts)
+    kept = 0
+    for _ in range(600):
+        op = rng.random()
+        tokens = [rng.randrange(3) for _ in range(rng.randint(1, 16))]
+        if op < 0.3 and kv.num_free >= len(tokens):
+            present, _ = tree.insert(tokens, kv.alloc(len(tokens)))
+        elif op < 0.45:
+            tree.match(tokens)  # may split a node
+        elif op < 0.65:
+            tree.evict(rng.randint(1, 10))
+        elif op < 0.7:
+            tree.evict(rng.randint(1, 6), to_host=False)
+        elif op < 0.8:
+            tree.evict_host(rng.randint(1, 6))
+        elif op < 0.9:  # a load of the host part of a match, as admission and prefetch do it
+            slots, node = tree.match(tokens)
+            path = tree.host_continuation(node, tokens, len(slots))
+            if path and kv.num_free >= len(path[0].key):
+                tree.mark_loaded(path[0], kv.alloc(len(path[0].key)))
+        else:
+            tree.write_ahead(rng.randint(1, 20))
+        for i, prompt in enumerate(prompts):
+            end = rng.choice([len(prompt), len(prompt) - 1])
+            walk = tree.match_lengths_again(prompt, end, walks[i])
+            kept += walk is walks[i]
+            assert (walk.gpu, walk.cached) == tree.match_lengths(prompt, end), (prompt, end)
+            walks[i] = walk
+    assert kept > 600  # most operations leave most prompts' paths alone
+
+
+def test_prefetch_hold_sees_a_prefix_evicted_to_the_host_after_it_asked():
+    """The kept walk of a waiting prompt notices eviction to the host (none of its tokens
+    changed, only their tier), and a load back."""
+    kv, host_pool = SlotAllocator(400), SlotAllocator(400, first=0)
+    cache = PrefixCache(kv, host=HostTier(host_pool, write_back=lambda g, h: None, load=lambda h, g: None,
+                                          admit_after_prefetch=True))
+    tokens, slots = list(range(1000, 1200)), kv.alloc(200)
+    cache.tree.insert(tokens, slots)
+    req = Request("r", tokens + [7], SamplingParams(max_tokens=1), seed=0, max_samples=1)
+    assert cache.prefetch_hold(req, prefetched=True) is None  # all on the GPU
+    cache.tree.evict(200)
+    assert cache.prefetch_hold(req, prefetched=True) is not None  # now all on the host
+    assert cache.prefetch([req], keep=0, most=200) == 200
+    assert cache.prefetch_hold(req, prefetched=True) is None  # loaded back

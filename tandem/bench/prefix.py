@@ -409,8 +409,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     if not (args.compare or args.compare_cascade or args.compare_host_tier):
-        row = run_one(args)
-        print(json.dumps(row.to_dict()))
+        row = run_one(args).to_dict()
+        print(json.dumps(row))
+        _write_rows(args.json, [row])
         return 0
     gb = str(args.host_kv_cache_gb)
     if args.compare_cascade:
@@ -426,10 +427,14 @@ def main(argv: list[str]) -> int:
         out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
         rows.append(json.loads(out.strip().splitlines()[-1]))
     print(format_table(rows, "host tier" if args.compare_host_tier else "cache"))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    _write_rows(args.json, rows)
     return 0
+
+
+def _write_rows(path: str | None, rows: list[dict]) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(rows, f, indent=1)
 
 
 def _without_compare(argv: list[str]) -> list[str]:

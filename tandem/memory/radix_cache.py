@@ -20,6 +20,7 @@ tree holds and calls; the tree keeps the GPU side and the links between nodes.
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
 from typing import Callable, Iterator
 
 from tandem.memory.lru_heap import LruHeap, attached
@@ -38,6 +39,19 @@ class Node:
         self.lock_ref = 0
         self.last_access = next(_clock)
         self.loaded = False  # loaded back from the host and not yet read by an admission (a host hit then)
+
+
+@dataclass(frozen=True)
+class MatchWalk:
+    """A `match_lengths` answer and the path that gave it (`RadixCache.match_lengths_again`):
+    it still holds while every node on the path is where it was, as long and in the same tier,
+    and no child continues the match where it stopped."""
+
+    end: int  # the prefix length asked about
+    gpu: int  # matched on the GPU
+    cached: int  # matched in either tier
+    path: tuple  # (node, len(node.key), on the GPU) from the root down
+    stop_token: int | None  # the token no child matched (None: the walk ended inside a node or at `end`)
 
 
 class RadixCache:
@@ -90,19 +104,45 @@ class RadixCache:
     def match_lengths(self, tokens: list[int], end: int | None = None) -> tuple[int, int]:
         """(on the GPU, in either tier): lengths of the longest cached prefix of tokens[:end]
         (`end`: no copy of a long prompt to cut it); changes nothing."""
-        node, i, gpu = self.root, 0, 0
-        end = len(tokens) if end is None else min(end, len(tokens))
+        walk = self._walk(tokens, len(tokens) if end is None else min(end, len(tokens)))
+        return walk.gpu, walk.cached
+
+    def match_lengths_again(self, tokens: list[int], end: int, last: MatchWalk | None) -> MatchWalk:
+        """`match_lengths` of tokens[:end] for a caller that asks about the same tokens again
+        and again (a waiting prompt, every plan): `last` is the previous answer, returned as it
+        is when its path still stands (O(nodes on the path), no token compares), else walked
+        anew. Exact: a match changes only through its path's nodes (split, dropped, moved
+        between tiers) or a new child where it stopped, and each of those is checked. A node's
+        key never changes but by a split, which shortens it."""
+        end = min(end, len(tokens))
+        if last is not None and last.end == end and self._path_stands(last):
+            return last
+        return self._walk(tokens, end)
+
+    def _path_stands(self, walk: MatchWalk) -> bool:
+        parent = self.root
+        for node, key_len, on_gpu in walk.path:
+            if (node.parent is not parent or len(node.key) != key_len or bool(node.slots) != on_gpu
+                    or parent.children.get(node.key[0]) is not node):
+                return False
+            parent = node
+        return walk.stop_token is None or walk.stop_token not in parent.children
+
+    def _walk(self, tokens: list[int], end: int) -> MatchWalk:
+        node, i, gpu, path, stop = self.root, 0, 0, [], None
         while i < end:
             child = node.children.get(tokens[i])
             if child is None:
+                stop = tokens[i]
                 break
             n = common_length(child.key, tokens, i, end)
             i += n
             gpu = i if child.slots and gpu == i - n else gpu  # a GPU node's parent is on the GPU
+            path.append((child, len(child.key), bool(child.slots)))
             if n < len(child.key):
                 break
             node = child
-        return gpu, i
+        return MatchWalk(end, gpu, i, tuple(path), stop)
 
     # ---- insertion ----
     def insert(self, tokens: list[int], slots: list[int]) -> tuple[int, Node]:
@@ -205,11 +245,22 @@ class RadixCache:
             freed += self._evict_in_order(num_tokens - freed, to_host)
         return freed
 
-    def _evict_in_order(self, num_tokens: int, to_host: bool) -> int:
+    def evict_copied(self, num_tokens: int) -> int:
+        """`evict` of the coldest nodes that have host copies already (written ahead), stopping
+        at the first that has none (LRU order kept): frees up to `num_tokens` GPU slots and
+        queues no copy. Returns the GPU slots freed (0 without a host tier)."""
+        if self.host_tier is None:
+            return 0
+        return self._evict_in_order(num_tokens, to_host=True, copied_only=True)
+
+    def _evict_in_order(self, num_tokens: int, to_host: bool, copied_only: bool = False) -> int:
         freed, order = 0, self.lru.take()
         while freed < num_tokens:
             node = next(order, None)  # only when one is needed: a node taken leaves the heap
             if node is None:
+                break
+            if copied_only and node.host_slots is None:
+                self.lru.touch(node)  # taken but kept: back in the heap
                 break
             gpu_slots = node.slots
             self.evictable_tokens -= len(node.key)
