@@ -609,6 +609,8 @@ class Engine:
         previous, self.pending = self.pending, launched  # in flight before anything else can fail
         early_window = self.kv_tier is not None and self.cfg.experiments.host_kv_window_before_wait
         window_error = self._tier_window() if early_window else None
+        if previous is not None:
+            self.scheduler.prepare_waiting()  # host time the wait for step N would idle away
         try:
             if previous is not None:
                 outputs.extend(self._process(previous))  # step N's result, while step N+1 runs

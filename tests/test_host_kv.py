@@ -949,3 +949,61 @@ def test_prefetch_hold_sees_a_prefix_evicted_to_the_host_after_it_asked():
     assert cache.prefetch_hold(req, prefetched=True) is not None  # now all on the host
     assert cache.prefetch([req], keep=0, most=200) == 200
     assert cache.prefetch_hold(req, prefetched=True) is None  # loaded back
+
+
+def _tree_dump(tree) -> list:
+    """Every node's path of keys, slots and host slots, in a canonical order."""
+    out, stack = [], [((), tree.root)]
+    while stack:
+        path, node = stack.pop()
+        for first in sorted(node.children):
+            child = node.children[first]
+            key = path + (tuple(child.key),)
+            out.append((key, tuple(child.slots), None if child.host_slots is None else tuple(child.host_slots)))
+            stack.append((key, child))
+    return sorted(out)
+
+
+def test_a_match_along_a_kept_walk_does_what_a_walked_match_does():
+    """Two trees take the same random operations; admissions match with the kept walk on one
+    and walk the tokens on the other: same slots, same end node, same tree (splits, tiers),
+    and the same eviction order afterwards (the same touches)."""
+    rng = random.Random(7)
+    trees = [_tiered_tree(gpu=300, host=150) for _ in range(2)]
+    prompts = [[rng.randrange(3) for _ in range(rng.randint(4, 20))] for _ in range(10)]
+    walks: list = [None] * len(prompts)
+    followed = 0
+    for _ in range(500):
+        op, tokens = rng.random(), [rng.randrange(3) for _ in range(rng.randint(1, 16))]
+        i, evict = rng.randrange(len(prompts)), rng.randint(1, 10)
+        end = len(prompts[i]) - rng.randint(0, 1)
+        for side, (tree, kv, host, _) in enumerate(trees):
+            if op < 0.3 and kv.num_free >= len(tokens):
+                tree.insert(tokens, kv.alloc(len(tokens)))
+            elif op < 0.5:
+                tree.evict(evict)
+            elif op < 0.6:
+                tree.evict_host(3)
+            elif op < 0.7:
+                tree.write_ahead(10)
+            else:  # an admission's match, then a load of its host part
+                prefix = prompts[i][:end]
+                if side == 0:
+                    walks[i] = tree.match_lengths_again(prompts[i], end, walks[i])
+                    followed += tree._path_stands(walks[i])
+                    slots, node = tree.match(prefix, walks[i])
+                else:
+                    slots, node = tree.match(prefix)
+                path = tree.host_continuation(node, prefix, len(slots))
+                if path and kv.num_free >= len(path[0].key):
+                    tree.mark_loaded(path[0], kv.alloc(len(path[0].key)))
+                if side == 0:
+                    got = (slots, [n.key for n in _path(tree, node)])
+                else:
+                    assert (slots, [n.key for n in _path(tree, node)]) == got
+        assert _tree_dump(trees[0][0]) == _tree_dump(trees[1][0])
+    assert followed > 50
+    while trees[0][0].evict(1):  # the same LRU order: the same node goes each time
+        assert trees[1][0].evict(1)
+        assert _tree_dump(trees[0][0]) == _tree_dump(trees[1][0])
+    assert not trees[1][0].evict(1)

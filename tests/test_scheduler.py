@@ -270,3 +270,30 @@ def test_a_request_prefetch_has_not_reached_keeps_its_place(fifo):
     admitted = {r.req.rid for r in batch.rows if r.prefill_ids is not None}
     assert admitted == (set() if fifo else {"later"})
     assert [r.prefetch_waits for r in cold] == [1] * PREFETCH_REQUESTS + [0 if fifo else 1]
+
+
+def test_waiting_prompts_are_hashed_in_the_wait_once_each_and_only_at_the_queue_head():
+    cfg = SchedulerConfig(max_running_requests=4, max_prefill_tokens=PREFILL_BUDGET, chunked_prefill_size=128,
+                          enable_mixed_batch=False)
+    sched = Scheduler(cfg, PrefixCache(SlotAllocator(1 << 14)), SlotAllocator(4), on_admit=lambda req: None)
+    reqs = [_request(f"r{i}", PROMPT_LEN, i * 7, 2) for i in range(6)]
+    for req in reqs:
+        sched.add(req)
+    assert sched.prepare_waiting() == 4  # as many as a plan could admit
+    assert ["prompt_block_hashes" in r.__dict__ for r in reqs] == [True] * 4 + [False] * 2
+    assert sched.prepare_waiting() == 0  # done once
+    off = Scheduler(cfg, PrefixCache(SlotAllocator(1 << 14), enabled=False), SlotAllocator(4), on_admit=lambda req: None)
+    off.add(_request("x", PROMPT_LEN, 0, 2))
+    assert off.prepare_waiting() == 0  # no prefix cache: nothing reads them
+
+
+def test_the_engine_prepares_waiting_requests_while_a_step_is_in_flight(tiny_text_model):
+    engine = Engine(EngineConfig(model=tiny_text_model, device=TEST_DEVICE, max_running_requests=2))
+    calls, prepare = [], engine.scheduler.prepare_waiting
+    engine.scheduler.prepare_waiting = lambda: calls.append(prepare()) or calls[-1]
+    for i in range(6):
+        engine.add_request(list(range(3 + i, 40 + i)), SamplingParams(max_tokens=4, temperature=0))
+    while engine.has_unfinished():
+        engine.step()
+    assert sum(calls) >= 4  # the requests queued behind the first two were hashed in a wait
+    engine.close()

@@ -138,6 +138,9 @@ class StepFollower:
     def on_step_completed(self, step: int) -> None:
         pass  # KV and slots are rank 0's to free
 
+    def prepare_waiting(self) -> int:
+        return 0  # rank 0 plans: it prepares its waiting requests
+
     def finish(self, req, step: int) -> None:
         pass
 

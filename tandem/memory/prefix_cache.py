@@ -146,7 +146,7 @@ class PrefixCache:
         if not self.enabled:
             return 0
         prefix = fill[:req.max_cached_prefix]
-        slots, node = self.tree.match(prefix)
+        slots, node = self.tree.match(prefix, req.host_match_walk)
         if self.host is not None:
             loaded, node = self._load_host_part(node, prefix, len(slots), self._load_tokens_left)
             self._load_tokens_left -= len(loaded)
@@ -246,9 +246,11 @@ class PrefixCache:
                 continue  # nothing to load: no match, which would mark its path as used
             room = (self.available() if evict else self.kv_slots.num_free) - keep
             prefix = req.fill_ids[:req.max_cached_prefix]
-            slots, node = self.tree.match(prefix)
+            slots, node = self.tree.match(prefix, req.host_match_walk)
             loaded, _ = self._load_host_part(node, prefix, len(slots), min(most - queued, room))
             queued += len(loaded)
+            if loaded:  # walked again here, beside the forward, not by the next plan's admission scan
+                self._host_only_tokens(req)
         self.tier_moves.prefetched += queued
         return queued
 

@@ -79,9 +79,13 @@ class RadixCache:
         return self.host_tier.tokens if self.host_tier is not None else 0
 
     # ---- lookup ----
-    def match(self, tokens: list[int]) -> tuple[list[int], Node]:
+    def match(self, tokens: list[int], walk: "MatchWalk | None" = None) -> tuple[list[int], Node]:
         """The slots of the longest cached prefix of `tokens` and the node where it ends (a
-        node boundary: a match ending inside an edge splits it). Marks the path as used."""
+        node boundary: a match ending inside an edge splits it). Marks the path as used.
+        `walk`: a kept `match_lengths_again` answer for these tokens; followed without token
+        compares while its path stands."""
+        if walk is not None and walk.end == len(tokens) and self._path_stands(walk):
+            return self._follow(walk)
         node, slots, i = self.root, [], 0
         now = next(_clock)
         while i < len(tokens):
@@ -90,6 +94,22 @@ class RadixCache:
                 break
             n = common_length(child.key, tokens, i)
             if n < len(child.key):
+                child = self._split(child, n)
+            child.last_access = now
+            self._touch(child)
+            slots += child.slots
+            node, i = child, i + n
+        return slots, node
+
+    def _follow(self, walk: "MatchWalk") -> tuple[list[int], Node]:
+        """`match` along a walk whose path stands: the same splits, touches and slots."""
+        node, slots, i = self.root, [], 0
+        now = next(_clock)
+        for child, key_len, on_gpu in walk.path:
+            if not on_gpu:
+                break
+            n = min(key_len, walk.cached - i)
+            if n < key_len:
                 child = self._split(child, n)
             child.last_access = now
             self._touch(child)
