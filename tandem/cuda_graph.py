@@ -50,9 +50,11 @@ def capture_all(streams: StreamSet, buckets: list[int], depth: int, views, captu
     """The capture loop of every graph set: per bucket and staging ring slot, all-padding
     inputs (`views(ring, bucket)` zeroed), then `capture_one(ring, bucket, views, pool)`, on
     the forward stream. `pool`: share another set's memory pool (their replays are ordered on
-    the one forward stream). Returns the device memory the graphs took."""
+    the one forward stream). Returns the device memory the graphs took from this process's
+    allocator (their memory pool). Not the device's free memory: other processes on the GPU
+    change that meanwhile (the H200 suite's shared test pass saw -462 MiB at 578fb93)."""
     device = streams.device
-    free_before = torch.cuda.mem_get_info(device)[0]
+    reserved_before = torch.cuda.memory_reserved(device)
     pool = torch.cuda.graph_pool_handle() if pool is None else pool
     forward = streams.forward
     forward.wait_stream(torch.cuda.current_stream(device))
@@ -64,7 +66,7 @@ def capture_all(streams: StreamSet, buckets: list[int], depth: int, views, captu
             capture_one(ring, bucket, v, pool)
     torch.cuda.current_stream(device).wait_stream(forward)
     torch.cuda.synchronize(device)
-    return free_before - torch.cuda.mem_get_info(device)[0]
+    return torch.cuda.memory_reserved(device) - reserved_before
 
 
 class DecodeGraphs:
