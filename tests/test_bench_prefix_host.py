@@ -79,3 +79,39 @@ def test_phase_timers_leave_the_engine_as_it_was(tmp_path):
     assert kinds[0] == "prefill" and "decode" in kinds
     assert all(it["iteration"] >= it.get("Scheduler.schedule", 0.0) for it in log.iterations)
     engine.close()
+
+
+def _record(step: int, decode: bool, start_ms: float, plan: float, done_ms: float | None, idle: float | None = None,
+            forward: float | None = None, stall: float | None = None):
+    from tandem.diagnostics.timeline import StepRecord
+    return StepRecord(step, 8 if decode else 2, 8 if decode else 4096, decode, 0, 0, host_start=start_ms / 1e3,
+                      schedule_ms=plan, launch_ms=1.0, gpu_forward_ms=forward, gpu_idle_before_ms=idle,
+                      host_done=None if done_ms is None else done_ms / 1e3, gpu_tier_stall_ms=stall)
+
+
+def test_prefill_gaps_split_the_idle_before_a_prefill_that_follows_a_decode():
+    """idle = stall + (result before D -> plan) + plan + prologue - D; only prefill steps right
+    after a decode count, the first tenth of the steps is left out, and the CPU has none."""
+    from tandem.bench.prefix import prefill_gaps
+    records = [_record(i, True, 10.0 * i, 0.1, 10.0 * i + 9, idle=0.0, forward=4.0) for i in range(10)]
+    # P1 (result at 109 ms), D (4 ms on the GPU), then P2 planned at 110 ms for 2 ms; idle 3.5 ms with 0.5 of stall:
+    # prologue = 3.5 - 0.5 - 1 - 2 + 4 = 4 ms.
+    records += [_record(10, False, 100.0, 2.0, 109.0, idle=0.0, forward=30.0),
+                _record(11, True, 101.0, 0.1, 113.0, idle=0.0, forward=4.0),
+                _record(12, False, 110.0, 2.0, 150.0, idle=3.5, forward=30.0, stall=0.5),
+                _record(13, False, 150.5, 1.0, 180.0, idle=0.0, forward=30.0)]  # after a prefill: not counted
+    gaps = prefill_gaps(records)
+    assert gaps["steps"] == 2 and gaps["idled"] == 1 and gaps["idle_s"] == 0.004  # P1 (after D 9) did not idle
+    assert gaps["where_idle"] == {"idle": 3.5, "stall": 0.5, "result_to_plan": 1.0, "plan": 2.0,
+                                  "decode_forward": 4.0, "prologue": 4.0}
+    assert gaps["all"]["idle"] == 1.75 and gaps["all"]["plan"] == 2.0
+    cpu = [_record(i, i % 2 == 0, 10.0 * i, 0.1, 10.0 * i + 9) for i in range(20)]
+    assert prefill_gaps(cpu) is None
+
+
+def test_step_records_are_written_as_json_lines(capsys, tmp_path):
+    path = tmp_path / "steps.jsonl"
+    row = _row(capsys, "--host-kv-cache-gb", "0.05", "--step-records", str(path))
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert len(lines) > row["steps"] and {"schedule_ms", "host_done", "gpu_tier_stall_ms"} <= set(lines[-1])
+    assert row["prefill_gaps"] is None  # the CPU has no device timings

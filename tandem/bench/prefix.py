@@ -45,6 +45,7 @@ from tandem.config import EngineConfig, Experiments
 from tandem.diagnostics.compiles import count_compiles
 from tandem.diagnostics.profile import step_window
 from tandem.diagnostics.phases import phase_timers
+from tandem.diagnostics.timeline import IDLE_EPS_MS
 from tandem.engine import Engine
 from tandem.sampling import SamplingParams
 
@@ -165,6 +166,9 @@ class PrefixRow:
     # Per step kind ("prefill", "decode"): steps, device idle seconds before them, and median host
     # planning / launch and device forward ms. Which kind of step leaves the GPU idle, and why?
     by_kind: dict | None = None
+    # Prefill steps that follow a decode step D (CUDA): the GPU idles for the host's path from the
+    # result before D to the prefill's first kernel, less D (`prefill_gaps`).
+    prefill_gaps: dict | None = None
     # `--phase-timers`: per host phase, [median, mean] ms per engine iteration, for iterations
     # that planned a prefill step, the ones before them, and decode-only ones (diagnostics.phases).
     phases: dict | None = None
@@ -260,7 +264,7 @@ def run_one(args: argparse.Namespace) -> PrefixRow:
                                  max_total_tokens=args.max_total_tokens, max_model_len=args.max_model_len,
                                  max_running_requests=args.max_running_requests,
                                  host_kv_cache_gb=args.host_kv_cache_gb,
-                                 timeline=True, seed=0, warm_up="off",  # drive() below warms up
+                                 timeline=args.step_records or True, seed=0, warm_up="off",  # drive() warms up
                                  experiments=Experiments.from_overrides(
                                      [f"cascade_attention={args.cascade}", *args.experiment])))
     vocab = engine.model_config.vocab_size
@@ -306,6 +310,7 @@ def run_one(args: argparse.Namespace) -> PrefixRow:
                      {why: delta[key] for why, key in MOVED_TOKENS.items()} if engine.kv_tier is not None else None,
                      summary.get("mean_tier_window_ms"), *by_tenth(engine.timeline.records[first:]),
                      slowest(firsts, ttft_p99), by_kind(engine.timeline.records[first:]),
+                     prefill_gaps(engine.timeline.records[first:]),
                      phase_log.summary() if phase_log is not None else None)
 
 
@@ -336,6 +341,37 @@ def by_kind(records: list) -> dict:
                        "launch_ms": median([r.launch_ms for r in steps]),
                        "forward_ms": median([r.gpu_forward_ms for r in steps])}
     return kinds
+
+
+def prefill_gaps(records: list) -> dict | None:
+    """Where the GPU idles before a prefill step P that follows a decode step D (CUDA records;
+    None on the CPU). The host waits for the step before D, processes it, plans P and launches
+    it; D covers that path for as long as it runs. Per such P, medians over all of them and
+    over the ones that idled: the idle, its device wait for host-tier copies (`stall`), the host
+    time from the result before D to P's plan (`result_to_plan`), the plan, D's forward, and
+    the launch prologue they imply (idle - stall - result_to_plan - plan + D: host time before
+    P's first kernel). The first tenth of the steps (the queue filling) is left out."""
+    if not any(r.gpu_forward_ms is not None for r in records):
+        return None
+    gaps = []
+    for i in range(max(len(records) // 10, 2), len(records)):
+        p, d, before = records[i], records[i - 1], records[i - 2]
+        if p.is_decode or not d.is_decode or None in (p.gpu_idle_before_ms, d.gpu_forward_ms, before.host_done):
+            continue
+        stall = p.gpu_tier_stall_ms or 0.0
+        result_to_plan = (p.host_start - before.host_done) * 1e3
+        gaps.append({"idle": p.gpu_idle_before_ms, "stall": stall, "result_to_plan": result_to_plan,
+                     "plan": p.schedule_ms, "decode_forward": d.gpu_forward_ms,
+                     "prologue": p.gpu_idle_before_ms - stall - result_to_plan - p.schedule_ms + d.gpu_forward_ms})
+    if not gaps:
+        return {"steps": 0}
+    idled = [g for g in gaps if g["idle"] > IDLE_EPS_MS]
+
+    def medians(rows: list[dict]) -> dict:
+        return {k: round(statistics.median(g[k] for g in rows), 2) for k in rows[0]} if rows else {}
+
+    return {"steps": len(gaps), "idled": len(idled), "idle_s": round(sum(g["idle"] for g in gaps) / 1e3, 3),
+            "all": medians(gaps), "where_idle": medians(idled)}
 
 
 def slowest(firsts: list[FirstToken], ttft_p99: float) -> list[list]:
@@ -397,6 +433,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--host-profile-steps", type=int, nargs=2, metavar=("FIRST", "COUNT"),
                     help="cProfile COUNT engine steps of the measured run from step FIRST; prints the functions by "
                          "cumulative host time to stderr (where a host-bound step's time goes)")
+    ap.add_argument("--step-records", metavar="PATH",
+                    help="write every engine step's timeline record here (JSON lines; the warm-up passes' too)")
     ap.add_argument("--phase-timers", action="store_true",
                     help="time the host phases of every engine iteration of the measured run (planning, admission, "
                          "eviction, tier copies, launch, processing); the row's `phases`")
@@ -424,6 +462,8 @@ def main(argv: list[str]) -> int:
     for cache, cascade, host_gb in configs:
         cmd = [sys.executable, "-m", "tandem.bench.prefix", *_without_compare(argv), "--cache", cache,
                "--cascade", cascade, "--host-kv-cache-gb", host_gb]
+        if args.step_records:  # one file per configuration
+            cmd += ["--step-records", f"{args.step_records}.cache-{cache}.cascade-{cascade}.host-{host_gb}"]
         out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
         rows.append(json.loads(out.strip().splitlines()[-1]))
     print(format_table(rows, "host tier" if args.compare_host_tier else "cache"))
@@ -437,6 +477,9 @@ def _write_rows(path: str | None, rows: list[dict]) -> None:
             json.dump(rows, f, indent=1)
 
 
+_PER_CONFIG = ("--cache", "--json", "--cascade", "--host-kv-cache-gb", "--step-records")  # set per run by main
+
+
 def _without_compare(argv: list[str]) -> list[str]:
     out, skip = [], False
     for a in argv:
@@ -444,9 +487,9 @@ def _without_compare(argv: list[str]) -> list[str]:
             skip = False
         elif a in ("--compare", "--compare-cascade", "--compare-host-tier"):
             continue
-        elif a in ("--cache", "--json", "--cascade", "--host-kv-cache-gb"):
+        elif a in _PER_CONFIG:
             skip = True
-        elif not a.startswith(("--cache=", "--json=", "--cascade=", "--host-kv-cache-gb=")):
+        elif not a.startswith(tuple(f"{o}=" for o in _PER_CONFIG)):
             out.append(a)
     return out
 
