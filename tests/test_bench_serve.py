@@ -69,6 +69,7 @@ class _ScriptedSSE:
         import asyncio
         import threading
         self.gap_s, self.open, self.peak = gap_s, 0, 0
+        self.events: list[str] = []  # "GET" / "POST" in arrival order
         self.loop = asyncio.new_event_loop()
         ready = threading.Event()
 
@@ -91,6 +92,13 @@ class _ScriptedSSE:
                 head = await reader.readuntil(b"\r\n\r\n")
             except (asyncio.IncompleteReadError, ConnectionError):
                 return
+            self.events.append(head.split(b" ", 1)[0].decode())
+            if head.startswith(b"GET "):  # the client's warm-up: /v1/models
+                models = b'{"object": "list", "data": []}'
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
+                             % (len(models), models))
+                await writer.drain()
+                continue
             length = next(int(h.split(b":")[1]) for h in head.split(b"\r\n") if h.lower().startswith(b"content-length:"))
             body = json.loads(await reader.readexactly(length))
             self.open += 1
@@ -131,6 +139,39 @@ def test_requests_sent_from_several_processes_come_back_in_workload_order():
         assert run.duration > 0 and run.client_lag_ms and all(lag > -1.0 for lag in run.client_lag_ms)
         one = _run(server, reqs, processes=1)
         assert [r.output_tokens for r in one.results] == [3, 9, 4, 7, 2, 8, 5]
+    finally:
+        server.close()
+
+
+def test_each_client_process_warms_its_connection_up_before_the_clock_starts():
+    """A process's first request pays for lazy imports and its first connection (70-220 ms of
+    TTFT on the CPU box): one untimed GET per process, all before the first timed request."""
+    from tandem.bench.serve import BenchRequest
+    server = _ScriptedSSE()
+    try:
+        reqs = [BenchRequest("p", 1, 3) for _ in range(6)]
+        assert all(r.ok for r in _run(server, reqs, processes=3, rate=200.0).results)
+        assert server.events[:3] == ["GET"] * 3 and server.events[3:] == ["POST"] * 6
+        server.events.clear()
+        assert all(r.ok for r in _run(server, reqs, processes=1).results)
+        assert server.events == ["GET"] + ["POST"] * 6
+    finally:
+        server.close()
+
+
+def test_a_client_process_that_fails_before_the_start_says_why(monkeypatch):
+    """An error before a process is ready (its warm-up) comes back as the run's error, and the
+    other processes are not left waiting (forked: the patched warm-up is theirs too)."""
+    from tandem.bench import serve
+
+    async def broken(http, url):
+        raise ValueError("no warm-up")
+
+    monkeypatch.setattr(serve, "_warm_up", broken)
+    server = _ScriptedSSE()
+    try:
+        with pytest.raises(RuntimeError, match="client process failed: ValueError: no warm-up"):
+            _run(server, [serve.BenchRequest("p", 1, 3)] * 4, processes=2)
     finally:
         server.close()
 

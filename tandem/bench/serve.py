@@ -23,6 +23,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import httpx
 import numpy as np
@@ -178,7 +179,7 @@ def run_rate(url: str, reqs: list[BenchRequest], rate: float, *, model: str | No
     caps = [None if max_concurrency is None else max_concurrency // processes + (p < max_concurrency % processes)
             for p in range(processes)]
     if processes == 1:
-        runs = [asyncio.run(_send_part(url, parts[0], time.monotonic(), chat, headers, caps[0]))]
+        runs = [asyncio.run(_send_part(url, parts[0], time.monotonic, chat, headers, caps[0]))]
     else:
         runs = _in_processes(url, parts, chat, headers, caps)
     results = [RequestResult(ok=False) for _ in reqs]
@@ -201,12 +202,11 @@ def _in_processes(url: str, parts: list[list], chat: bool, headers: dict, caps: 
         pipes.append(mine)
         procs.append(proc)
     try:
-        for pipe in pipes:
-            pipe.recv()  # "ready"
+        readies = [pipe.recv() for pipe in pipes]  # "ready" once warmed up, or the error that stopped it
         start = time.monotonic() + 0.05
         for pipe in pipes:
             pipe.send(start)
-        runs = [pipe.recv() for pipe in pipes]
+        runs = [pipe.recv() if ready == "ready" else ready for pipe, ready in zip(pipes, readies)]
     finally:  # a process that failed sent its error instead (raised below) or died (EOFError above)
         for proc in procs:
             proc.join(5)
@@ -219,17 +219,37 @@ def _in_processes(url: str, parts: list[list], chat: bool, headers: dict, caps: 
 
 
 def _part_process(pipe, url: str, part: list, chat: bool, headers: dict, cap: int | None) -> None:
-    pipe.send("ready")
-    start = pipe.recv()
+    started = False
+
+    def ready_then_start() -> float:
+        nonlocal started
+        pipe.send("ready")
+        started = True
+        return pipe.recv()  # the common start time (blocks: nothing else runs on the loop yet)
+
     try:
-        pipe.send(asyncio.run(_send_part(url, part, start, chat, headers, cap)))
+        pipe.send(asyncio.run(_send_part(url, part, ready_then_start, chat, headers, cap)))
     except Exception as exc:  # noqa: BLE001 (the parent raises it with its text)
         pipe.send(f"{type(exc).__name__}: {exc}")
+        if not started:  # the parent read that as this process's "ready": take the start it sends
+            pipe.recv()
 
 
-async def _send_part(url: str, part: list, start: float, chat: bool, headers: dict, cap: int | None) -> _PartRun:
-    """Send this part's requests, each at start + its arrival time, while a probe measures how
-    late the event loop wakes."""
+async def _warm_up(http: httpx.AsyncClient, url: str) -> None:
+    """One request before the clock starts. A client process's first request pays for its
+    HTTP stack's lazy imports and its first connection: 70-220 ms of TTFT against 15 ms for
+    the rest (this project's CPU box, paced server, 2026-12-04), which made the suite's 16 req/s
+    TTFT p99 (2 of 200 requests) the client's four first requests."""
+    try:
+        await http.get(url.split("/v1/")[0] + "/v1/models")
+    except httpx.HTTPError:
+        pass  # the server's own error shows on the timed requests
+
+
+async def _send_part(url: str, part: list, start: Callable[[], float], chat: bool, headers: dict,
+                     cap: int | None) -> _PartRun:
+    """Warm the connection up, then send this part's requests, each at start() + its arrival
+    time, while a probe measures how late the event loop wakes."""
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     gate = asyncio.Semaphore(cap) if cap else None
     lags: list[float] = []
@@ -242,9 +262,11 @@ async def _send_part(url: str, part: list, start: float, chat: bool, headers: di
             lags.append((time.monotonic() - t - LAG_PROBE_S) * 1e3)
 
     async with httpx.AsyncClient(timeout=httpx.Timeout(None), limits=limits, headers=headers) as http:
+        await _warm_up(http, url)
+        t0 = start()
 
         async def one(body: dict, at: float) -> RequestResult:
-            await asyncio.sleep(max(0.0, start + at - time.monotonic()))
+            await asyncio.sleep(max(0.0, t0 + at - time.monotonic()))
             if gate is None:
                 return await send_one(http, url, body, chat)
             async with gate:
@@ -255,7 +277,7 @@ async def _send_part(url: str, part: list, start: float, chat: bool, headers: di
         end = time.monotonic()
         done.set()
         await prober
-    return _PartRun(list(results), start, end, lags)
+    return _PartRun(list(results), t0, end, lags)
 
 
 def _pcts(values: list[float]) -> dict[str, float | None]:
