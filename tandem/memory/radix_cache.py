@@ -93,10 +93,7 @@ class RadixCache:
             if child is None or not child.slots:  # the rest lives on the host: host_continuation
                 break
             n = common_length(child.key, tokens, i)
-            if n < len(child.key):
-                child = self._split(child, n)
-            child.last_access = now
-            self._touch(child)
+            child = self._use(child, n, now)
             slots += child.slots
             node, i = child, i + n
         return slots, node
@@ -109,13 +106,19 @@ class RadixCache:
             if not on_gpu:
                 break
             n = min(key_len, walk.cached - i)
-            if n < key_len:
-                child = self._split(child, n)
-            child.last_access = now
-            self._touch(child)
+            child = self._use(child, n, now)
             slots += child.slots
             node, i = child, i + n
         return slots, node
+
+    def _use(self, child: Node, n: int, now: int) -> Node:
+        """The node of a match's first n tokens of `child` (split there if n is short of its
+        key), marked as used at `now`."""
+        if n < len(child.key):
+            child = self._split(child, n)
+        child.last_access = now
+        self._touch(child)
+        return child
 
     def match_length(self, tokens: list[int]) -> int:
         """Length of the longest cached prefix; changes nothing (for ordering the queue)."""
@@ -355,11 +358,8 @@ class RadixCache:
             if child is None:
                 break
             assert not child.slots, "a GPU node under the end of a GPU match"
-            n = common_length(child.key, tokens, i)
-            if n < len(child.key):
-                child = self._split(child, n)
-            child.last_access = now
-            self._touch(child)
+            child = self._use(child, common_length(child.key, tokens, i), now)
+            n = len(child.key)
             path.append(child)
             node, i = child, i + n
         return path
