@@ -26,14 +26,16 @@ from typing import Iterator
 # counts the callee's time too (`Scheduler.schedule` holds `_plan`, which holds `_prefill_rows`).
 PHASES: list[tuple[str, tuple[str, ...]]] = [
     ("scheduler", ("schedule", "_plan", "_cache_launched_prefills", "_prefill_rows", "_decode_rows", "_chunk",
-                   "on_step_completed")),
+                   "on_step_completed", "prepare_waiting")),
     ("prefix_cache", ("admit", "prefetch_hold", "alloc", "undo_admit", "cache_prefill", "release", "prefetch",
-                      "write_ahead")),
+                      "write_ahead", "evict_ahead")),
     ("prefix_cache.tree", ("evict", "match", "insert")),
     ("kv_tier", ("_copy", "collect", "fence")),
     ("runner", ("launch",)),
-    ("", ("_process", "_tier_window", "_admit_compiled")),
+    ("", ("_process", "_tier_window", "_admit_compiled", "add_request")),
 ]
+# A call between two iterations (the caller's `add_request` after `step()` returned) counts in
+# the iteration before it: the one whose processing finished the requests it follows.
 
 
 @dataclass
