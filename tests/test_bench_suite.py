@@ -202,3 +202,24 @@ def test_the_summary_line_reports_the_servers_throughput_not_the_engines():
               "device": "NVIDIA H200", "commit": "c5b39c4"}
     line = summary_line(record, "r.json")
     assert "serve 128 req/s out tok/s 18,018" in line and "serve/engine 0.961" in line
+
+
+def test_host_tier_figures_and_the_on_over_off_ratios(tmp_path):
+    """The host tier's rows become figures (the plan and idle before prefill steps lower is
+    better), and tier on over off is derived: issue 23 asks for GPU busy not lower (>= 1)."""
+    from tandem.bench.suite_runs import _host_tier_figures, derived
+    row = {"workload": "multiturn", "output_tok_s": 2500.0, "ttft_p50_ms": 1100.0, "ttft_p99_ms": 8800.0,
+           "hit_rate": 0.78, "gpu_busy": 0.976, "tier_stall_s": 0.12, "by_kind": {"prefill": {"schedule_ms": 1.7}},
+           "prefill_gaps": {"steps": 120, "idle_s": 0.5}}
+    off = {**row, "output_tok_s": 2000.0, "gpu_busy": 0.995, "tier_stall_s": None, "prefill_gaps": None}
+    figs = {}
+    for side, r in (("on", row), ("off", off)):
+        log = tmp_path / f"{side}.log"
+        log.write_text("warming up\n" + json.dumps(r) + "\n")
+        figs.update(_host_tier_figures(log, f"host_tier.m.tier_{side}"))
+    assert figs["host_tier.m.tier_on.prefill_plan_ms"].better == "lower"
+    assert figs["host_tier.m.tier_on.idle_before_prefill_s"].value == 0.5
+    assert "host_tier.m.tier_off.tier_stall_s" not in figs and "host_tier.m.tier_off.idle_before_prefill_s" not in figs
+    ratios = derived(figs)
+    assert ratios["host_tier.m.tier_on_over_off"].value == 1.25
+    assert abs(ratios["host_tier.m.gpu_busy_tier_on_over_off"].value - 0.976 / 0.995) < 1e-12

@@ -6,7 +6,9 @@ the engine, Qwen3-0.6B and Llama-3.1-8B shapes, with the roofline fraction), lat
 batch 1/16/64, overlap on and off), prefix (shared-prefix workload, cache on and off), grammar
 (JSON-schema constrained vs unconstrained), fp8 (FP8 weights against the bf16 figures) and
 serve (`tandem serve` with default flags under Poisson load at 16 and 128 req/s, from a cold
-start, and the engine on the same load in-process). Each configuration runs in its own
+start, and the engine on the same load in-process) and host_tier (multi-turn histories four times
+the GPU pool, the prefix cache's host tier on and off: throughput, TTFT, GPU busy, the prefill
+plan and the GPU's idle before prefill steps). Each configuration runs in its own
 subprocess with its own time budget, so one failure or hang cannot hide the rest.
 
 Writes one JSON record to --out (default docs/bench-records/; named by date and commit) and

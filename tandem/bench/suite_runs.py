@@ -147,6 +147,38 @@ def _prefix_figures(log: Path, key: str) -> Figures:
             f"{key}.gpu_busy": _hi(row["gpu_busy"], "fraction")}
 
 
+# ---- the prefix cache's host tier: multi-turn histories beyond the GPU pool, tier on vs off ----
+# Issue 23's sized run: the pool holds ~25% of the live histories; 48 GB of host tier holds them all.
+TIER_WORKLOAD = ["--conversations", "64", "--turns", "8", "--system-len", "1024", "--question-len", "1024",
+                 "--output-len", "128", "--max-running-requests", "12", "--max-total-tokens", "147456"]
+
+
+def host_tier(ctx: Ctx, preset: str, host_gb: str, budget: float) -> RunSpec:
+    model = ctx.model(preset)
+    sizes = (["--conversations", "3", "--turns", "2", "--system-len", "32", "--question-len", "16",
+              "--output-len", "4", "--max-running-requests", "2", "--max-total-tokens", "128"]
+             if ctx.quick else TIER_WORKLOAD)
+    side = "off" if float(host_gb) == 0 else "on"
+    argv = [*BENCH, "prefix", "--preset", model, "--device", ctx.device, "--workload", "multiturn", *sizes,
+            "--host-kv-cache-gb", host_gb]
+    key = f"host_tier.{model}.tier_{side}"
+    return RunSpec("host_tier", f"host-tier-{model}-{side}", argv, budget, lambda _, log: _host_tier_figures(log, key))
+
+
+def _host_tier_figures(log: Path, key: str) -> Figures:
+    """The prefix figures, plus where a prefill step's GPU idle goes (CUDA rows: `prefill_gaps`)
+    and the tier's own device waits."""
+    figs = _prefix_figures(log, key)
+    row = json.loads([s for s in log.read_text(errors="replace").splitlines() if s.startswith('{"workload"')][-1])
+    figs[f"{key}.prefill_plan_ms"] = _lo(row["by_kind"]["prefill"]["schedule_ms"])
+    if row.get("tier_stall_s") is not None:
+        figs[f"{key}.tier_stall_s"] = _lo(row["tier_stall_s"], "s")
+    gaps = row.get("prefill_gaps")
+    if gaps and gaps.get("steps"):
+        figs[f"{key}.idle_before_prefill_s"] = _lo(gaps["idle_s"], "s")
+    return figs
+
+
 # ---- structured output ----
 def grammar(ctx: Ctx, preset: str, budget: float) -> RunSpec:
     model = ctx.model(preset)
@@ -228,6 +260,8 @@ def derived(figs: Figures) -> Figures:
 _RATIOS = [  # (suffix of a figure, suffix of its baseline, suffix of the ratio)
     (".shared.cache_on.output_tok_s", ".shared.cache_off.output_tok_s", ".shared.cache_on_over_off"),
     (".rate128.output_tok_s", ".engine.rate128.output_tok_s", ".rate128.serve_over_engine"),
+    (".tier_on.output_tok_s", ".tier_off.output_tok_s", ".tier_on_over_off"),
+    (".tier_on.gpu_busy", ".tier_off.gpu_busy", ".gpu_busy_tier_on_over_off"),  # issue 23: >= 1
 ]
 
 
@@ -257,7 +291,8 @@ def plan(ctx: Ctx) -> list[RunSpec]:
     if ctx.quick:
         return [tests(ctx, 60), offline(ctx, "tiny", None, True, 60), latency(ctx, "tiny", None, 60),
                 serve(ctx, "tiny", "server", 90), serve(ctx, "tiny", "engine", 60),
-                prefix(ctx, "tiny", "on", 60), grammar(ctx, "tiny", 60), offline(ctx, "tiny", "fp8", False, 60)]
+                prefix(ctx, "tiny", "on", 60), grammar(ctx, "tiny", 60), offline(ctx, "tiny", "fp8", False, 60),
+                host_tier(ctx, "tiny", "0.01", 60)]
     return [tests(ctx, 240),
             offline(ctx, "qwen3-0.6b", None, True, 60),
             offline(ctx, "llama-3.1-8b", None, False, 70),
@@ -268,7 +303,9 @@ def plan(ctx: Ctx) -> list[RunSpec]:
             prefix(ctx, "qwen3-0.6b", "off", 45),
             grammar(ctx, "qwen3-0.6b", 50),
             latency(ctx, "qwen3-0.6b", "fp8", 45),
-            offline(ctx, "llama-3.1-8b", "fp8", False, 70)]
+            offline(ctx, "llama-3.1-8b", "fp8", False, 70),
+            host_tier(ctx, "qwen3-0.6b", "48", 150),
+            host_tier(ctx, "qwen3-0.6b", "0", 100)]
 
 
-PARTS = ("tests", "offline", "latency", "prefix", "grammar", "fp8", "serve")
+PARTS = ("tests", "offline", "latency", "prefix", "grammar", "fp8", "serve", "host_tier")
