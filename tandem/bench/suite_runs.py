@@ -138,10 +138,16 @@ def prefix(ctx: Ctx, preset: str, cache: str, budget: float, cascade: str = "off
     return RunSpec("prefix", run, argv, budget, lambda _, log: _prefix_figures(log, key))
 
 
-def _prefix_figures(log: Path, key: str) -> Figures:
+def _prefix_row(log: Path) -> dict:
     """`tandem bench prefix` without --compare prints its row as the last JSON line."""
-    line = [s for s in log.read_text(errors="replace").splitlines() if s.startswith('{"workload"')][-1]
-    row = json.loads(line)
+    return json.loads([s for s in log.read_text(errors="replace").splitlines() if s.startswith('{"workload"')][-1])
+
+
+def _prefix_figures(log: Path, key: str) -> Figures:
+    return _row_figures(_prefix_row(log), key)
+
+
+def _row_figures(row: dict, key: str) -> Figures:
     return {f"{key}.output_tok_s": _hi(row["output_tok_s"]), f"{key}.ttft_p50_ms": _lo(row["ttft_p50_ms"]),
             f"{key}.ttft_p99_ms": _lo(row["ttft_p99_ms"]), f"{key}.hit_rate": _info(row["hit_rate"], "fraction"),
             f"{key}.gpu_busy": _hi(row["gpu_busy"], "fraction")}
@@ -168,8 +174,8 @@ def host_tier(ctx: Ctx, preset: str, host_gb: str, budget: float) -> RunSpec:
 def _host_tier_figures(log: Path, key: str) -> Figures:
     """The prefix figures, plus where a prefill step's GPU idle goes (CUDA rows: `prefill_gaps`)
     and the tier's own device waits."""
-    figs = _prefix_figures(log, key)
-    row = json.loads([s for s in log.read_text(errors="replace").splitlines() if s.startswith('{"workload"')][-1])
+    row = _prefix_row(log)
+    figs = _row_figures(row, key)
     figs[f"{key}.prefill_plan_ms"] = _lo(row["by_kind"]["prefill"]["schedule_ms"])
     if row.get("tier_stall_s") is not None:
         figs[f"{key}.tier_stall_s"] = _lo(row["tier_stall_s"], "s")

@@ -84,7 +84,7 @@ class RadixCache:
         node boundary: a match ending inside an edge splits it). Marks the path as used.
         `walk`: a kept `match_lengths_again` answer for these tokens; followed without token
         compares while its path stands."""
-        if walk is not None and walk.end == len(tokens) and self._path_stands(walk):
+        if self._holds(walk, len(tokens)):
             return self._follow(walk)
         node, slots, i = self.root, [], 0
         now = next(_clock)
@@ -138,9 +138,12 @@ class RadixCache:
         between tiers) or a new child where it stopped, and each of those is checked. A node's
         key never changes but by a split, which shortens it."""
         end = min(end, len(tokens))
-        if last is not None and last.end == end and self._path_stands(last):
-            return last
-        return self._walk(tokens, end)
+        return last if self._holds(last, end) else self._walk(tokens, end)
+
+    def _holds(self, walk: MatchWalk | None, end: int) -> bool:
+        """A kept walk answers for tokens[:end] still: asked about as many tokens (a request's
+        tokens only grow, so the same `end` is the same tokens), and its path stands."""
+        return walk is not None and walk.end == end and self._path_stands(walk)
 
     def _path_stands(self, walk: MatchWalk) -> bool:
         parent = self.root
