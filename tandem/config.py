@@ -158,6 +158,11 @@ class Experiments:
     # plan would evict (no copy: their host copies exist), so a prefill step's plan allocates
     # from free slots (off: the plan evicts, on the host's path between two forwards).
     host_kv_evict_ahead: bool = True
+    # Separate batches: while the host waits for the step in flight, a prefill step that will
+    # follow the decode step just launched is planned (`Scheduler.plan_ahead`), so its plan
+    # (admission, matches, tier loads, slots) is not on the host's path between the two
+    # forwards, where only the decode step covers it (off: planned after the wait).
+    plan_prefill_ahead: bool = True
     # Cascade decode attention (rows sharing a cached prefix read it once per group): auto groups
     # by `CascadeRule`'s cost thresholds, on groups every shared prefix (>= 2 rows), off never.
     # Off until it pays: on the H200 at 80cf6d5 auto halved the shared-prefix workload (9,555

@@ -608,9 +608,11 @@ class Engine:
                 launched.tier_wait = self.kv_tier.fence_wait
         previous, self.pending = self.pending, launched  # in flight before anything else can fail
         early_window = self.kv_tier is not None and self.cfg.experiments.host_kv_window_before_wait
-        window_error = self._tier_window() if early_window else None
+        deferred_error = self._tier_window() if early_window else None
         if previous is not None:
             self.scheduler.prepare_waiting()  # host time the wait for step N would idle away
+            if deferred_error is None and not masked and batch.is_decode:
+                deferred_error = self._plan_ahead(batch.step + 1)
         try:
             if previous is not None:
                 outputs.extend(self._process(previous))  # step N's result, while step N+1 runs
@@ -624,8 +626,8 @@ class Engine:
             self._count_launched(launched)  # N+1 is fully queued: it stays in flight
             raise
         self._count_launched(launched)
-        if window_error is not None:
-            raise window_error  # after step N's outputs are in `outputs`: none is lost
+        if deferred_error is not None:
+            raise deferred_error  # after step N's outputs are in `outputs`: none is lost
         if self.cfg.disable_overlap:
             self._drain(outputs)
         if self.kv_tier is not None and not early_window:
@@ -639,6 +641,20 @@ class Engine:
         plan. Returns its error instead of raising it, so that N is processed first."""
         try:
             self._move_between_tiers()
+        except BaseException as exc:  # noqa: B036 (re-raised by the caller once N is processed)
+            return exc
+        return None
+
+    def _plan_ahead(self, step: int) -> BaseException | None:
+        """In the wait for step N, after a decode step N+1 was launched: plan a prefill step
+        N+2 now (`Scheduler.plan_ahead`), not after N's result, where only the short decode
+        step covers its plan. A masked step's plan is not followed ahead (its sampling, after
+        the wait, may still roll it back). Returns its error instead of raising it, so that N
+        is processed first."""
+        if not self.cfg.experiments.plan_prefill_ahead:
+            return None
+        try:
+            self.scheduler.plan_ahead(step)
         except BaseException as exc:  # noqa: B036 (re-raised by the caller once N is processed)
             return exc
         return None
@@ -952,6 +968,7 @@ class Engine:
                                                                       self.runner.prefill_graphs) if g is not None) / 2**20,
                 "prefill_graph_steps": self.runner.prefill_graphs.replays if self.runner.prefill_graphs else 0,
                 "num_preemptions": self.scheduler.num_preemptions,
+                "steps_planned_ahead": self.scheduler.steps_planned_ahead,  # prefill plans made in a wait
                 "cascade_steps": self.runner.cascade_steps,  # decode steps with shared-prefix groups
                 "cascade_rows": self.runner.cascade_rows,  # rows those steps grouped, summed
                 "memory": self.memory.as_dict() if self.memory is not None else None,
@@ -1015,7 +1032,7 @@ def _step_record(batch: ScheduledBatch, t_start: float, t_launch: float, t_end: 
     return StepRecord(
         batch.step, len(batch.rows), tokens, batch.is_decode, context_tokens=context, attn_pairs=pairs,
         host_start=t_start, schedule_ms=(t_launch - t_start) * 1e3, launch_ms=(t_end - t_launch) * 1e3,
-        num_sampled=len(batch.sample_rows),
+        plan_ahead_ms=batch.planned_ahead_ms, num_sampled=len(batch.sample_rows),
         verify_k=sum(r.spec_k for r in batch.rows) if batch.is_verify else None)
 
 

@@ -1007,3 +1007,23 @@ def test_a_match_along_a_kept_walk_does_what_a_walked_match_does():
         assert trees[1][0].evict(1)
         assert _tree_dump(trees[0][0]) == _tree_dump(trees[1][0])
     assert not trees[1][0].evict(1)
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_prefill_steps_planned_ahead_change_no_output(tiny_text_model, overlap):
+    """Multi-turn chats through a small pool and a host tier, with aborts: planning each
+    prefill step in the wait for the step before its decode (the default) gives the tokens of
+    planning it when due, and every GPU and host slot comes back. Without overlap there is no
+    wait to plan in."""
+    from tandem.config import Experiments
+    rounds = chat_specs(conversations=6, turns=3, seed=5)
+    runs = {}
+    for ahead in (True, False):
+        engine = _small_tiered_engine(tiny_text_model, disable_overlap=not overlap,
+                                      experiments=Experiments(plan_prefill_ahead=ahead))
+        runs[ahead] = run_chats(engine, rounds)
+        s = engine.stats()
+        assert (s["steps_planned_ahead"] > 0) == (ahead and overlap), s["steps_planned_ahead"]
+        assert_tiers_conserved(engine, s)
+        engine.close()
+    assert runs[True] == runs[False]

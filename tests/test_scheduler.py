@@ -297,3 +297,148 @@ def test_the_engine_prepares_waiting_requests_while_a_step_is_in_flight(tiny_tex
         engine.step()
     assert sum(calls) >= 4  # the requests queued behind the first two were hashed in a wait
     engine.close()
+
+
+# ---- a prefill step planned while the step before it is in flight (plan_ahead) ----
+def _decoding_with_burst(sched: Scheduler, burst: int = 8) -> tuple[int, Request]:
+    """A stream decoding, then `burst` prompts queued and the first prefill step run; returns
+    the next step number (a decode step's, if there is a burst)."""
+    stream = _request("stream", 8, 0, max_samples=1000)
+    sched.add(stream)
+    step = 0
+    while len(stream.output_token_ids) < 2:
+        _run_step(sched, step)
+        step += 1
+    for i in range(burst):
+        sched.add(_request(f"b{i}", PROMPT_LEN, 7 * i, max_samples=4))
+    if burst:
+        assert _run_step(sched, step).has_prefill  # prefill first: the decodes' turn is next
+        step += 1
+    return step, stream
+
+
+def _rows(batch: ScheduledBatch | None) -> list:
+    return [(r.req.rid, r.start, r.num_new, r.prefill_ids, r.sample_index) for r in batch.rows] if batch else []
+
+
+def _books(sched: Scheduler) -> tuple:
+    return (sched.cache.kv_slots.num_free, sched.req_slots.num_free, [r.rid for r in sched.waiting],
+            [r.rid for r in sched.running], sched._prefill_steps_in_a_row)
+
+
+def test_a_prefill_step_planned_ahead_is_the_step_that_was_due():
+    """Overlapped like the engine: after each decode step is planned, and before its result,
+    the next prefill step is planned ahead; `schedule` then hands that plan over. The steps
+    equal a scheduler that plans each step when it is due."""
+    ahead, due = _scheduler(False), _scheduler(False)
+    for sched in (ahead, due):
+        step, _ = _decoding_with_burst(sched, burst=24)
+    planned_for = set()
+    for s in range(step, step + 40):
+        batch = ahead.schedule(s, drain=lambda: None)
+        if batch is not None and batch.is_decode and ahead.plan_ahead(s + 1):  # s's result is not read yet
+            planned_for.add(s + 1)
+        _complete(ahead, batch, s)
+        want = _run_step(due, s)
+        assert _rows(batch) == _rows(want), s
+        assert (batch is not None and batch.planned_ahead_ms is not None) == (s in planned_for), s
+    assert len(planned_for) >= 4 and ahead.steps_planned_ahead == len(planned_for)
+
+
+def test_plan_ahead_only_plans_a_prefill_step_that_is_due_next():
+    mixed = _scheduler(True)
+    step, _ = _decoding_with_burst(mixed)
+    assert not mixed.plan_ahead(step)  # mixed batches: no prefill-only steps to plan
+    sched = _scheduler(False)
+    step, _ = _decoding_with_burst(sched, burst=0)
+    assert not sched.plan_ahead(step)  # nothing to prefill
+    sched.add(_request("late", PROMPT_LEN, 3, max_samples=4))
+    prefill = sched.schedule(step, drain=lambda: None)
+    assert prefill.has_prefill
+    sched.add(_request("later", PROMPT_LEN, 5, max_samples=4))
+    assert not sched.plan_ahead(step + 1)  # after a prefill step the decodes have their turn
+    assert sched._ahead is None
+
+
+def test_finishing_a_request_undoes_the_plan_made_ahead_with_it():
+    """An abort between the plan made ahead and its step: the plan is undone as one that never
+    launched (slots back, the other admitted prompts back at the queue's head in order), the
+    aborted request is not queued again, and the step is planned afresh without it."""
+    sched = _scheduler(False)
+    step, stream = _decoding_with_burst(sched)
+    decode = sched.schedule(step, drain=lambda: None)
+    assert decode.is_decode
+    before = _books(sched)
+    assert sched.plan_ahead(step + 1)
+    planned = sched._ahead.batch
+    victim = planned.rows[1].req
+    assert len(planned.rows) >= 2 and victim.status is Status.RUNNING
+    stream.status = Status.FINISHED  # a request the plan does not hold: the plan stays
+    sched.finish(stream, completed_step=step - 1)
+    assert sched._ahead is not None
+    victim.status = Status.FINISHED  # as Engine._finish does, then the scheduler's finish
+    sched.finish(victim, completed_step=step - 1)
+    assert sched._ahead is None and victim.slot == 0 and victim not in sched.waiting
+    free_kv, free_req, waiting, running, count = before
+    assert sched.cache.kv_slots.num_free == free_kv and sched.req_slots.num_free == free_req
+    assert [r.rid for r in sched.waiting] == [rid for rid in waiting if rid != victim.rid]
+    again = sched.schedule(step + 1, drain=lambda: None)
+    assert again.planned_ahead_ms is None and victim.rid not in [r.req.rid for r in again.rows]
+    assert [r.req.rid for r in again.rows] == [r.req.rid for r in planned.rows if r.req is not victim][:len(again.rows)]
+
+
+def test_a_rollback_undoes_the_plan_made_ahead_first():
+    sched = _scheduler(False)
+    step, _ = _decoding_with_burst(sched)
+    before = _books(sched)
+    decode = sched.schedule(step, drain=lambda: None)
+    assert decode.is_decode and sched.plan_ahead(step + 1)
+    sched.rollback(step)  # the decode's launch failed: neither plan happened
+    assert _books(sched) == before and sched._ahead is None
+    assert sched.schedule(step, drain=lambda: None).is_decode  # the retry plans the same step
+
+
+def test_a_plan_made_ahead_for_another_step_number_is_planned_afresh():
+    sched = _scheduler(False)
+    step, _ = _decoding_with_burst(sched)
+    sched.schedule(step, drain=lambda: None)
+    before = _books(sched)
+    assert sched.plan_ahead(step + 1)
+    assert sched.schedule(step + 2, drain=lambda: None).planned_ahead_ms is None
+    sched.rollback(step + 2)
+    assert _books(sched) == before
+
+
+def test_the_engine_plans_a_prefill_step_ahead_and_an_abort_undoes_it(tiny_text_model):
+    """A stream decodes while two prompts wait, each a prefill step of its own: after the first
+    prefill, the decode step is launched and the second prefill is planned in the wait for
+    the first. Aborting the second then undoes that plan: it never runs, the stream's tokens
+    are those of an engine that plans every step when due, and every KV slot comes back."""
+    from tandem.config import Experiments
+    from workload import assert_kv_conserved
+
+    def run(ahead: bool) -> tuple[list[int], Engine]:
+        engine = Engine(EngineConfig(model=str(tiny_text_model), device=TEST_DEVICE, dtype="float32",
+                                     max_prefill_tokens=50, chunked_prefill_size=50,
+                                     experiments=Experiments(plan_prefill_ahead=ahead)))
+        params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+        stream = engine.add_request([5, 6, 7], params, request_id="stream")
+        while len(engine.requests[stream].output_token_ids) < 2:
+            engine.step()
+        first = engine.add_request(list(range(10, 60)), params, request_id="first")
+        second = engine.add_request(list(range(100, 150)), params, request_id="second")
+        engine.step()  # launches first's prefill
+        engine.step()  # launches the decode; with `ahead`, plans second's prefill in the wait
+        assert engine.stats()["steps_planned_ahead"] == int(ahead)
+        assert (engine.requests[second].slot != 0) == ahead  # admitted by the plan made ahead
+        engine.abort(second)
+        assert engine.requests[second].slot == 0 and engine.scheduler._ahead is None
+        while engine.has_unfinished():
+            engine.step()
+        assert engine.requests[second].output_token_ids == [] and engine.requests[first].finished
+        return engine.requests[stream].output_token_ids, engine
+
+    tokens, engine = run(ahead=True)
+    assert tokens == run(ahead=False)[0]
+    assert_kv_conserved(engine)
+    engine.close()

@@ -26,7 +26,7 @@ from typing import Iterator
 # counts the callee's time too (`Scheduler.schedule` holds `_plan`, which holds `_prefill_rows`).
 PHASES: list[tuple[str, tuple[str, ...]]] = [
     ("scheduler", ("schedule", "_plan", "_cache_launched_prefills", "_prefill_rows", "_decode_rows", "_chunk",
-                   "on_step_completed", "prepare_waiting")),
+                   "on_step_completed", "prepare_waiting", "plan_ahead")),
     ("prefix_cache", ("admit", "prefetch_hold", "alloc", "undo_admit", "cache_prefill", "release", "prefetch",
                       "write_ahead", "evict_ahead")),
     ("prefix_cache.tree", ("evict", "match", "insert")),

@@ -53,6 +53,9 @@ class StepRecord:
     host_write_back_tokens: int | None = None
     gpu_tier_stall_ms: float | None = None  # before the forward span: waiting for host-tier copies
     tier_window_ms: float | None = None  # host time queueing host-tier copies after this step's launch
+    # Host ms of this step's plan made in the wait for an earlier step (Scheduler.plan_ahead);
+    # schedule_ms is then only its hand-over. None: planned when due.
+    plan_ahead_ms: float | None = None
 
     @property
     def launch_end(self) -> float:

@@ -93,7 +93,7 @@ class StepFollower:
     same `Engine.step`. Everything a scheduler does with the results is rank 0's business."""
 
     running = waiting = ()  # Engine.stats(): a worker holds no requests of its own
-    num_preemptions = 0
+    num_preemptions = steps_planned_ahead = 0
 
     def __init__(self, runtime: WorkerRuntime, on_admit, on_tier_copy=None):
         self.runtime, self.on_admit = runtime, on_admit
@@ -140,6 +140,9 @@ class StepFollower:
 
     def prepare_waiting(self) -> int:
         return 0  # rank 0 plans: it prepares its waiting requests
+
+    def plan_ahead(self, step: int) -> bool:
+        return False  # rank 0 plans ahead; its step message comes when it launches
 
     def finish(self, req, step: int) -> None:
         pass

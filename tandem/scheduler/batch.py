@@ -43,6 +43,9 @@ class ScheduledBatch:
 
     step: int
     rows: list[Row]
+    # Host ms its plan took while the step before it was in flight (`Scheduler.plan_ahead`);
+    # None: planned when it was due.
+    planned_ahead_ms: float | None = None
 
     @cached_property
     def is_decode(self) -> bool:

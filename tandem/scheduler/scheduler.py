@@ -54,6 +54,15 @@ class _Journal:
     committed: list[tuple[Row, int, int]] = field(default_factory=list)
 
 
+@dataclass
+class _Ahead:
+    """A prefill step planned while the step before it was in flight (`Scheduler.plan_ahead`),
+    until `schedule` takes it or something it assumed changes."""
+
+    batch: ScheduledBatch
+    journal: _Journal
+
+
 class PrefillPace:
     """Seconds per prefill token, measured from a prefill-only step's plan to its completion
     (the scheduler sees no device time; this latency is what a waiting stream sees)."""
@@ -117,6 +126,8 @@ class Scheduler:
         self._deferred: list[Request] = []  # finished, but queued GPU work may still read their KV
         self.num_preemptions = 0
         self._journal: _Journal | None = None  # the last plan's changes, until the next plan
+        self._ahead: _Ahead | None = None  # the next step, planned early (plan_ahead)
+        self.steps_planned_ahead = 0
         self._prefill_steps_in_a_row = 0  # planned steps without a decode row since the last with one
         self.prefill_pace = PrefillPace(clock)
 
@@ -143,6 +154,8 @@ class Scheduler:
 
     def finish(self, req: Request, completed_step: int) -> None:
         """Take a finished request out; its KV is released once no launched step can read it."""
+        if self._ahead is not None and any(row.req is req for row in self._ahead.batch.rows):
+            self._drop_ahead()  # it planned this request's rows: undone before the request leaves
         if req in self.waiting:
             self.waiting.remove(req)
         if req.slot == 0:
@@ -178,6 +191,9 @@ class Scheduler:
 
         Transactional: if planning raises, everything it admitted or allocated is given back;
         if the plan's launch fails, `rollback` gives it back."""
+        ahead = self._take_ahead(step)
+        if ahead is not None:
+            return ahead
         self._journal = _Journal(step, self._prefill_steps_in_a_row)
         self.cache.new_step()
         try:
@@ -203,8 +219,69 @@ class Scheduler:
         never planned. Its requests keep their earlier state; those it admitted wait again at
         the queue's head. Lifetime: nothing launched wrote the plan's KV slots, so they are
         free at once (a partly queued forward's writes are ordered before any later reader)."""
+        self._drop_ahead()  # planned after this plan, on top of it: undone first
         journal, self._journal = self._journal, None
         assert journal is not None and journal.step == step, "rollback of a plan that is not the last"
+        self._undo(journal)
+
+    def plan_ahead(self, step: int) -> bool:
+        """While the host waits for the step in flight, plan step `step` now if it will be a
+        prefill-only step (separate batches, no decode turn due, prompts to prefill): its
+        admissions, prefix matches, host-tier loads and slots then cost nothing between the
+        decode step just launched and the prefill, where only that short decode covers the
+        host. Nothing here needs the unread results: prefill rows read no sampled token, and
+        slots those results free serve the plans after this one. `schedule(step)` takes the
+        plan; `finish` of one of its requests or a `rollback` undoes it, as a plan that never
+        launched. Returns whether a step was planned."""
+        if self._ahead is not None or self.cfg.enable_mixed_batch or self._decode_turn():
+            return False
+        started = time.perf_counter()
+        journal = _Journal(step, self._prefill_steps_in_a_row)
+        outer, self._journal = self._journal, journal  # the plan in flight's journal is kept
+        try:
+            rows = self._prefill_ahead_rows()
+            for row in rows:
+                self._commit(row, step)
+        except BaseException:
+            self._undo(journal)
+            raise
+        finally:
+            self._journal = outer
+        if not rows:
+            self._undo(journal)  # an empty plan: the counters it reset go back
+            return False
+        ms = (time.perf_counter() - started) * 1e3
+        self._ahead = _Ahead(ScheduledBatch(step=step, rows=rows, planned_ahead_ms=ms), journal)
+        self.steps_planned_ahead += 1
+        return True
+
+    def _prefill_ahead_rows(self) -> list[Row]:
+        """`_plan`'s separate-batch prefill branch, without the decode fallback."""
+        self.running = [r for r in self.running if not r.finished]
+        prefilling = self._cache_launched_prefills()
+        if not (self.waiting or prefilling):
+            return []
+        self.cache.new_step()
+        return self._prefill_rows(self._separate_prefill_budget(), prefilling)
+
+    def _take_ahead(self, step: int) -> ScheduledBatch | None:
+        ahead = self._ahead
+        if ahead is None:
+            return None
+        if ahead.batch.step != step:  # a step number retried since: plan it afresh
+            self._drop_ahead()
+            return None
+        self._ahead, self._journal = None, ahead.journal
+        self._count_prefill_steps(ahead.batch)
+        return ahead.batch
+
+    def _drop_ahead(self) -> None:
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            self._undo(ahead.journal)
+
+    def _undo(self, journal: _Journal) -> None:
+        step = journal.step
         self._prefill_steps_in_a_row = journal.prefill_steps_in_a_row
         self.prefill_pace.forget(step)
         for row, last_step, kv_len in reversed(journal.committed):
@@ -224,7 +301,10 @@ class Scheduler:
             if req.slot:
                 self.req_slots.free([req.slot])
             self.cache.undo_admit(req)
-            req.slot, req.num_computed, req.status = 0, 0, Status.WAITING
+            req.slot, req.num_computed = 0, 0
+            if req.finished:
+                continue  # finished meanwhile (an abort undid a plan made ahead): not queued again
+            req.status = Status.WAITING
             if req not in self.waiting:
                 self.waiting.appendleft(req)
 
