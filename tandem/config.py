@@ -181,6 +181,9 @@ class Experiments:
     # Prefill-only steps up to a bucketed token count replay CUDA graphs (tandem.prefill_graphs;
     # off: they launch eagerly, ~9 kernels a layer from Python). Needs cuda_graph on.
     prefill_graphs: bool = True
+    # The largest prefill step graphed, in tokens, where the model's GRAPH_MAX_FLOPS allows
+    # (tandem.prefill_graphs.LARGEST_BUCKET; 2048 until session 26).
+    prefill_graph_max_tokens: int = 8192
 
     @classmethod
     def from_overrides(cls, pairs: list[str]) -> "Experiments":

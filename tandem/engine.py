@@ -302,7 +302,7 @@ class Engine:
         if not (self._graphs_usable() and self.cfg.experiments.prefill_graphs) or self.draft_model is not None:
             return 0
         params = sum(p.numel() for p in self.model.parameters())
-        tokens = graph_token_limit(params, self.cfg.max_prefill_tokens)
+        tokens = graph_token_limit(params, self.cfg.max_prefill_tokens, self.cfg.experiments.prefill_graph_max_tokens)
         return tokens if tokens >= 16 else 0
 
     def _build_loop(self) -> None:

@@ -38,7 +38,11 @@ PREFILL_FIELDS = ("input_ids", "positions", "out_cache_loc", "token_req_slots", 
 # tokens): ~12 ms at ~650 TFLOP/s of bf16 on an H200, about what an eager step's launches take
 # on the H200's slower hosts. Past it the GPU work covers the launches and padding only costs.
 GRAPH_MAX_FLOPS = 8e12
-LARGEST_BUCKET = 2048
+# At most this many tokens (Experiments.prefill_graph_max_tokens). 2,048 until session 26: the
+# host tier's multi-turn prefill steps (4-6k new tokens over ~10k cached, 0.6B shape) launched
+# eagerly for ~14 ms of host time against ~15-25 ms of GPU work, and with the plans and copy
+# windows around them left the host no lead (docs/benchmarks.md, session 26).
+LARGEST_BUCKET = 8192
 MAX_ROWS = 64  # prompts a graphed step holds (rows of the shared logits buffer)
 
 
@@ -54,19 +58,21 @@ class PrefillBucket:
         return dict(zip(PREFILL_FIELDS, (t, t, t, t, r + 1, r + 1, r + 1, r + 2, b, b, r, r)))
 
 
-def graph_token_limit(num_params: int, max_prefill_tokens: int) -> int:
+def graph_token_limit(num_params: int, max_prefill_tokens: int, largest: int = LARGEST_BUCKET) -> int:
     """The most tokens a graphed prefill step holds: GRAPH_MAX_FLOPS of work, at most
-    LARGEST_BUCKET and the step budget."""
-    return min(int(GRAPH_MAX_FLOPS // (2 * max(num_params, 1))), LARGEST_BUCKET, max_prefill_tokens)
+    `largest` and the step budget."""
+    return min(int(GRAPH_MAX_FLOPS // (2 * max(num_params, 1))), largest, max_prefill_tokens)
 
 
 def prefill_buckets(max_tokens: int, max_rows: int, block_rows: int) -> list[PrefillBucket]:
     """Token buckets: powers of two from 16 to 512 (a step pads at most 2x while its work is
-    small), then every 256 (at most +50%, then less), up to `max_tokens`. A bucket holds up to
-    tokens / 8 prompts (at least 2), at most `max_rows`; `block_rows` is the attention's query
-    block, the block table's unit."""
+    small), then every 256 to 2,048 (at most +50%, then less), then every 512 (at most +25%;
+    padding tokens cost dense work only, not attention), up to `max_tokens`. A bucket holds up
+    to tokens / 8 prompts (at least 2), at most `max_rows`; `block_rows` is the attention's
+    query block, the block table's unit."""
     sizes = [s for s in (16, 32, 64, 128, 256, 512) if s <= max_tokens]
-    sizes += list(range(768, max_tokens + 1, 256))
+    sizes += list(range(768, min(max_tokens, 2048) + 1, 256))
+    sizes += list(range(2560, max_tokens + 1, 512))
     out = []
     for t in sizes:
         rows = max(1, min(max(t // 8, 2), max_rows))

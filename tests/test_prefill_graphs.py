@@ -23,7 +23,9 @@ from workload import assert_kv_conserved, random_specs, run_workload, step_witho
 
 
 def test_token_limit_follows_the_model_size():
-    assert graph_token_limit(600_000_000, 8192) == LARGEST_BUCKET  # Qwen3-0.6B: up to 2,048 tokens
+    assert graph_token_limit(600_000_000, 8192) == 6666  # Qwen3-0.6B: buckets up to 6,656 tokens
+    assert graph_token_limit(100_000_000, 16384) == LARGEST_BUCKET == 8192  # the largest, whatever the model
+    assert graph_token_limit(600_000_000, 8192, largest=2048) == 2048  # the experiment's A/B side
     assert graph_token_limit(8_000_000_000, 8192) == 500  # Llama-3.1-8B: buckets up to 256
     assert graph_token_limit(600_000_000, 1024) == 1024  # never past the step budget
     assert graph_token_limit(70_000_000_000, 8192) == 57  # 70B on one device: 16 and 32 tokens
@@ -37,6 +39,9 @@ def test_buckets_pad_at_most_2x_and_hold_an_eighth_of_their_tokens_in_prompts():
     for b in buckets:
         assert b.blocks == cdiv(b.tokens, 128) + b.rows + 1
     assert [b.tokens for b in prefill_buckets(500, 4, 128)] == [16, 32, 64, 128, 256]
+    # Past 2,048 every 512 tokens (a step of dense work pads at most 25%).
+    assert [b.tokens for b in prefill_buckets(6666, 64, 128)][11:] == [2048, 2560, 3072, 3584, 4096, 4608, 5120,
+                                                                      5632, 6144, 6656]
     assert all(b.rows <= 4 for b in prefill_buckets(500, 4, 128))
 
 

@@ -172,6 +172,8 @@ class PrefixRow:
     # `--phase-timers`: per host phase, [median, mean] ms per engine iteration, for iterations
     # that planned a prefill step, the ones before them, and decode-only ones (diagnostics.phases).
     phases: dict | None = None
+    prefill_graph_steps: int = 0  # prefill steps that replayed a CUDA graph (the rest launched eagerly)
+    cuda_graph_memory_mib: float = 0.0  # what the engine's graphs took at capture
 
     @property
     def output_tok_s(self) -> float:
@@ -295,7 +297,7 @@ def run_one(args: argparse.Namespace) -> PrefixRow:
     delta = {k: s1[k] - s0[k] for k in ("prefix_cache_queried_tokens", "prefix_cache_hit_tokens", "cascade_steps",
                                         "host_cache_hit_tokens", "host_load_bytes", "host_load_seconds",
                                         "host_write_back_bytes", "host_write_back_seconds", "num_preemptions",
-                                        *MOVED_TOKENS.values())}
+                                        "prefill_graph_steps", *MOVED_TOKENS.values())}
     queried = max(delta["prefix_cache_queried_tokens"], 1)
     summary = engine.timeline.summary(skip=first)
     return PrefixRow(args.workload, args.cache == "on", args.cascade, len(ttft), inputs, outputs, wall,
@@ -311,7 +313,8 @@ def run_one(args: argparse.Namespace) -> PrefixRow:
                      summary.get("mean_tier_window_ms"), *by_tenth(engine.timeline.records[first:]),
                      slowest(firsts, ttft_p99), by_kind(engine.timeline.records[first:]),
                      prefill_gaps(engine.timeline.records[first:]),
-                     phase_log.summary() if phase_log is not None else None)
+                     phase_log.summary() if phase_log is not None else None, delta["prefill_graph_steps"],
+                     round(s1["cuda_graph_memory_mib"], 1))
 
 
 def by_tenth(records: list) -> tuple[list | None, list]:
