@@ -23,7 +23,7 @@ def test_warm_up_leaves_no_state_and_changes_no_token(tiny_text_model):
     assert engine.warm_up_s > 0 and cold.engine.warm_up_s == 0
     s = engine.stats()
     assert s["prefix_cache_tokens"] == 0 and s["prefix_cache_queried_tokens"] == 0
-    assert s["num_preemptions"] == 0
+    assert s["num_preemptions"] == 0 and s["steps_planned_ahead"] == 0
     assert engine.requests == {} and len(engine.timeline.records) == 0
     assert_kv_conserved(engine)
     assert [o.token_ids for o in warm.generate(prompts, greedy, use_tqdm=False)] == \
