@@ -50,6 +50,17 @@ def _complete(sched: Scheduler, batch: ScheduledBatch | None, step: int) -> None
         sched.cache.check(sched.kv_holders())
 
 
+def _stream_decoding(sched: Scheduler) -> tuple[int, Request]:
+    """A long stream admitted and decoding; returns the next step number and the stream."""
+    stream = _request("stream", 8, 0, max_samples=1000)
+    sched.add(stream)
+    step = 0
+    while len(stream.output_token_ids) < 2:
+        _run_step(sched, step)
+        step += 1
+    return step, stream
+
+
 def _longest_decode_gap(sched: Scheduler, stream: Request, burst: list[Request]) -> tuple[int, list]:
     """Steps between two of the stream's tokens, at most, while the burst is admitted."""
     step, last_token_step, gap, batches = 0, 0, 0, []
@@ -136,12 +147,7 @@ def test_rollback_restores_the_prefill_step_count():
     """A plan that never launched did not happen: the decode turn it would have earned stays
     where it was, so a retried step plans the same rows."""
     sched = _scheduler(False)
-    stream = _request("stream", 8, 0, max_samples=1000)
-    sched.add(stream)
-    step = 0
-    while len(stream.output_token_ids) < 2:
-        _run_step(sched, step)
-        step += 1
+    step, _ = _stream_decoding(sched)
     for i in range(8):
         sched.add(_request(f"b{i}", PROMPT_LEN, 7 * i, max_samples=4))
     first = sched.schedule(step, drain=lambda: None)
@@ -303,12 +309,7 @@ def test_the_engine_prepares_waiting_requests_while_a_step_is_in_flight(tiny_tex
 def _decoding_with_burst(sched: Scheduler, burst: int = 8) -> tuple[int, Request]:
     """A stream decoding, then `burst` prompts queued and the first prefill step run; returns
     the next step number (a decode step's, if there is a burst)."""
-    stream = _request("stream", 8, 0, max_samples=1000)
-    sched.add(stream)
-    step = 0
-    while len(stream.output_token_ids) < 2:
-        _run_step(sched, step)
-        step += 1
+    step, stream = _stream_decoding(sched)
     for i in range(burst):
         sched.add(_request(f"b{i}", PROMPT_LEN, 7 * i, max_samples=4))
     if burst:
