@@ -183,7 +183,7 @@ class Experiments:
     prefill_graphs: bool = True
     # The largest prefill step graphed, in tokens, where the model's GRAPH_MAX_FLOPS allows
     # (tandem.prefill_graphs.LARGEST_BUCKET; 2048 until session 26).
-    prefill_graph_max_tokens: int = 8192
+    prefill_graph_max_tokens: int = 8192  # = prefill_graphs.LARGEST_BUCKET (a test holds them equal)
 
     @classmethod
     def from_overrides(cls, pairs: list[str]) -> "Experiments":

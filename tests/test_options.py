@@ -129,6 +129,8 @@ def test_experiment_overrides_parse_switches_and_reject_unknown_names():
     assert exp.host_kv_prefetch_requests == 16
     from tandem.memory.prefix_cache import PREFETCH_REQUESTS
     assert Experiments().host_kv_prefetch_requests == PREFETCH_REQUESTS  # one default, stated twice
+    from tandem.prefill_graphs import LARGEST_BUCKET
+    assert Experiments().prefill_graph_max_tokens == LARGEST_BUCKET  # one default, stated twice
     assert Experiments.from_overrides([]) == Experiments()
     for bad in (["no_such_switch=on"], ["fused_kv_write"], ["fused_kv_write=maybe"], ["host_kv_prefetch_requests=x"]):
         with pytest.raises(ValueError, match="--experiment"):
