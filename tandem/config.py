@@ -163,6 +163,11 @@ class Experiments:
     # (admission, matches, tier loads, slots) is not on the host's path between the two
     # forwards, where only the decode step covers it (off: planned after the wait).
     plan_prefill_ahead: bool = True
+    # With plan_prefill_ahead: that prefill step's inputs are also staged in the wait (built
+    # and copied into its ring slot, `ModelRunner.stage_ahead`), so its launch only queues work
+    # (off: staged at its launch, ~3-4 ms of host time on the H200 for ~50k ints of new tokens
+    # and cached prefixes, on the path between the two forwards: docs/benchmarks.md, session 26).
+    stage_prefill_ahead: bool = True
     # Cascade decode attention (rows sharing a cached prefix read it once per group): auto groups
     # by `CascadeRule`'s cost thresholds, on groups every shared prefix (>= 2 rows), off never.
     # Off until it pays: on the H200 at 80cf6d5 auto halved the shared-prefix workload (9,555

@@ -10,13 +10,16 @@ import hashlib
 import itertools
 import logging
 import time
+import weakref
 from time import perf_counter
+from typing import Callable
 
 import numpy as np
 import torch
 
 from tandem import lifetime
 from tandem.attention import make_attention_backend
+from tandem.diagnostics.compiles import Compiles, watch_compiles
 from tandem.diagnostics.debug_checks import DebugChecks
 from tandem.diagnostics.errors import EngineDeadError, FatalErrorGuard, first_line, is_out_of_memory
 from tandem.distributed.runtime import SingleProcess
@@ -125,6 +128,10 @@ class Engine:
         self.completed_step = -1
         self.fatal = FatalErrorGuard(log)
         self.warm_up_s = self._warm_up()
+        self.builds_while_serving = Compiles()  # Triton builds after the warm-up (none expected)
+        self._stop_build_watch = (watch_compiles(_warn_of_build(self.builds_while_serving))
+                                  if self.warm_up_s > 0 else lambda: None)
+        weakref.finalize(self, self._stop_build_watch)  # an engine dropped unclosed stops watching too
         self.timeline = (Timeline(cfg.timeline if isinstance(cfg.timeline, str) else None,
                                   max_records=cfg.timeline_max_records) if cfg.timeline else None)
         self.runner.timing = self.timeline is not None and self.device.type == "cuda"
@@ -412,6 +419,7 @@ class Engine:
         if self.closed:
             return
         self.closed = True
+        self._stop_build_watch()
         usable = not self.dead
         self.parallel.close()  # tensor-parallel workers first: they stop stepping with rank 0
         if usable and self.device.type == "cuda":
@@ -603,6 +611,7 @@ class Engine:
             return
         if self.timeline is not None:
             launched.record = _step_record(batch, t0, t1, perf_counter())
+            launched.record.stage_ahead_ms = launched.staged_ahead_ms
             if self.kv_tier is not None:
                 launched.record.host_load_tokens, launched.record.host_write_back_tokens = self.kv_tier.fenced_tokens
                 launched.tier_wait = self.kv_tier.fence_wait
@@ -648,15 +657,18 @@ class Engine:
     def _plan_ahead(self, step: int) -> BaseException | None:
         """In the wait for step N, after a decode step N+1 was launched: plan a prefill step
         N+2 now (`Scheduler.plan_ahead`), not after N's result, where only the short decode
-        step covers its plan. A masked step's plan is not followed ahead (its sampling, after
-        the wait, may still roll it back). Returns its error instead of raising it, so that N
-        is processed first."""
-        if not self.cfg.experiments.plan_prefill_ahead:
+        step covers its plan, and stage its inputs (`ModelRunner.stage_ahead`). A masked step's
+        plan is not followed ahead (its sampling, after the wait, may still roll it back).
+        Returns its error instead of raising it, so that N is processed first."""
+        exp = self.cfg.experiments
+        if not exp.plan_prefill_ahead:
             return None
         try:
-            self.scheduler.plan_ahead(step)
+            planned = self.scheduler.plan_ahead(step)
         except BaseException as exc:  # noqa: B036 (re-raised by the caller once N is processed)
             return exc
+        if planned is not None and exp.stage_prefill_ahead:
+            self.runner.stage_ahead(planned)
         return None
 
     def _move_between_tiers(self) -> None:
@@ -969,6 +981,8 @@ class Engine:
                 "prefill_graph_steps": self.runner.prefill_graphs.replays if self.runner.prefill_graphs else 0,
                 "num_preemptions": self.scheduler.num_preemptions,
                 "steps_planned_ahead": self.scheduler.steps_planned_ahead,  # prefill plans made in a wait
+                "steps_staged_ahead": self.runner.steps_staged_ahead,  # launched with inputs staged in a wait
+                "kernel_builds_while_serving": len(self.builds_while_serving.kernels),  # after the warm-up
                 "cascade_steps": self.runner.cascade_steps,  # decode steps with shared-prefix groups
                 "cascade_rows": self.runner.cascade_rows,  # rows those steps grouped, summed
                 "memory": self.memory.as_dict() if self.memory is not None else None,
@@ -1019,6 +1033,16 @@ def _merged(outs: list[StepOutput]) -> StepOutput:
     return StepOutput(last.request_id, [t for o in outs for t in o.new_token_ids], "".join(o.new_text for o in outs),
                       last.finished, last.finish_reason, lps or None, last.num_cached_tokens, last.error,
                       last.error_status, last.error_code)
+
+
+def _warn_of_build(builds: Compiles) -> Callable[[str, float], None]:
+    """A build after the warm-up stalls the step that met the new shape (and every request in
+    it): counted, and said once per build. Holds no reference to the engine."""
+    def note(kernel: str, seconds: float) -> None:
+        builds.note(kernel, seconds)
+        log.warning("Triton built kernel %s while serving (%.2f s, the step waited): the warm-up did "
+                    "not reach this shape", kernel, seconds)
+    return note
 
 
 def _step_record(batch: ScheduledBatch, t_start: float, t_launch: float, t_end: float) -> StepRecord:

@@ -5,6 +5,7 @@ metadata is staged on the schedule stream, the forward stream waits for it (read
 write), runs the model and the sampler, and the copy stream brings results to pinned memory.
 """
 from dataclasses import dataclass, field
+from time import perf_counter
 
 import torch
 
@@ -58,6 +59,19 @@ class PendingResult:
     # Prompt logprobs of the step's scored prefill rows (forward stream), until `sample` hands
     # them to the result copy with the step's tokens.
     prompt_logprobs: PromptLogprobs | None = None
+    staged_ahead_ms: float | None = None  # host ms its inputs' staging took in an earlier wait (stage_ahead)
+
+
+@dataclass
+class StagedStep:
+    """A step's inputs in its staging ring slot, and the graph choices that laid them out."""
+
+    batch: ScheduledBatch
+    bucket: int | None  # a decode or verify graph's rows; None: no such graph
+    prefill: PrefillBucket | None  # a prefill graph's bucket; None: no prefill graph
+    fields: dict[str, list[int]]  # the host lists staged
+    dev: dict[str, torch.Tensor]  # their device views
+    ahead_ms: float | None = None  # host ms staging it took in an earlier wait; None: staged at launch
 
 
 class ModelRunner:
@@ -78,6 +92,8 @@ class ModelRunner:
         self.cascade = cascade  # decode steps group rows by shared prefix (cascade attention); None: off
         self.cascade_steps = self.cascade_rows = 0  # planned so far (stats)
         self.cascade_paths: dict = {}  # the planner's memo of the rows' tree paths
+        self.staged_ahead: StagedStep | None = None  # the next step's inputs, staged in a wait (stage_ahead)
+        self.steps_staged_ahead = 0  # steps launched with inputs staged ahead (stats)
 
     def launch(self, batch: ScheduledBatch, defer_sampling: bool = False) -> PendingResult:
         """Queue the step. With `defer_sampling` only the forward is queued; `sample` queues the
@@ -87,6 +103,43 @@ class ModelRunner:
             # requests under tensor parallelism).
             assert not defer_sampling, "token masks under tensor parallelism"
             self.mirror.launch(batch)  # first: the workers start while this rank stages
+        staged, self.staged_ahead = self.staged_ahead, None
+        if staged is None or staged.batch is not batch:  # none, or a plan since dropped: stage now
+            staged = self._stage(batch, defer_sampling)
+        else:
+            self.steps_staged_ahead += 1
+        try:
+            if batch.is_verify:
+                return self._queue_verify(batch, staged.fields, staged.dev, staged.bucket, defer_sampling)
+            pending = self._queue_step(batch, staged.bucket, staged.prefill, staged.fields, staged.dev,
+                                       defer_sampling)
+            pending.staged_ahead_ms = staged.ahead_ms
+            return pending
+        except BaseException:
+            # Write-after-read on every path: a retry of this step number stages into the same
+            # ring slot behind whatever this attempt queued on the forward stream.
+            self.stager.mark_consumed(batch.step)
+            raise
+
+    def stage_ahead(self, batch: ScheduledBatch) -> None:
+        """In the wait for the step in flight: stage a prefill step planned ahead
+        (`Scheduler.plan_ahead`) into its ring slot now, so that its launch, after that wait,
+        only queues work. Ordering: the copy waits on the device for the ring slot's last
+        forward, and the host buffer is rewritten only after its last copy ran (InputStager).
+        `launch` uses it if it launches this very plan; a dropped plan's staging is written
+        over. A failure leaves the staging to the launch, whose failure path handles it."""
+        if batch.is_decode or batch.is_verify:  # their inputs follow results not read yet
+            return
+        started = perf_counter()
+        try:
+            staged = self._stage(batch, defer_sampling=False)
+        except Exception:  # noqa: BLE001 (the launch stages it again and fails where failures are handled)
+            return
+        staged.ahead_ms = (perf_counter() - started) * 1e3
+        self.staged_ahead = staged
+
+    def _stage(self, batch: ScheduledBatch, defer_sampling: bool) -> "StagedStep":
+        """The step's graph choices and its metadata, staged into its ring slot."""
         verify = batch.is_verify
         cascade = self._cascade_plan(batch)
         bucket = self._verify_bucket(batch, defer_sampling) if verify else self._graph_bucket(batch, cascade)
@@ -100,16 +153,7 @@ class ModelRunner:
         if cascade is not None:  # staged in the same copy as the rest of the step's inputs
             fields.update(cascade.fields() if bucket is None else
                           cascade.padded_fields(bucket, *self.cascade.graph_capacity(bucket)))
-        dev = self.stager.stage(batch.step, fields)
-        try:
-            if verify:
-                return self._queue_verify(batch, fields, dev, bucket, defer_sampling)
-            return self._queue_step(batch, bucket, prefill, fields, dev, defer_sampling)
-        except BaseException:
-            # Write-after-read on every path: a retry of this step number stages into the same
-            # ring slot behind whatever this attempt queued on the forward stream.
-            self.stager.mark_consumed(batch.step)
-            raise
+        return StagedStep(batch, bucket, prefill, fields, self.stager.stage(batch.step, fields))
 
     def _queue_step(self, batch: ScheduledBatch, bucket: int | None, prefill: PrefillBucket | None,
                     fields: dict[str, list[int]], dev: dict[str, torch.Tensor], defer_sampling: bool

@@ -62,6 +62,7 @@ def warm_up(engine) -> float:
         engine.kv_tier.reset_stats()
     engine.scheduler.num_preemptions = 0  # a small pool preempts during the warm-up: not news
     engine.scheduler.steps_planned_ahead = 0  # nor plans it made ahead
+    engine.runner.steps_staged_ahead = 0  # nor their inputs staged ahead
     engine.runner.cascade_steps = engine.runner.cascade_rows = 0  # nor its cascade step
     return time.monotonic() - started
 

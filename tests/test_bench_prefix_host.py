@@ -105,7 +105,8 @@ def test_prefill_gaps_split_the_idle_before_a_prefill_that_follows_a_decode():
     gaps = prefill_gaps(records)
     assert gaps["steps"] == 2 and gaps["idled"] == 1 and gaps["idle_s"] == 0.004  # P1 (after D 9) did not idle
     assert gaps["where_idle"] == {"idle": 3.5, "stall": 0.5, "result_to_plan": 1.0, "plan": 2.0,
-                                  "decode_forward": 4.0, "prologue": 4.0, "launch": 1.0, "plan_ahead": 0.0}
+                                  "decode_forward": 4.0, "prologue": 4.0, "launch": 1.0, "plan_ahead": 0.0,
+                                  "stage_ahead": 0.0}
     assert gaps["all"]["idle"] == 1.75 and gaps["all"]["plan"] == 2.0
     cpu = [_record(i, i % 2 == 0, 10.0 * i, 0.1, 10.0 * i + 9) for i in range(20)]
     assert prefill_gaps(cpu) is None

@@ -1012,18 +1012,22 @@ def test_a_match_along_a_kept_walk_does_what_a_walked_match_does():
 @pytest.mark.parametrize("overlap", [True, False])
 def test_prefill_steps_planned_ahead_change_no_output(tiny_text_model, overlap):
     """Multi-turn chats through a small pool and a host tier, with aborts: planning each
-    prefill step in the wait for the step before its decode (the default) gives the tokens of
-    planning it when due, and every GPU and host slot comes back. Without overlap there is no
-    wait to plan in."""
+    prefill step in the wait for the step before its decode (the default), and staging its
+    inputs there too, give the tokens of planning and staging it when due, and every GPU and
+    host slot comes back. Without overlap there is no wait to plan in."""
     from tandem.config import Experiments
     rounds = chat_specs(conversations=6, turns=3, seed=5)
     runs = {}
-    for ahead in (True, False):
-        engine = _small_tiered_engine(tiny_text_model, disable_overlap=not overlap,
-                                      experiments=Experiments(plan_prefill_ahead=ahead))
-        runs[ahead] = run_chats(engine, rounds)
+    for plan, stage in ((True, True), (True, False), (False, False)):
+        engine = _small_tiered_engine(tiny_text_model, disable_overlap=not overlap, timeline=True,
+                                      experiments=Experiments(plan_prefill_ahead=plan, stage_prefill_ahead=stage))
+        runs[plan, stage] = run_chats(engine, rounds)
         s = engine.stats()
-        assert (s["steps_planned_ahead"] > 0) == (ahead and overlap), s["steps_planned_ahead"]
+        assert (s["steps_planned_ahead"] > 0) == (plan and overlap), s["steps_planned_ahead"]
+        assert (s["steps_staged_ahead"] > 0) == (stage and overlap), s["steps_staged_ahead"]
+        assert s["steps_staged_ahead"] <= s["steps_planned_ahead"]  # an aborted plan's staging is dropped
+        staged = [r for r in engine.timeline.records if r.stage_ahead_ms is not None]
+        assert len(staged) == s["steps_staged_ahead"] and all(r.plan_ahead_ms is not None for r in staged)
         assert_tiers_conserved(engine, s)
         engine.close()
-    assert runs[True] == runs[False]
+    assert runs[True, True] == runs[True, False] == runs[False, False]

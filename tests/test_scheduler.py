@@ -361,6 +361,28 @@ def test_plan_ahead_only_plans_a_prefill_step_that_is_due_next():
     assert sched._ahead is None
 
 
+def test_plan_ahead_passes_over_the_running_only_when_a_prompt_waits_or_is_prefilling():
+    """The steady decode (nothing queued, no prompt part-prefilled) plans nothing ahead and
+    makes no pass over the running requests; a chunked prompt's next chunk is still planned
+    ahead though nothing waits."""
+    sched = _scheduler(False)
+    step, _ = _decoding_with_burst(sched, burst=0)
+    passes, real = [], sched._cache_launched_prefills
+    sched._cache_launched_prefills = lambda: passes.append(step) or real()
+    decode = sched.schedule(step, drain=lambda: None)
+    assert decode.is_decode and len(passes) == 1
+    assert sched.plan_ahead(step + 1) is None and len(passes) == 1
+    _complete(sched, decode, step)
+    step += 1
+    long = _request("long", 3 * PREFILL_BUDGET, 3, max_samples=4)
+    sched.add(long)
+    assert [r.req for r in _run_step(sched, step).rows] == [long]  # its first chunk
+    decode = sched.schedule(step + 1, drain=lambda: None)  # the decodes' turn
+    assert decode.is_decode and not sched.waiting and not long.prefill_done
+    planned = sched.plan_ahead(step + 2)
+    assert planned is not None and [r.req for r in planned.rows] == [long]
+
+
 def test_finishing_a_request_undoes_the_plan_made_ahead_with_it():
     """An abort between the plan made ahead and its step: the plan is undone as one that never
     launched (slots back, the other admitted prompts back at the queue's head in order), the
@@ -433,14 +455,54 @@ def test_the_engine_plans_a_prefill_step_ahead_and_an_abort_undoes_it(tiny_text_
         engine.step()  # launches the decode; with `ahead`, plans second's prefill in the wait
         assert engine.stats()["steps_planned_ahead"] - before == int(ahead)
         assert (engine.requests[second].slot != 0) == ahead  # admitted by the plan made ahead
+        staged = engine.runner.staged_ahead  # its inputs, staged in the same wait
+        assert (staged is not None and staged.batch.rows[0].req.rid == second) == ahead
         engine.abort(second)
         assert engine.requests[second].slot == 0 and engine.scheduler._ahead is None
         while engine.has_unfinished():
             engine.step()
+        assert engine.stats()["steps_staged_ahead"] == 0  # the dropped plan's staging never launched
         assert engine.requests[second].output_token_ids == [] and engine.requests[first].finished
         return engine.requests[stream].output_token_ids, engine
 
     tokens, engine = run(ahead=True)
     assert tokens == run(ahead=False)[0]
+    assert_kv_conserved(engine)
+    engine.close()
+
+
+def test_a_staging_that_fails_in_the_wait_is_done_again_at_the_launch(tiny_text_model):
+    """The inputs of a prefill step planned ahead fail to stage in the wait, after their copy
+    was queued: the launch stages them again, the step runs, and the tokens are those of an
+    engine that stages every step at its launch."""
+    from workload import assert_kv_conserved
+
+    def run(fault: bool) -> tuple[dict, Engine]:
+        engine = Engine(EngineConfig(model=str(tiny_text_model), device=TEST_DEVICE, dtype="float32",
+                                     max_prefill_tokens=50, chunked_prefill_size=50))
+        stage, failed = engine.runner.stager.stage, []
+
+        def stage_then_fail(step, fields):
+            views = stage(step, fields)
+            if fault and engine.scheduler._ahead is not None and not failed:  # staging ahead
+                failed.append(step)
+                raise RuntimeError("staging failed after its copy was queued")
+            return views
+        engine.runner.stager.stage = stage_then_fail
+        params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+        ids = [engine.add_request([5, 6, 7], params, request_id="stream")]
+        while len(engine.requests["stream"].output_token_ids) < 2:
+            engine.step()
+        ids += [engine.add_request(list(range(10 + 40 * i, 60 + 40 * i)), params, request_id=f"p{i}")
+                for i in range(3)]
+        while engine.has_unfinished():
+            engine.step()
+        s = engine.stats()
+        assert s["steps_planned_ahead"] >= 2 and len(failed) == int(fault)
+        assert s["steps_staged_ahead"] == s["steps_planned_ahead"] - int(fault)
+        return {rid: engine.requests[rid].output_token_ids for rid in ids}, engine
+
+    tokens, engine = run(fault=True)
+    assert tokens == run(fault=False)[0]
     assert_kv_conserved(engine)
     engine.close()

@@ -23,7 +23,7 @@ def test_warm_up_leaves_no_state_and_changes_no_token(tiny_text_model):
     assert engine.warm_up_s > 0 and cold.engine.warm_up_s == 0
     s = engine.stats()
     assert s["prefix_cache_tokens"] == 0 and s["prefix_cache_queried_tokens"] == 0
-    assert s["num_preemptions"] == 0 and s["steps_planned_ahead"] == 0
+    assert s["num_preemptions"] == 0 and s["steps_planned_ahead"] == 0 and s["steps_staged_ahead"] == 0
     assert engine.requests == {} and len(engine.timeline.records) == 0
     assert_kv_conserved(engine)
     assert [o.token_ids for o in warm.generate(prompts, greedy, use_tqdm=False)] == \
@@ -43,3 +43,22 @@ def test_the_warm_up_cascade_step_is_not_counted(tiny_text_model):
     s = llm.engine.stats()
     assert s["cascade_steps"] == s["cascade_rows"] == 0
     llm.close()
+
+
+def test_a_kernel_built_after_the_warm_up_is_counted_and_said(tiny_text_model, caplog):
+    """Triton's build hooks (called by its launcher on a cache miss; the CPU's interpreter
+    builds nothing, so the hooks are called here as the launcher calls them): a build after the
+    warm-up is counted in stats and logged; after close() the hooks are Triton's own again."""
+    knobs = pytest.importorskip("triton.knobs")
+    before = knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook
+    llm = LLM(str(tiny_text_model), device=TEST_DEVICE, dtype="float32", max_model_len=256, warm_up="on")
+    cold = LLM(str(tiny_text_model), device=TEST_DEVICE, dtype="float32", max_model_len=256, warm_up="off")
+    assert llm.engine.stats()["kernel_builds_while_serving"] == 0
+    knobs.runtime.jit_cache_hook()
+    knobs.runtime.jit_post_compile_hook(fn=type("F", (), {"name": "tandem.kernels.x._extend_attention"})())
+    assert llm.engine.stats()["kernel_builds_while_serving"] == 1
+    assert cold.engine.stats()["kernel_builds_while_serving"] == 0  # no warm-up: builds are expected
+    assert "built kernel _extend_attention while serving" in caplog.text
+    llm.close()
+    cold.close()
+    assert (knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook) == before

@@ -354,8 +354,9 @@ def prefill_gaps(records: list) -> dict | None:
     time from the result before D to P's plan (`result_to_plan`), the plan, D's forward, and
     the launch prologue they imply (idle - stall - result_to_plan - plan + D: host time before
     P's first kernel), P's whole host launch (`launch`: its inputs built and staged, then its
-    kernels or graph queued) and its plan made in an earlier wait (`plan_ahead`, 0 when planned
-    when due). The first tenth of the steps (the queue filling) is left out."""
+    kernels or graph queued), its plan made in an earlier wait (`plan_ahead`, 0 when planned
+    when due) and its inputs staged there (`stage_ahead`, 0 when staged at its launch). The
+    first tenth of the steps (the queue filling) is left out."""
     if not any(r.gpu_forward_ms is not None for r in records):
         return None
     gaps = []
@@ -368,7 +369,8 @@ def prefill_gaps(records: list) -> dict | None:
         gaps.append({"idle": p.gpu_idle_before_ms, "stall": stall, "result_to_plan": result_to_plan,
                      "plan": p.schedule_ms, "decode_forward": d.gpu_forward_ms,
                      "prologue": p.gpu_idle_before_ms - stall - result_to_plan - p.schedule_ms + d.gpu_forward_ms,
-                     "launch": p.launch_ms, "plan_ahead": p.plan_ahead_ms or 0.0})
+                     "launch": p.launch_ms, "plan_ahead": p.plan_ahead_ms or 0.0,
+                     "stage_ahead": p.stage_ahead_ms or 0.0})
     if not gaps:
         return {"steps": 0}
     idled = [g for g in gaps if g["idle"] > IDLE_EPS_MS]

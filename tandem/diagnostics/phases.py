@@ -31,7 +31,7 @@ PHASES: list[tuple[str, tuple[str, ...]]] = [
                       "write_ahead", "evict_ahead")),
     ("prefix_cache.tree", ("evict", "match", "insert")),
     ("kv_tier", ("_copy", "collect", "fence")),
-    ("runner", ("launch",)),
+    ("runner", ("launch", "stage_ahead")),
     ("", ("_process", "_tier_window", "_admit_compiled", "add_request")),
 ]
 # A call between two iterations (the caller's `add_request` after `step()` returned) counts in

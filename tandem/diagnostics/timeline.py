@@ -56,6 +56,9 @@ class StepRecord:
     # Host ms of this step's plan made in the wait for an earlier step (Scheduler.plan_ahead);
     # schedule_ms is then only its hand-over. None: planned when due.
     plan_ahead_ms: float | None = None
+    # Host ms of this step's inputs staged in that wait (ModelRunner.stage_ahead); launch_ms is
+    # then only its queueing. None: staged at its launch.
+    stage_ahead_ms: float | None = None
 
     @property
     def launch_end(self) -> float:

@@ -141,8 +141,8 @@ class StepFollower:
     def prepare_waiting(self) -> int:
         return 0  # rank 0 plans: it prepares its waiting requests
 
-    def plan_ahead(self, step: int) -> bool:
-        return False  # rank 0 plans ahead; its step message comes when it launches
+    def plan_ahead(self, step: int) -> None:
+        return None  # rank 0 plans ahead; its step message comes when it launches
 
     def finish(self, req, step: int) -> None:
         pass

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tandem.overlap.streams import StreamSet
+from tandem.overlap.streams import StreamSet, host_wait
 
 from tandem.sampling import MAX_LOGPROBS as MAX_TOP_LOGPROBS
 from tandem.sampling.prompt_logprobs import PromptLogprobs
@@ -27,16 +27,8 @@ class HostResult:
     prompt: PromptLogprobs | None = None  # the step's scored prefill rows (pinned views)
 
     def wait(self) -> None:
-        """The loop's one sanctioned host wait, exempt from sync-debug mode (which guards
-        everything else in the loop)."""
-        mode = torch.cuda.get_sync_debug_mode() if isinstance(self.copy_done, torch.cuda.Event) else 0
-        if mode:
-            torch.cuda.set_sync_debug_mode(0)
-        try:
-            self.copy_done.synchronize()
-        finally:
-            if mode:
-                torch.cuda.set_sync_debug_mode(mode)
+        """The loop's one wait for a step: its result's copy."""
+        host_wait(self.copy_done)
 
 
 class ResultCopier:

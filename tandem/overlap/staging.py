@@ -1,9 +1,11 @@
 """Host-to-device staging of a step's integer metadata: one pinned buffer, one async copy.
 
 Two rings, both `depth` deep:
-- pinned host buffers: the CPU writes step N's metadata into slot N % depth. Lifetime rule:
-  that slot was last used by step N - depth, whose result was processed (copy_done implies
-  its forward, hence its host-to-device copy, completed) before step N is planned.
+- pinned host buffers: the CPU writes step N's metadata into slot N % depth once the copy that
+  last read the slot has run (`copied`). That copy was step N - depth's, whose result is
+  usually processed by then (its forward, hence its copy, completed: the event has fired), but
+  a step staged in the wait for step N - depth (`ModelRunner.stage_ahead`) comes before that
+  result, and a step staged ahead then dropped leaves a copy its retry must not overwrite.
 - device buffers: the schedule stream copies into slot N % depth only after the forward that
   last read it signalled `consumed` (write-after-read), or after the whole forward stream
   (`coarse=True`).
@@ -15,7 +17,7 @@ cascade kernels compiled 5 variants, 2.8 s, in a steady-state run).
 """
 import torch
 
-from tandem.overlap.streams import StreamSet
+from tandem.overlap.streams import StreamSet, host_wait
 
 
 ALIGN_INTS = 2  # 16 bytes of int64
@@ -40,6 +42,7 @@ class InputStager:
         self.device = [torch.zeros(self.capacity, dtype=torch.int64, device=streams.device)
                        for _ in range(depth)]
         self.consumed = [streams.event() for _ in range(depth)]
+        self.copied = [streams.event() for _ in range(depth)]  # the last copy out of host[i] ran
 
     def stage(self, step: int, fields: dict[str, list[int]]) -> dict[str, torch.Tensor]:
         """Copy the named int lists to the device; returns device views by name."""
@@ -50,6 +53,8 @@ class InputStager:
             raise RuntimeError(f"step metadata needs {total} ints, staging holds {self.capacity}")
         i = step % self.depth
         host, dev = self.host[i], self.device[i]
+        if not self.copied[i].query():  # write-after-read on host[i]; fired but for a step staged ahead
+            host_wait(self.copied[i])
         flat = host.numpy()
         for name, values in fields.items():
             flat[offsets[name]:offsets[name] + sizes[name]] = values
@@ -60,6 +65,7 @@ class InputStager:
             else:
                 schedule.wait_event(self.consumed[i])  # write-after-read on dev[i]
             dev[:total].copy_(host[:total], non_blocking=True)
+            self.copied[i].record(schedule)
         return _sliced(dev, offsets, sizes)
 
     def views(self, ring_slot: int, sizes: dict[str, int]) -> dict[str, torch.Tensor]:

@@ -34,6 +34,19 @@ class NullStream:
         pass
 
 
+def host_wait(event) -> None:
+    """Block the host until `event` has completed. The loop's sanctioned waits go through here,
+    exempt from sync-debug mode (which guards everything else in the loop)."""
+    mode = torch.cuda.get_sync_debug_mode() if isinstance(event, torch.cuda.Event) else 0
+    if mode:
+        torch.cuda.set_sync_debug_mode(0)
+    try:
+        event.synchronize()
+    finally:
+        if mode:
+            torch.cuda.set_sync_debug_mode(mode)
+
+
 @dataclass
 class StreamSet:
     """schedule: host-to-device metadata; forward: model + sampling; copy: device-to-host."""

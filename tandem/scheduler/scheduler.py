@@ -128,6 +128,7 @@ class Scheduler:
         self._journal: _Journal | None = None  # the last plan's changes, until the next plan
         self._ahead: _Ahead | None = None  # the next step, planned early (plan_ahead)
         self.steps_planned_ahead = 0
+        self._prefill_left = False  # the last pass over the running found prompts still prefilling
         self._prefill_steps_in_a_row = 0  # planned steps without a decode row since the last with one
         self.prefill_pace = PrefillPace(clock)
 
@@ -224,7 +225,7 @@ class Scheduler:
         assert journal is not None and journal.step == step, "rollback of a plan that is not the last"
         self._undo(journal)
 
-    def plan_ahead(self, step: int) -> bool:
+    def plan_ahead(self, step: int) -> ScheduledBatch | None:
         """While the host waits for the step in flight, plan step `step` now if it will be a
         prefill-only step (separate batches, no decode turn due, prompts to prefill): its
         admissions, prefix matches, host-tier loads and slots then cost nothing between the
@@ -232,9 +233,11 @@ class Scheduler:
         host. Nothing here needs the unread results: prefill rows read no sampled token, and
         slots those results free serve the plans after this one. `schedule(step)` takes the
         plan; `finish` of one of its requests or a `rollback` undoes it, as a plan that never
-        launched. Returns whether a step was planned."""
+        launched. Returns the step planned, or None."""
         if self._ahead is not None or self.cfg.enable_mixed_batch or self._decode_turn():
-            return False
+            return None
+        if not self.waiting and not self._prefill_left:  # the steady decode: no pass over the running
+            return None
         started = time.perf_counter()
         journal = _Journal(step, self._prefill_steps_in_a_row)
         outer, self._journal = self._journal, journal  # the plan in flight's journal is kept
@@ -249,11 +252,11 @@ class Scheduler:
             self._journal = outer
         if not rows:
             self._undo(journal)  # an empty plan: the counters it reset go back
-            return False
+            return None
         ms = (time.perf_counter() - started) * 1e3
         self._ahead = _Ahead(ScheduledBatch(step=step, rows=rows, planned_ahead_ms=ms), journal)
         self.steps_planned_ahead += 1
-        return True
+        return self._ahead.batch
 
     def _prefill_ahead_rows(self) -> list[Row]:
         """`_plan`'s separate-batch prefill branch, without the decode fallback."""
@@ -333,6 +336,7 @@ class Scheduler:
                 self.cache.cache_prefill(req)
             if not req.prefill_done:
                 prefilling.append(req)
+        self._prefill_left = bool(prefilling)
         return prefilling
 
     def _separate_prefill_budget(self) -> int:
