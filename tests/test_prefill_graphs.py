@@ -160,3 +160,22 @@ def test_graphed_prefill_queues_without_host_syncs(tiny_text_model):
     step_without_host_syncs(engine)
     assert graphs.replays > 0 and all(len(engine.output(f"p{i}").token_ids) == 6 for i in range(12))
     engine.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_prefill_steps_past_the_largest_graph_build_no_kernel_after_the_warm_up(tiny_text_model):
+    """Graphs up to 2,048 tokens under the 8,192-token step budget: larger prefill steps run
+    eagerly. The warm-up ran such steps, so serving them builds no Triton kernel (before, the
+    first one built the eager path's kernels inside its requests' TTFT)."""
+    engine = Engine(EngineConfig(model=str(tiny_text_model), device="cuda", dtype="float32", seed=0, warm_up="on",
+                                 experiments=Experiments(prefill_graph_max_tokens=2048)))
+    assert engine.runner.prefill_graphs.buckets[-1].tokens == 2048
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    for n, (count, length) in enumerate([(12, 200), (11, 211)]):  # 2,400 and 2,321 tokens: one eager step each
+        for i in range(count):
+            engine.add_request([(7 * i + j + 5 * n) % 400 + 3 for j in range(length)], params, request_id=f"s{n}-{i}")
+        while engine.has_unfinished():
+            engine.step()
+    assert engine.stats()["kernel_builds_while_serving"] == 0, engine.builds_while_serving.kernels
+    engine.close()

@@ -62,3 +62,13 @@ def test_a_kernel_built_after_the_warm_up_is_counted_and_said(tiny_text_model, c
     llm.close()
     cold.close()
     assert (knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook) == before
+
+
+def test_the_warm_up_runs_prefill_steps_just_past_the_largest_prefill_graph():
+    from tandem.warmup import eager_prefill_steps
+    steps = eager_prefill_steps(6656, 8192, 4096, 256)
+    assert [sum(s) for s in steps] == [6672, 6673] and all(max(s) <= 4096 for s in steps)
+    assert [sum(s) for s in eager_prefill_steps(6656, 6672, 4096, 256)] == [6672]  # the budget caps it
+    assert eager_prefill_steps(8192, 8192, 4096, 256) == []  # graphs cover the budget: nothing eager
+    assert [len(s) for s in eager_prefill_steps(2048, 8192, 252, 256)] == [9, 9]  # short model: more prompts
+    assert eager_prefill_steps(2048, 8192, 252, 8) == []  # more prompts than one step holds
