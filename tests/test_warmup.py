@@ -72,3 +72,24 @@ def test_the_warm_up_runs_prefill_steps_just_past_the_largest_prefill_graph():
     assert eager_prefill_steps(8192, 8192, 4096, 256) == []  # graphs cover the budget: nothing eager
     assert [len(s) for s in eager_prefill_steps(2048, 8192, 252, 256)] == [9, 9]  # short model: more prompts
     assert eager_prefill_steps(2048, 8192, 252, 8) == []  # more prompts than one step holds
+
+
+def test_the_warm_up_runs_its_eager_prefill_steps_and_leaves_no_state(tiny_text_model):
+    """Prefill graphs up to 256 tokens (run as their fixed-shape work on the CPU): the warm-up's
+    steps include one of 272 and one of 273 tokens past them, eager, and leave nothing behind."""
+    from tandem.engine import Engine
+    from tandem.config import EngineConfig
+    from tandem.warmup import warm_up
+    from test_prefill_graphs import _with_prefill_graphs
+    engine = Engine(EngineConfig(model=str(tiny_text_model), device=TEST_DEVICE, dtype="float32", max_model_len=256,
+                                 attention_backend="triton", warm_up="off"))
+    graphs = _with_prefill_graphs(engine)
+    assert graphs.buckets[-1].tokens == 256
+    launched, launch = [], engine.runner.launch
+    engine.runner.launch = lambda batch, **kw: launched.append(batch) or launch(batch, **kw)
+    warm_up(engine)
+    prefill_tokens = {b.num_tokens for b in launched if b.has_prefill}
+    assert {272, 273} <= prefill_tokens and graphs.replays > 0
+    assert engine.requests == {} and engine.stats()["prefix_cache_tokens"] == 0
+    assert_kv_conserved(engine)
+    engine.close()
