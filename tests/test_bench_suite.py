@@ -223,3 +223,22 @@ def test_host_tier_figures_and_the_on_over_off_ratios(tmp_path):
     ratios = derived(figs)
     assert ratios["host_tier.m.tier_on_over_off"].value == 1.25
     assert abs(ratios["host_tier.m.gpu_busy_tier_on_over_off"].value - 0.976 / 0.995) < 1e-12
+
+
+def test_kernels_built_while_serving_are_read_from_the_engines_warning(tmp_path, caplog):
+    """The engine's own warning (not a copy of its text) is what the serve part counts."""
+    import logging
+    from tandem.bench.suite_runs import _serve_figures
+    from tandem.bench.suite_serve import kernel_builds
+    from tandem.diagnostics.compiles import Compiles
+    from tandem.engine import _warn_of_build
+    with caplog.at_level(logging.WARNING, logger="tandem"):
+        note = _warn_of_build(Compiles())
+        note("_extend_kernel", 0.61)
+        note("_rms_norm_kernel", 0.2)
+    log = "INFO: startup\n" + "\n".join(f"2026-12-04 engine WARNING {r.getMessage()}" for r in caplog.records)
+    assert kernel_builds(log) == ["_extend_kernel", "_rms_norm_kernel"] and kernel_builds("INFO: ok\n") == []
+    report = tmp_path / "serve.json"
+    report.write_text(json.dumps({"startup_s": 20.0, "rates": [], "kernel_builds_while_serving": kernel_builds(log)}))
+    figs = _serve_figures(report, "serve.qwen3-0.6b")
+    assert figs["serve.qwen3-0.6b.kernel_builds_while_serving"].value == 2

@@ -227,6 +227,8 @@ def serve(ctx: Ctx, preset: str, mode: str, budget: float) -> RunSpec:
 def _serve_figures(path: Path, key: str) -> Figures:
     report = json.loads(path.read_text())
     figs = {f"{key}.startup_s": _lo(report["startup_s"], "s")} if "startup_s" in report else {}
+    if "kernel_builds_while_serving" in report:  # after the warm-up: 0 expected (each stalled a step)
+        figs[f"{key}.kernel_builds_while_serving"] = _lo(len(report["kernel_builds_while_serving"]), "builds")
     for r in report["rates"]:
         k = f"{key}.rate{float(r['request_rate']):g}"
         figs.update({f"{k}.output_tok_s": _hi(r["output_token_throughput"]),

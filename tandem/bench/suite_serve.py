@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import shlex
 import subprocess
 import sys
@@ -63,10 +64,20 @@ def run_server(args: argparse.Namespace) -> dict:
         report = {"command": cmd, "startup_s": time.perf_counter() - t0, "rates": []}
         for rate in args.rates:
             report["rates"].append(_one_rate(args, url, rate, proc.pid))
+        report["kernel_builds_while_serving"] = kernel_builds(log.read_text(errors="replace"))
         return report
     finally:
         launch.stop_server(proc)
         print(f"[suite-serve] server log tail:\n{log.read_text(errors='replace')[-1500:]}", file=sys.stderr)
+
+
+BUILD_WARNING = re.compile(r"Triton built kernel (\S+) while serving")
+
+
+def kernel_builds(server_log: str) -> list[str]:
+    """The kernels the engine built after its warm-up (its warning, `Engine._warn_of_build`):
+    each one stalled a step while serving."""
+    return BUILD_WARNING.findall(server_log)
 
 
 def _one_rate(args: argparse.Namespace, url: str, rate: float, server_pid: int) -> dict:
