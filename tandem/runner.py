@@ -17,7 +17,7 @@ from tandem.models.decoder import DecoderModel
 from tandem.overlap.future_map import FutureMap
 from tandem.overlap.results import HostResult, ResultCopier
 from tandem.overlap.staging import InputStager
-from tandem.overlap.streams import StreamSet
+from tandem.overlap.streams import StreamSet, host_int64
 from tandem.prefill_graphs import PrefillBucket, PrefillGraphs
 from tandem.request import Request
 from tandem.sampling import Sampler, SamplingInputs, SamplingParams
@@ -432,8 +432,7 @@ class ModelRunner:
             if outputs:  # a preempted request brings its earlier outputs back
                 # Pinned and async: no host sync; the caching host allocator keeps the source
                 # alive until the copy has run.
-                ids = torch.tensor(outputs, dtype=torch.int64, pin_memory=self.streams.pin())
-                ids = ids.to(self.streams.device, non_blocking=True)
+                ids = _to_device(outputs, self.streams)
                 self.sampler.record(torch.full_like(ids, slot), ids)
 
 
@@ -526,8 +525,7 @@ def _verify_metadata(batch: ScheduledBatch, bucket: int | None) -> dict[str, lis
 
 def _to_device(ids: list[int], streams: StreamSet) -> torch.Tensor:
     # Pinned and async: the caching host allocator keeps the source alive until the copy ran.
-    host = torch.tensor(ids, dtype=torch.int64, pin_memory=streams.pin())
-    return host.to(streams.device, non_blocking=True)
+    return host_int64(ids, streams.pin()).to(streams.device, non_blocking=True)
 
 
 def _greedy_only(sampling: SamplingInputs) -> bool:

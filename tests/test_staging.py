@@ -54,3 +54,13 @@ def test_a_ring_slot_is_written_again_only_after_the_copy_that_read_it_ran():
     stager.copied[0] = untouched
     stager.stage(1, {"a": [5]})  # slot 1: no wait on slot 0's copy
     assert not untouched.waited and stager.copied[1].waited
+
+
+def test_host_int64_holds_the_values_pinned_only_when_asked():
+    from tandem.overlap.streams import host_int64
+    values = [0, 7, 2**40, -3]
+    t = host_int64(values, pin=False)
+    assert t.dtype == torch.int64 and t.tolist() == values and not t.is_pinned()
+    assert host_int64([], pin=False).shape == (0,)
+    if torch.cuda.is_available():
+        assert host_int64(values, pin=True).is_pinned()

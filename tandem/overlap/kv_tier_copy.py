@@ -37,7 +37,7 @@ import torch
 
 from tandem.memory.host_kv import HostKVPool, contiguous_runs
 from tandem.memory.kv_cache import KVCache
-from tandem.overlap.streams import NullStream, StreamSet
+from tandem.overlap.streams import NullStream, StreamSet, host_int64
 
 CHUNK_BYTES = 128 << 20  # device staging per transfer: large enough for full PCIe bandwidth
 
@@ -178,7 +178,7 @@ class KVTierCopier:
         return record
 
     def _device_index(self, slots: list[int], keep_alive: list) -> torch.Tensor:
-        src = torch.tensor(slots, dtype=torch.int64, pin_memory=self.streams.pin())
+        src = host_int64(slots, self.streams.pin())
         keep_alive.append(src)  # read by the async H2D until the copy's end event
         return src.to(self.streams.device, non_blocking=True)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from tandem.overlap.streams import host_int64
 from tandem.sampling.inputs import SampleOutput, SamplingInputs
 from tandem.sampling.noise import _mix32, gumbel_argmax
 from tandem.sampling.params import SamplingParams
@@ -70,11 +71,8 @@ class Sampler:
     def _to_device_ids(self, ids: Tensor | list[int]) -> Tensor:
         if isinstance(ids, Tensor):
             return ids.to(self.device, dtype=torch.int64, non_blocking=True)
-        host = torch.tensor(ids, dtype=torch.int64)
-        if self.device.type == "cuda":
-            # Pinned so the copy is async; the caching host allocator keeps it alive until done.
-            host = host.pin_memory()
-        return host.to(self.device, non_blocking=True)
+        # Pinned so the copy is async; the caching host allocator keeps it alive until done.
+        return host_int64(ids, self.device.type == "cuda").to(self.device, non_blocking=True)
 
     def record(self, slots: Tensor, token_ids: Tensor) -> None:
         """Count each row's sampled token in its slot's history: one device scatter, no host read.
