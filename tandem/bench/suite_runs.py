@@ -238,8 +238,9 @@ def _serve_figures(path: Path, key: str) -> Figures:
         if r.get("gpu_busy"):  # the gauge stays 0 without CUDA (no device events)
             figs[f"{k}.gpu_busy"] = _hi(r["gpu_busy"], "fraction")
         # Where a TTFT went: the server's own (to its front end) and the client's event-loop lag.
-        if (server_ttft := (r.get("server_ttft_ms") or {}).get("p50")) is not None:
-            figs[f"{k}.server_ttft_p50_ms"] = _info(server_ttft, "ms")
+        for q in ("p50", "p99"):  # the server's own TTFT (its tail: where the client's p99 comes from)
+            if (server_ttft := (r.get("server_ttft_ms") or {}).get(q)) is not None:
+                figs[f"{k}.server_ttft_{q}_ms"] = _info(server_ttft, "ms")
         if (lag := (r.get("client_lag_ms") or {}).get("p99")) is not None:
             figs[f"{k}.client_lag_p99_ms"] = _info(lag, "ms")
         if r.get("front_end_cpu_share") is not None:
