@@ -17,7 +17,7 @@ from tandem.models.decoder import DecoderModel
 from tandem.overlap.future_map import FutureMap
 from tandem.overlap.results import HostResult, ResultCopier
 from tandem.overlap.staging import InputStager
-from tandem.overlap.streams import StreamSet, host_int64
+from tandem.overlap.streams import StreamSet, device_int64
 from tandem.prefill_graphs import PrefillBucket, PrefillGraphs
 from tandem.request import Request
 from tandem.sampling import Sampler, SamplingInputs, SamplingParams
@@ -414,7 +414,7 @@ class ModelRunner:
     def stash_last_tokens(self, slots: list[int], token_ids: list[int]) -> None:
         """Host-known next decode inputs into the FutureMap (a failed step's rows, resynced)."""
         with self.streams.use(self.streams.forward):  # ordered before the retry's reads
-            self.future_map.stash(_to_device(slots, self.streams), _to_device(token_ids, self.streams))
+            self.future_map.stash(device_int64(slots, self.streams.device), device_int64(token_ids, self.streams.device))
 
     def start_request(self, slot: int, prompt_ids: list[int], params: SamplingParams,
                       outputs: list[int], seed: int = 0) -> None:
@@ -423,16 +423,14 @@ class ModelRunner:
             self.mirror.admit(slot, prompt_ids, params, outputs, seed)
         if self.spec is not None:
             with self.streams.use(self.streams.forward):  # ordered before the prefill's sample
-                self.spec.admit(slot, _to_device(prompt_ids + outputs, self.streams), len(prompt_ids),
+                self.spec.admit(slot, device_int64(prompt_ids + outputs, self.streams.device), len(prompt_ids),
                                 params.temperature, seed)
         if not params.uses_penalties:
             return
         with self.streams.use(self.streams.forward):
             self.sampler.start_request(slot, prompt_ids, params)
             if outputs:  # a preempted request brings its earlier outputs back
-                # Pinned and async: no host sync; the caching host allocator keeps the source
-                # alive until the copy has run.
-                ids = _to_device(outputs, self.streams)
+                ids = device_int64(outputs, self.streams.device)  # async: no host sync
                 self.sampler.record(torch.full_like(ids, slot), ids)
 
 
@@ -521,11 +519,6 @@ def _verify_metadata(batch: ScheduledBatch, bucket: int | None) -> dict[str, lis
             token_offset += range(row.spec_k + 1)
         fields.update({"token_row": token_row, "token_offset": token_offset})
     return fields
-
-
-def _to_device(ids: list[int], streams: StreamSet) -> torch.Tensor:
-    # Pinned and async: the caching host allocator keeps the source alive until the copy ran.
-    return host_int64(ids, streams.pin()).to(streams.device, non_blocking=True)
 
 
 def _greedy_only(sampling: SamplingInputs) -> bool:

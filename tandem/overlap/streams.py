@@ -43,6 +43,12 @@ def host_int64(values, pin: bool) -> torch.Tensor:
     return out
 
 
+def device_int64(values, device: torch.device) -> torch.Tensor:
+    """`values` (a list of ints) on `device` as int64, copied asynchronously from pinned memory on
+    CUDA (the caching host allocator keeps the source alive until the copy ran)."""
+    return host_int64(values, device.type == "cuda").to(device, non_blocking=True)
+
+
 def host_wait(event) -> None:
     """Block the host until `event` has completed. The loop's sanctioned waits go through here,
     exempt from sync-debug mode (which guards everything else in the loop)."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from tandem.overlap.streams import host_int64
+from tandem.overlap.streams import device_int64
 from tandem.sampling.inputs import SampleOutput, SamplingInputs
 from tandem.sampling.noise import _mix32, gumbel_argmax
 from tandem.sampling.params import SamplingParams
@@ -71,8 +71,7 @@ class Sampler:
     def _to_device_ids(self, ids: Tensor | list[int]) -> Tensor:
         if isinstance(ids, Tensor):
             return ids.to(self.device, dtype=torch.int64, non_blocking=True)
-        # Pinned so the copy is async; the caching host allocator keeps it alive until done.
-        return host_int64(ids, self.device.type == "cuda").to(self.device, non_blocking=True)
+        return device_int64(ids, self.device)
 
     def record(self, slots: Tensor, token_ids: Tensor) -> None:
         """Count each row's sampled token in its slot's history: one device scatter, no host read.
