@@ -146,6 +146,12 @@ class Experiments:
     # the FIFO experiment, the ones that may be passed). Whether more makes FIFO drain less is
     # the next A/B (session 17 ran 4 only).
     host_kv_prefetch_requests: int = 4  # = prefix_cache.PREFETCH_REQUESTS (a test holds them equal)
+    # n-gram speculation: a row verifies when its known tokens end in an n-gram of at least this
+    # many tokens (clamped to prompt_lookup_min..max) seen earlier, followed by a token. On the
+    # built-in model's tasks, the proposals after a one-token match were accepted 12-17 % of the
+    # time (0.6 tokens on average), about what the verify step costs over a decode step; after a
+    # two-token match, 38-58 % (docs/benchmarks.md, session 28). 1: any match (before session 28).
+    spec_verify_min_match: int = 2
     # Host KV tier: one step's copy time per window for both directions, which the one copy
     # stream runs back to back (off: a step's worth each, two steps of copies per step).
     host_kv_shared_pace: bool = True

@@ -345,7 +345,7 @@ class Engine:
                             cfg.schedule_policy, max_reused_tokens_per_step=reused,
                             mixed_prefill_budget=cfg.mixed_prefill_budget),
             self.prefix_cache, self.req_slots, on_admit=self.runner.admit,
-            verify=VerifyPlanner(spec) if spec is not None else None)
+            verify=VerifyPlanner(spec, cfg.experiments.spec_verify_min_match) if spec is not None else None)
 
     def _cascade_rule(self) -> CascadeRule | None:
         """The experiment's switch; off under tensor parallelism (workers' requests carry no

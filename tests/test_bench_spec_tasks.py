@@ -24,3 +24,24 @@ def test_rows_have_both_sides(tiny_text_model, tmp_path, same_process):
         assert len(r["plain_runs_ms"]) == len(r["spec_runs_ms"]) == 1  # --repeat 1
         # The reported rate is the median run's: here the one run.
         assert r["plain_tok_s"] == pytest.approx(r["output_tokens"] / (r["plain_runs_ms"][0] / 1e3), rel=1e-3)
+
+
+def test_experiments_reach_both_sides_engines(tiny_text_model, tmp_path, monkeypatch):
+    """`--experiment NAME=VALUE` builds each side's engine with that switch (the H200 A/B of the
+    verify rule: spec_verify_min_match=1 against the default), and the report names it."""
+    seen = []
+
+    class Recording(spec_tasks.LLM):
+        def __init__(self, *args, **kw):
+            super().__init__(*args, **kw)
+            seen.append(self.engine.cfg.experiments.spec_verify_min_match)
+
+    monkeypatch.setattr(spec_tasks, "LLM", Recording)
+    out = tmp_path / "spec.json"
+    spec_tasks.main(["--model", str(tiny_text_model), "--tasks", "copy", "--batch-sizes", "1", "--max-tokens", "4",
+                     "--repeat", "1", "--device", "cpu", "--dtype", "float32", "--same-process",
+                     "--experiment", "spec_verify_min_match=1", "--json", str(out)])
+    assert seen == [1, 1]
+    assert json.loads(out.read_text())["experiments"] == ["spec_verify_min_match=1"]
+    with pytest.raises(ValueError, match="--experiment takes NAME=VALUE"):
+        spec_tasks.main(["--experiment", "no_such_switch=1", "--device", "cpu"])

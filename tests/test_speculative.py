@@ -154,3 +154,37 @@ def test_the_host_index_agrees_with_the_proposer_rule():
             prompt, outputs = tokens[:min(split, cut)], tokens[min(split, cut):cut]
             want = bool(propose_ngram_reference(tokens[:cut], 4, index.min_n, index.max_n))
             assert index.matches(prompt, outputs) == want, (tokens[:cut], split)
+
+
+def test_the_host_match_length_is_the_longest_ngram_the_proposer_finds():
+    """HostNgramIndex.match_length: the longest n in min_n..max_n for which the proposer's rule
+    finds an earlier occurrence of the n-token suffix (0: none), grown a token at a time."""
+    import random
+    from tandem.speculative.ngram import HostNgramIndex
+    rng = random.Random(1)
+    for trial in range(200):
+        tokens = [rng.randrange(3) for _ in range(rng.randrange(1, 40))]
+        split = rng.randrange(len(tokens) + 1)
+        index = HostNgramIndex(1 + trial % 2, 4)
+        for cut in range(1, len(tokens) + 1):
+            prompt, outputs = tokens[:min(split, cut)], tokens[min(split, cut):cut]
+            want = max((n for n in range(index.min_n, index.max_n + 1)
+                        if propose_ngram_reference(tokens[:cut], 1, n, n)), default=0)
+            assert index.match_length(prompt, outputs) == want, (tokens[:cut], split)
+
+
+@pytest.mark.parametrize("min_match, lookup, verifies", [
+    (2, (1, 3), False),  # the suffix [9] recurs, [4, 9] does not: no verify row
+    (1, (1, 3), True),  # the rule before session 28: any match
+    (2, (1, 1), True),  # clamped to prompt_lookup_max: a one-token lookup verifies on one token
+])
+def test_a_row_verifies_after_a_match_of_min_match_tokens(min_match, lookup, verifies):
+    from tandem.request import Request
+    from tandem.sampling import SamplingParams
+    from tandem.speculative.config import SpeculativeConfig
+    from tandem.speculative.planner import VerifyPlanner
+    cfg = SpeculativeConfig("ngram", 4, prompt_lookup_min=lookup[0], prompt_lookup_max=lookup[1])
+    req = Request("r", [7, 9, 5, 4, 9], SamplingParams(max_tokens=50), seed=0, max_samples=50)
+    assert (VerifyPlanner(cfg, min_match).k_for(req) > 0) == verifies
+    req.output_token_ids = [5]  # now [9, 5] recurs: two tokens
+    assert VerifyPlanner(cfg, min_match).k_for(req) > 0

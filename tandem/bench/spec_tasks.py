@@ -19,6 +19,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
 from multiprocessing import get_context
 
+from tandem.config import Experiments
 from tandem.entrypoints.llm import LLM
 from tandem.sampling import SamplingParams
 
@@ -160,13 +161,16 @@ def _side(kw: dict, config: dict | None, tasks: list[str], batches: list[int], m
 
 
 def run(model: str | None, spec: dict, tasks: list[str], batches: list[int], max_tokens: int,
-        device: str, dtype: str, repeat: int = 3, same_process: bool = False) -> list[TaskRow]:
+        device: str, dtype: str, repeat: int = 3, same_process: bool = False,
+        experiments: Experiments | None = None) -> list[TaskRow]:
     """Each side runs in a fresh process (`same_process`: one after the other in this one, plain
     first, as before session 15: the A/B). On the H200 a speculating engine created second in
     its process launched its plain decode steps in 0.93 ms against the first (plain) engine's
     0.66 ms, its whole host path uniformly slower; whether the order or the engine did it is
     what the A/B tells."""
     kw = {"device": device, "dtype": dtype, "timeline": device != "cpu"}
+    if experiments is not None:  # both sides (a speculation-only switch leaves the plain side as it is)
+        kw["experiments"] = experiments
     if model is not None:
         kw["model"] = model
     sides = [(kw, config, tasks, batches, max_tokens, repeat) for config in (None, spec)]
@@ -204,6 +208,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--repeat", type=int, default=3, help="timed runs per row (the median is reported)")
     ap.add_argument("--same-process", action="store_true",
                     help="the A/B: both sides in this process, plain first (before session 15)")
+    ap.add_argument("--experiment", action="append", default=[], metavar="NAME=VALUE",
+                    help="an Experiments switch for both sides, e.g. spec_verify_min_match=1 (repeatable)")
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args(argv)
     tasks = [t for t in args.tasks.split(",") if t]
@@ -212,7 +218,7 @@ def main(argv: list[str] | None = None) -> None:
         ap.error(f"unknown task(s) {unknown}; known: {', '.join(TASKS)}")
     rows = run(args.model, json.loads(args.speculative_config), tasks,
                [int(b) for b in args.batch_sizes.split(",")], args.max_tokens, args.device, args.dtype, args.repeat,
-               args.same_process)
+               args.same_process, Experiments.from_overrides(args.experiment))
     print(f"{'task':10} {'batch':>5} {'plain tok/s':>12} {'spec tok/s':>11} {'x':>6} {'accept len':>10} "
           f"{'verify/steps':>13} {'gpu busy (plain / spec)':>23} same  runs ms (plain / spec)")
     for r in rows:
@@ -224,7 +230,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"speculative_config": json.loads(args.speculative_config), "max_tokens": args.max_tokens,
-                       "repeat": args.repeat, "same_process": args.same_process,
+                       "repeat": args.repeat, "same_process": args.same_process, "experiments": args.experiment,
                        "rows": [asdict(r) for r in rows]}, f, indent=1)
 
 

@@ -102,7 +102,9 @@ class HostNgramIndex:
     """The host's guess whether the device proposer will find a match: the same rule over the
     tokens the host has seen (one step behind the device, which is close enough: text that is
     being copied keeps matching). A verify row without proposals costs k + 1 query tokens for
-    one, so rows whose known suffix occurred nowhere earlier do not speculate. Hashes of every
+    one, so rows whose known suffix occurred nowhere earlier do not speculate, and the planner
+    asks for a match of a few tokens (`match_length`): after a one-token match the proposals
+    were accepted about one time in seven (docs/benchmarks.md, session 28). Hashes of every
     n-gram (min_n..max_n) followed by a token, over the last `window` tokens when first built,
     then incrementally; a collision only costs a wasted proposal slot."""
 
@@ -113,6 +115,11 @@ class HostNgramIndex:
 
     def matches(self, prompt: list[int], outputs: list[int]) -> bool:
         """Does a suffix of prompt + outputs (min_n..max_n tokens) occur earlier, followed by a token?"""
+        return self.match_length(prompt, outputs) > 0
+
+    def match_length(self, prompt: list[int], outputs: list[int]) -> int:
+        """The longest n in min_n..max_n whose suffix of prompt + outputs occurs earlier, followed
+        by a token (the n-gram the device proposer would match on); 0 if none does."""
         total = len(prompt) + len(outputs)
         if self.indexed is None:
             self.indexed = max(0, total - self.window)
@@ -122,5 +129,7 @@ class HostNgramIndex:
             for n in range(self.min_n, min(self.max_n, end - first) + 1):
                 self.seen.add(hash((n, *tail[end - first - n:end - first])))
         self.indexed = max(self.indexed, total)
-        return any(hash((n, *tail[len(tail) - n:])) in self.seen
-                   for n in range(self.min_n, min(self.max_n, total - 1, len(tail)) + 1))
+        for n in range(min(self.max_n, total - 1, len(tail)), self.min_n - 1, -1):
+            if hash((n, *tail[len(tail) - n:])) in self.seen:
+                return n
+        return 0

@@ -59,8 +59,10 @@ def speculates(req: Request) -> bool:
 
 
 class VerifyPlanner:
-    def __init__(self, cfg: SpeculativeConfig) -> None:
+    def __init__(self, cfg: SpeculativeConfig, min_match: int = 2) -> None:
         self.cfg = cfg
+        # n-gram: the shortest known-suffix match that makes a row verify (Experiments.spec_verify_min_match)
+        self.min_match = max(cfg.prompt_lookup_min, min(min_match, cfg.prompt_lookup_max))
 
     def k_for(self, req: Request) -> int:
         """Proposals for the request's row: k, fewer near max_tokens (every emitted token is
@@ -76,7 +78,7 @@ class VerifyPlanner:
         cfg = self.cfg
         if req.spec_index is None:
             req.spec_index = HostNgramIndex(cfg.prompt_lookup_min, cfg.prompt_lookup_max)
-        return req.spec_index.matches(req.prompt_token_ids, req.output_token_ids)
+        return req.spec_index.match_length(req.prompt_token_ids, req.output_token_ids) >= self.min_match
 
     def plan(self, reqs: list[Request], available: int, alloc: Callable[[int], list[int]]) -> list[Row] | None:
         """Verify rows for every decoding request, or None: plain decode rows will do (every
