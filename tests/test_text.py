@@ -451,3 +451,71 @@ def test_decode_patched_on_the_instance_is_used(smollm):
     patched.decode = lambda ids, **kw: "x" * len(ids)
     assert not _decodes_with_backend(patched)
     assert ids_decoder(patched, True)([1, 2, 3]) == "xxx"
+
+
+# ---- the Rust backend's DecodeStream, with the window decoder where the stream holds back ----
+
+
+def _deltas(decoder, gen: list[int], chunks: list[int]) -> list[str]:
+    out, i = [], 0
+    for n in chunks:
+        out.append(decoder.push(gen[i:i + n]))
+        i += n
+    return out + [decoder.flush()]
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_the_stream_returns_what_the_window_decoder_does_push_by_push(tok, seed):
+    """Random text (emoji, CJK, accents), special tokens, random push sizes, and for byte-level
+    BPE runs of broken bytes: the stream decoder's text per push is the window decoder's. With
+    byte fallback, the text is the same and nothing shown is taken back, but a character whose
+    bytes a skipped special token splits may come a push earlier or later: the window decoder's
+    look-back for it depends on where its window began. (Byte fallback turns a whole run of
+    byte ids into U+FFFD when it holds a broken byte: neither decoder is exact there.)"""
+    from tandem.text import _decode_stream_type, _IncrementalDecoder, _StreamDecoder
+    rng = random.Random(seed)
+    byte_level = tok.backend_tokenizer.decoder.__class__.__name__ == "ByteLevel"
+    for _ in range(30):
+        gen = enc(tok, "".join(rng.choice(POOL) for _ in range(rng.randint(1, 40))))
+        skip = rng.random() < 0.7
+        for _ in range(rng.choice([0, 1, 2])):  # a shown special token only between characters
+            at = [i for i in range(len(gen) + 1) if skip or REPL not in tok.decode(gen[:i])]
+            gen.insert(rng.choice(at), tok.eos_token_id)
+        if byte_level and rng.random() < 0.3:
+            at = rng.randrange(len(gen) + 1)
+            gen[at:at] = [tok.convert_tokens_to_ids("ä")] * rng.choice([1, 3, 40])  # 0xE4 opens a character
+        prompt = enc(tok, "".join(rng.choice(POOL) for _ in range(rng.randint(0, 6))))
+        chunks, left = [], len(gen)
+        while left:
+            chunks.append(min(left, rng.choice([1, 1, 1, 2, 3, 5])))
+            left -= chunks[-1]
+        window = _deltas(_IncrementalDecoder(tok, prompt, skip), gen, chunks)
+        streamed = _deltas(_StreamDecoder(tok, prompt, skip, _decode_stream_type()), gen, chunks)
+        if byte_level:
+            assert streamed == window, (gen, chunks, skip)
+        assert "".join(streamed) == "".join(window) == expected_text(tok, prompt, gen, skip)
+        for k in range(len(streamed)):
+            assert expected_text(tok, prompt, gen, skip).startswith("".join(streamed[:k + 1]))
+
+
+def test_stock_fast_tokenizers_stream_and_others_use_the_window_decoder(smollm):
+    from tandem.text import _IncrementalDecoder, _StreamDecoder
+    assert isinstance(RequestText(smollm, [1, 2])._decoder, _StreamDecoder)
+    assert isinstance(RequestText(_CountingTokenizer(smollm), [1, 2])._decoder, _IncrementalDecoder)
+
+
+def test_the_stream_takes_back_over_after_a_held_character(smollm):
+    """An emoji split over ids hands decoding to the window decoder (the text before it is
+    released at once); plain text after it goes back to the stream."""
+    rt = RequestText(smollm, enc(smollm, "Say:"))
+    decoder = rt._decoder
+    head, emoji = enc(smollm, "ok "), enc(smollm, "😀")
+    assert len(emoji) > 1
+    assert rt.append(head).text == "ok " and decoder._window is None
+    assert rt.append(emoji[:1]).text == "" and decoder._window is not None
+    shown = rt.append(emoji[1:]).text
+    for token in enc(smollm, " and then some plain words follow here, enough of them to hand back"):
+        shown += rt.append([token]).text
+    assert decoder._window is None
+    shown += rt.finish()
+    assert shown == "😀 and then some plain words follow here, enough of them to hand back"
