@@ -62,7 +62,7 @@ from tandem.speculative.graphs import VerifyGraphs
 from tandem.speculative.metrics import SpecCounters
 from tandem.speculative.planner import VerifyPlanner, note_plain, note_verified
 from tandem.speculative.state import SpecState
-from tandem.text import RequestText
+from tandem.text import RequestText, token_pieces
 from tandem.warmup import warm_up
 
 log = logging.getLogger("tandem")
@@ -96,6 +96,7 @@ class Engine:
         if cfg.tokenizer is not None and len(self.tokenizer) > self.model_config.vocab_size:
             raise ValueError(f"tokenizer={cfg.tokenizer!r} has {len(self.tokenizer)} tokens, more than the "
                              f"model's vocabulary ({self.model_config.vocab_size})")
+        self.token_pieces = token_pieces(self.tokenizer)  # ids' texts, learned once for every request
         self.max_model_len = min(cfg.max_model_len or self.model_config.max_position_embeddings,
                                  self.model_config.max_position_embeddings)
         started = time.monotonic()
@@ -483,7 +484,7 @@ class Engine:
         stop_ids = frozenset(params.stop_token_ids or ()) | (
             frozenset() if params.ignore_eos else frozenset(self.eos_token_ids))
         text = (RequestText(self.tokenizer, ids, params.stop, params.skip_special_tokens,
-                            params.include_stop_str_in_output) if self.tokenizer is not None else None)
+                            params.include_stop_str_in_output, self.token_pieces) if self.tokenizer is not None else None)
         req = Request(rid, ids, params, seed, max_samples=params.max_tokens or self.max_model_len - len(ids),
                       stop_ids=stop_ids, prompt=prompt if isinstance(prompt, str) else None, text=text,
                       bias=bias, min_tokens_bias=min_tokens_bias(params, stop_ids))

@@ -464,16 +464,19 @@ def _deltas(decoder, gen: list[int], chunks: list[int]) -> list[str]:
     return out + [decoder.flush()]
 
 
+@pytest.mark.parametrize("shared_table", [False, True])
 @pytest.mark.parametrize("seed", range(8))
-def test_the_stream_returns_what_the_window_decoder_does_push_by_push(tok, seed):
+def test_the_stream_returns_what_the_window_decoder_does_push_by_push(tok, seed, shared_table):
     """Random text (emoji, CJK, accents), special tokens, random push sizes, and for byte-level
     BPE runs of broken bytes: the stream decoder's text per push is the window decoder's. With
     byte fallback, the text is the same and nothing shown is taken back, but a character whose
     bytes a skipped special token splits may come a push earlier or later: the window decoder's
     look-back for it depends on where its window began. (Byte fallback turns a whole run of
-    byte ids into U+FFFD when it holds a broken byte: neither decoder is exact there.)"""
-    from tandem.text import _decode_stream_type, _IncrementalDecoder, _StreamDecoder
+    byte ids into U+FFFD when it holds a broken byte: neither decoder is exact there.) With the
+    shared table (byte-level only), the requests of a seed learn ids' texts from each other."""
+    from tandem.text import _decode_stream_type, _IncrementalDecoder, _StreamDecoder, token_pieces
     rng = random.Random(seed)
+    pieces = token_pieces(tok) if shared_table else None
     byte_level = tok.backend_tokenizer.decoder.__class__.__name__ == "ByteLevel"
     for _ in range(30):
         gen = enc(tok, "".join(rng.choice(POOL) for _ in range(rng.randint(1, 40))))
@@ -490,7 +493,7 @@ def test_the_stream_returns_what_the_window_decoder_does_push_by_push(tok, seed)
             chunks.append(min(left, rng.choice([1, 1, 1, 2, 3, 5])))
             left -= chunks[-1]
         window = _deltas(_IncrementalDecoder(tok, prompt, skip), gen, chunks)
-        streamed = _deltas(_StreamDecoder(tok, prompt, skip, _decode_stream_type()), gen, chunks)
+        streamed = _deltas(_StreamDecoder(tok, prompt, skip, _decode_stream_type(), pieces), gen, chunks)
         if byte_level:
             assert streamed == window, (gen, chunks, skip)
         assert "".join(streamed) == "".join(window) == expected_text(tok, prompt, gen, skip)
@@ -519,3 +522,35 @@ def test_the_stream_takes_back_over_after_a_held_character(smollm):
     assert decoder._window is None
     shown += rt.finish()
     assert shown == "😀 and then some plain words follow here, enough of them to hand back"
+
+
+def test_byte_level_tokenizers_get_a_shared_table_and_sentencepiece_does_not(smollm, sp):
+    """A SentencePiece decoder strips the leading space at the start of a text, so an id's text
+    depends on what precedes it: no table. Nor for a tokenizer that decodes in Python."""
+    from tandem.text import TokenPieces, token_pieces
+    assert isinstance(token_pieces(smollm), TokenPieces)
+    assert token_pieces(sp) is None
+    assert token_pieces(_CountingTokenizer(smollm)) is None
+    assert token_pieces(None) is None
+
+
+def test_the_table_learns_each_id_once_and_keeps_specials_apart(smollm):
+    """A request that shows special tokens teaches the table their text, and the next such request
+    takes every id from the table, not the stream; one that skips specials still shows none."""
+    from tandem.text import token_pieces
+    pieces, prompt, eos = token_pieces(smollm), enc(smollm, "Say:"), smollm.eos_token_id
+    gen = enc(smollm, "Hello there, world") + [eos] + enc(smollm, " again")
+
+    def run(skip: bool, count_stream_calls: bool = False) -> tuple[str, list[int]]:
+        rt, calls = RequestText(smollm, prompt, skip_special_tokens=skip, pieces=pieces), []
+        if count_stream_calls:
+            stream = rt._decoder._stream
+            rt._decoder._stream = type("Counted", (), {"step": lambda _, b, t: calls.append(t) or stream.step(b, t)})()
+        return "".join(rt.append([t]).text for t in gen) + rt.finish(), calls
+
+    assert run(False)[0] == expected_text(smollm, prompt, gen, False)
+    assert pieces.table(False)[eos] == smollm.eos_token and eos not in pieces.table(True)
+    text, calls = run(False, count_stream_calls=True)
+    assert text == expected_text(smollm, prompt, gen, False) and calls == []
+    assert run(True)[0] == "Hello there, world again"
+    assert eos not in pieces.table(True)

@@ -18,14 +18,13 @@ import argparse
 import json
 import random
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
-from tandem.bench.presets import PRESETS
+from tandem.bench.presets import PRESETS, load_tokenizer, preset_dir
 from tandem.config import EngineConfig
 from tandem.engine import Engine
 from tandem.sampling import SamplingParams
@@ -73,23 +72,6 @@ class GrammarRow:
 
     def to_dict(self) -> dict:
         return {**asdict(self), "output_tok_s": self.output_tok_s, "other_ms_per_step": self.other_ms_per_step}
-
-
-def model_dir(preset: str, tokenizer) -> str:
-    """The preset's config with the tokenizer's vocabulary and EOS, and the tokenizer beside it."""
-    cfg = {**PRESETS[preset], "vocab_size": len(tokenizer), "eos_token_id": tokenizer.eos_token_id}
-    path = Path(tempfile.mkdtemp(prefix=f"tandem-grammar-{preset}-"))
-    (path / "config.json").write_text(json.dumps(cfg))
-    tokenizer.save_pretrained(path)
-    return str(path)
-
-
-def load_tokenizer(path: str | None):
-    if path:
-        from transformers import AutoTokenizer
-        return AutoTokenizer.from_pretrained(path)
-    from tandem.models.checkpoint import builtin_model_path, open_checkpoint
-    return open_checkpoint(builtin_model_path(), config_only=True).load_tokenizer()
 
 
 def run(engine: Engine, prompts: list[list[int]], params: list[SamplingParams], overlap: bool,
@@ -176,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     tokenizer = load_tokenizer(args.tokenizer)
-    cfg = EngineConfig(model=model_dir(args.preset, tokenizer), dummy_weights=True, device=args.device,
+    cfg = EngineConfig(model=preset_dir(args.preset, tokenizer), dummy_weights=True, device=args.device,
                        dtype=args.dtype, timeline=True, max_running_requests=max(args.num_requests, 1),
                        cuda_graph=args.cuda_graph, grammar_threads=args.grammar_threads,
                        max_model_len=args.prompt_len + args.max_tokens + 8)

@@ -12,7 +12,7 @@ import time
 import torch
 from dataclasses import asdict, dataclass
 
-from tandem.bench.presets import preset_dir
+from tandem.bench.presets import load_tokenizer, preset_dir
 from tandem.config import EngineConfig, Experiments
 from tandem.diagnostics.profile import host_profile
 from tandem.engine import Engine
@@ -134,6 +134,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="tandem bench latency", description=__doc__)
     ap.add_argument("--model", help="model path (default: --preset with dummy weights)")
     ap.add_argument("--preset", default="qwen3-0.6b")
+    ap.add_argument("--tokenizer", metavar="DIR",
+                    help="with --preset: this saved tokenizer (its vocabulary) beside the dummy weights, so each "
+                         "step detokenizes as a user's does ('builtin': the built-in model's); without it no text is made")
     ap.add_argument("--batch-sizes", default="1,8,16,64,256")
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--warmup", type=int, default=10)
@@ -154,7 +157,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", help="write results here")
     args = ap.parse_args(argv)
     sizes = [int(x) for x in args.batch_sizes.split(",")]
-    cfg = EngineConfig(model=args.model or preset_dir(args.preset), dummy_weights=args.model is None,
+    tokenizer = None if args.model or not args.tokenizer else load_tokenizer(
+        None if args.tokenizer == "builtin" else args.tokenizer)
+    cfg = EngineConfig(model=args.model or preset_dir(args.preset, tokenizer), dummy_weights=args.model is None,
                        device=args.device, dtype=args.dtype, timeline=True,
                        max_total_tokens=args.max_total_tokens, attention_backend=args.attention_backend,
                        max_running_requests=max(256, max(sizes)),

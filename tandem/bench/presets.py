@@ -2,6 +2,7 @@
 import json
 import tempfile
 from pathlib import Path
+from typing import Any
 
 PRESETS = {
     "qwen3-0.6b": {
@@ -45,10 +46,26 @@ PRESETS = {
 }
 
 
-def preset_dir(name: str) -> str:
-    """A directory holding only the preset's config.json (use with dummy_weights=True)."""
+def preset_dir(name: str, tokenizer: Any = None) -> str:
+    """A directory holding the preset's config.json (use with dummy_weights=True). With a
+    tokenizer, the config takes its vocabulary and EOS and the tokenizer is saved beside it: the
+    engine then detokenizes, stops and templates as it does for a user."""
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; choose from {', '.join(PRESETS)}")
+    cfg = PRESETS[name]
+    if tokenizer is not None:
+        cfg = {**cfg, "vocab_size": len(tokenizer), "eos_token_id": tokenizer.eos_token_id}
     path = Path(tempfile.mkdtemp(prefix=f"tandem-{name}-"))
-    (path / "config.json").write_text(json.dumps(PRESETS[name]))
+    (path / "config.json").write_text(json.dumps(cfg))
+    if tokenizer is not None:
+        tokenizer.save_pretrained(path)
     return str(path)
+
+
+def load_tokenizer(path: str | None) -> Any:
+    """A saved HF tokenizer directory's tokenizer, or the built-in model's (from its GGUF)."""
+    if path:
+        from transformers import AutoTokenizer
+        return AutoTokenizer.from_pretrained(path)
+    from tandem.models.checkpoint import builtin_model_path, open_checkpoint
+    return open_checkpoint(builtin_model_path(), config_only=True).load_tokenizer()

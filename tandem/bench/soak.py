@@ -291,7 +291,7 @@ def tiny_model(path: Path, tokenizer_dir: str | None, seed: int) -> Path:
     import torch
     import transformers
 
-    from tandem.bench.grammar import load_tokenizer
+    from tandem.bench.presets import load_tokenizer
 
     if (path / "config.json").is_file():
         return path

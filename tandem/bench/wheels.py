@@ -57,7 +57,7 @@ def download_command(dest: Path, specs: list[str], python_version: str) -> list[
 
 
 def save_tokenizer(dest: Path) -> None:
-    from tandem.bench.grammar import load_tokenizer
+    from tandem.bench.presets import load_tokenizer
     load_tokenizer(None).save_pretrained(dest)
 
 
