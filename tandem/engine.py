@@ -819,19 +819,24 @@ class Engine:
             self.scheduler.on_step_completed(self.completed_step)
             return outputs
         outputs = []
-        for i, row in enumerate(pending.batch.sample_rows):
+        finished = Status.FINISHED
+        for i, row in enumerate(pending.batch.sample_rows):  # per row per step: kept lean (issue 21)
             req = row.req
-            if req.finished:
+            if req.status is finished:
                 continue  # one-step lag: the token after a finish is dropped, never emitted
-            assert row.sample_index == len(req.output_token_ids), "result out of order"
+            emitted = row.sample_index
+            assert emitted == len(req.output_token_ids), "result out of order"
             lp = None
             if logprobs is not None and req.params.logprobs is not None:
                 n = req.params.logprobs
                 lp = TokenLogprob(tokens[i], logprobs[i], _top_pairs(top_ids, top_lps, i, n))
             if req.spec_pause:
                 note_plain(req)
-            out = self._append_token_or_fail(req, tokens[i], lp)
-            if row.sample_index == 0 and req.params.prompt_logprobs is not None:
+            try:
+                out = self._append_token(req, tokens[i], lp)
+            except Exception as exc:  # noqa: BLE001 (ends only this request: _token_failed)
+                out = self._token_failed(req, tokens[i], emitted, exc)
+            if emitted == 0 and req.params.prompt_logprobs is not None:
                 out.prompt_logprobs = self._prompt_logprobs(req)  # with the first output
             outputs.append(out)
         self.scheduler.on_step_completed(self.completed_step)
@@ -906,14 +911,19 @@ class Engine:
         emitted = len(req.output_token_ids)
         try:
             return self._append_token(req, token, lp)
-        except Exception as exc:
-            log.error("request %s: processing its token %d failed: %s", req.rid, token, first_line(exc),
-                      exc_info=exc)
-            del req.output_token_ids[emitted:], req.output_logprobs[emitted:]
-            if not req.finished:
-                self._finish(req, "error")
-            return StepOutput(req.rid, [], "", True, "error", num_cached_tokens=req.num_cached_tokens,
-                              error=f"the engine could not process this request's token: {first_line(exc)}")
+        except Exception as exc:  # noqa: BLE001
+            return self._token_failed(req, token, emitted, exc)
+
+    def _token_failed(self, req: Request, token: int, emitted: int, exc: Exception) -> StepOutput:
+        """Its token's processing raised: the request ends with the error, its outputs as
+        they were before the token (`emitted` of them); no other request is touched."""
+        log.error("request %s: processing its token %d failed: %s", req.rid, token, first_line(exc),
+                  exc_info=exc)
+        del req.output_token_ids[emitted:], req.output_logprobs[emitted:]
+        if not req.finished:
+            self._finish(req, "error")
+        return StepOutput(req.rid, [], "", True, "error", num_cached_tokens=req.num_cached_tokens,
+                          error=f"the engine could not process this request's token: {first_line(exc)}")
 
     def _append_token(self, req: Request, token: int, lp: TokenLogprob | None) -> StepOutput:
         req.output_token_ids.append(token)

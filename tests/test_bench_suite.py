@@ -242,3 +242,22 @@ def test_kernels_built_while_serving_are_read_from_the_engines_warning(tmp_path,
     report.write_text(json.dumps({"startup_s": 20.0, "rates": [], "kernel_builds_while_serving": kernel_builds(log)}))
     figs = _serve_figures(report, "serve.qwen3-0.6b")
     assert figs["serve.qwen3-0.6b.kernel_builds_while_serving"].value == 2
+
+
+def test_the_host_run_measures_decode_steps_that_detokenize(tmp_path):
+    """The suite's host-per-step run is `tandem bench latency --tokenizer`: each step of its
+    rows makes text (the saved tokenizer's vocabulary sizes the model); its figures are the
+    overlapped row's host ms (lower is better) and GPU busy, with the phases as information."""
+    from tandem.bench.presets import load_tokenizer
+    from tandem.bench.suite_runs import Ctx, host_per_step
+    saved = tmp_path / "tokenizer"
+    load_tokenizer(None).save_pretrained(saved)
+    spec = host_per_step(Ctx(quick=True, device="cpu", raw=tmp_path, tokenizer=str(saved)), "qwen3-0.6b", 60)
+    assert spec.part == "latency" and "--tokenizer" in spec.argv
+    subprocess.run(spec.argv, check=True, capture_output=True, timeout=300)
+    report = json.loads((tmp_path / spec.json).read_text())
+    assert report["detokenizes"]
+    figs = spec.figures(tmp_path / spec.json, tmp_path / "unused.log")
+    host = figs["host.tiny.b8.host_ms_per_step"]
+    assert host.better == "lower" and 0 < host.value
+    assert figs["host.tiny.b8.process_ms"].better == "none"

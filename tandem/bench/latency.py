@@ -167,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg.cuda_graph, cfg.tensor_parallel_size = args.cuda_graph, args.tp
     cfg.quantization, cfg.small_m_gemm = args.quantization, args.small_m_gemm
     engine = build_engine(cfg)  # --tp: starts the ranks
+    detokenizes = engine.tokenizer is not None  # each step makes text, as a user's does
     rows = []
     for b in sizes:
         for overlap in (True, False):
@@ -190,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     engine.close()  # tensor-parallel workers
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "rows": [{**asdict(r), "overhead_ratio": r.overhead_ratio}
+            json.dump({"args": vars(args), "detokenizes": detokenizes, "rows": [{**asdict(r), "overhead_ratio": r.overhead_ratio}
                                                     for r in rows],
                        "ttft_single_1024": single, "ttft_burst": {"off": switch[False], "on": switch[True]},
                        "host_profile": profile},

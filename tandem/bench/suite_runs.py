@@ -123,6 +123,29 @@ def _latency_figures(path: Path, key: str) -> Figures:
     return figs
 
 
+def host_per_step(ctx: Ctx, preset: str, budget: float) -> RunSpec:
+    """Issue 21's host target: host ms per step at 256 decode rows, each step detokenizing
+    (the saved tokenizer beside the dummy weights: its 49,152-token vocabulary sizes the LM head)."""
+    model = ctx.model(preset)
+    rows = 8 if ctx.quick else 256
+    sizes = (["--steps", "5", "--warmup", "2", "--prompt-len", "8"] if ctx.quick else ["--steps", "60"])
+    tok = ["--tokenizer", ctx.tokenizer] if ctx.tokenizer else []
+    tag = f"host-{model}-b{rows}"
+    argv = [*BENCH, "latency", "--preset", model, "--device", ctx.device, "--batch-sizes", str(rows), *sizes,
+            "--ttft-burst", "2", *tok, "--json", str(ctx.raw / f"{tag}.json")]
+    key = f"host.{model}.b{rows}" + ("" if tok else ".no_text")
+    return RunSpec("latency", tag, argv, budget, lambda j, _: _host_figures(j, key))
+
+
+def _host_figures(path: Path, key: str) -> Figures:
+    on = next(r for r in json.loads(path.read_text())["rows"] if r["overlap"])
+    figs = {f"{key}.host_ms_per_step": _lo(on["host_ms"]), f"{key}.gpu_busy": _hi(on["gpu_busy"], "fraction"),
+            f"{key}.tok_s": _hi(on["tokens_per_s"])}
+    for phase, ms in (on.get("phases_ms") or {}).items():
+        figs[f"{key}.{phase}_ms"] = _info(ms, "ms")
+    return figs
+
+
 # ---- prefix cache on vs off, cascade attention on vs off: one process per configuration ----
 def prefix(ctx: Ctx, preset: str, cache: str, budget: float, cascade: str = "off") -> RunSpec:
     """`cascade` off is the engine's default (figures keyed cache_on / cache_off as before);
@@ -306,6 +329,7 @@ def plan(ctx: Ctx) -> list[RunSpec]:
             offline(ctx, "qwen3-0.6b", None, True, 60),
             offline(ctx, "llama-3.1-8b", None, False, 70),
             latency(ctx, "qwen3-0.6b", None, 45),
+            host_per_step(ctx, "qwen3-0.6b", 45),
             serve(ctx, "qwen3-0.6b", "server", 90),
             serve(ctx, "qwen3-0.6b", "engine", 50),
             prefix(ctx, "qwen3-0.6b", "on", 40),

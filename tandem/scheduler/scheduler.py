@@ -394,8 +394,9 @@ class Scheduler:
         self._journal.committed.append((row, req.last_step, len(req.kv_slots)))
         if row.spec_k is None:
             # A decode row may reuse a slot a verify reserved: then this assigns it in place.
-            req.kv_slots[row.start:row.start + row.num_new] = row.kv_slots
-            req.num_computed += row.num_new
+            n = len(row.kv_slots)  # row.num_new, without the property (per row per step)
+            req.kv_slots[row.start:row.start + n] = row.kv_slots
+            req.num_computed += n
         else:  # reserved past the table; the step computes at least its last token
             req.kv_slots.extend(row.kv_slots)
             req.num_computed += 1
