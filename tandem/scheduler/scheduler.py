@@ -260,12 +260,11 @@ class Scheduler:
 
     def _prefill_ahead_rows(self) -> list[Row]:
         """`_plan`'s separate-batch prefill branch, without the decode fallback."""
-        self.running = [r for r in self.running if not r.finished]
-        prefilling = self._cache_launched_prefills()
+        prefilling = self._prune_running()
         if not (self.waiting or prefilling):
             return []
         self.cache.new_step()
-        return self._prefill_rows(self._separate_prefill_budget(), prefilling)
+        return self._separate_prefill_rows(prefilling)
 
     def _take_ahead(self, step: int) -> ScheduledBatch | None:
         ahead = self._ahead
@@ -312,8 +311,7 @@ class Scheduler:
                 self.waiting.appendleft(req)
 
     def _plan(self, step: int, drain: Callable[[], None]) -> list[Row]:
-        self.running = [r for r in self.running if not r.finished]
-        prefilling = self._cache_launched_prefills()
+        prefilling = self._prune_running()
         if self.cfg.enable_mixed_batch:
             decode = self._decode_rows(step, drain, beside_prefill=bool(self.waiting or prefilling))
             if decode and decode[0].spec_k is not None:
@@ -323,7 +321,16 @@ class Scheduler:
             return self._decode_rows(step, drain) or self._prefill_rows(self.cfg.max_prefill_tokens, prefilling)
         if not (self.waiting or prefilling):  # decode only: skip sizing a prefill step (a scan)
             return self._decode_rows(step, drain)
-        return self._prefill_rows(self._separate_prefill_budget(), prefilling) or self._decode_rows(step, drain)
+        return self._separate_prefill_rows(prefilling) or self._decode_rows(step, drain)
+
+    def _prune_running(self) -> list[Request]:
+        """Drop finished requests from the running list; returns those with prefill left."""
+        self.running = [r for r in self.running if not r.finished]
+        return self._cache_launched_prefills()
+
+    def _separate_prefill_rows(self, prefilling: list[Request]) -> list[Row]:
+        """A prefill-only step (separate batches): its budget, then its rows."""
+        return self._prefill_rows(self._separate_prefill_budget(), prefilling)
 
     def _cache_launched_prefills(self) -> list[Request]:
         """Prompt chunks launched in earlier steps become reusable (cached); returns the running
