@@ -12,6 +12,7 @@ import logging
 import time
 import weakref
 from time import perf_counter
+from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
@@ -624,10 +625,11 @@ class Engine:
             if deferred_error is None and not masked and batch.is_decode:
                 deferred_error = self._plan_ahead(batch.step + 1)
         try:
-            if previous is not None:
-                outputs.extend(self._process(previous))  # step N's result, while step N+1 runs
-            if masked:  # N's tokens are known now: fill N+1's masks, then queue its sampling
-                self._sample_masked(launched)
+            if not masked:
+                if previous is not None:
+                    outputs.extend(self._process(previous))  # step N's result, while step N+1 runs
+            else:  # N's tokens are known: fill N+1's masks and queue its sampling, then N's text
+                self._sample_masked_then_text(launched, previous, outputs)
         except BaseException as exc:
             if launched.host is None:  # N+1's sampling never ran: undo the step as a failed launch
                 self.pending = None
@@ -703,16 +705,33 @@ class Engine:
         if launched.record is not None:
             self.timeline.add(launched.record)
 
-    def _sample_masked(self, launched: PendingResult) -> None:
-        """Queue a constrained step's sampling behind its token masks. A request whose
-        constraints leave no token at this sample ends with an error here, before the draw:
-        its row is drawn unmasked and the token dropped (it finished)."""
+    def _sample_masked_then_text(self, launched: PendingResult, previous: PendingResult | None,
+                                 outputs: list[StepOutput]) -> None:
+        """Step N+1's masks need step N's tokens, accepted by their grammars, not their text:
+        so N's tokens are taken, N+1's sampling is queued behind its masks, and only then is
+        N's text made (its stop strings, its outputs), while N+1 samples on the device.
+        Whatever the sampling does, N's outputs are made (none is lost to a mask failure).
+        A request whose constraints leave no token ends with an error once N's text is read
+        (a stop string in it may have ended it first)."""
+        taken = self._process_tokens(previous) if previous is not None else None
+        no_token: list[Request] = []
+        try:
+            no_token = self._sample_masked(launched)
+        finally:
+            if taken is not None:
+                outputs.extend(self._process_text(taken))
+            for req in no_token:
+                self._end(req.rid, "error", NO_TOKEN_ERROR, error_status=400, error_code="no_allowed_token")
+
+    def _sample_masked(self, launched: PendingResult) -> list[Request]:
+        """Queue a constrained step's sampling behind its token masks. Returns the requests
+        whose constraints leave no token at this sample: their rows are drawn unmasked, and
+        the caller ends them with an error (the token is dropped: they finished)."""
         batch = launched.batch
         try:
             masks = self.grammar.masks(batch)
-            for req in masks.no_token:
-                self._end(req.rid, "error", NO_TOKEN_ERROR, error_status=400, error_code="no_allowed_token")
             self.runner.sample(launched, masks.bitmask, masks.ready)
+            return masks.no_token
         finally:
             self.grammar.mark_consumed(batch)  # write-after-read on the mask ring, on every path
 
@@ -788,21 +807,38 @@ class Engine:
             outputs.extend(self._process(pending))
 
     def _process(self, pending: PendingResult) -> list[StepOutput]:
+        """A step's result, whole: its tokens and their text, row by row."""
+        return self._process_text(self._process_tokens(pending, with_text=True))
+
+    def _process_tokens(self, pending: PendingResult, with_text: bool = False) -> "_ReadStep":
+        """Wait for the step's result and take its tokens (`_take_token`); their text too
+        `with_text`, else `_process_text` makes it later."""
         t0 = perf_counter()
         pending.host.wait()
         t_wait = perf_counter() - t0
-        outputs = self._read_result(pending)
+        read = self._read_result(pending, with_text)
+        read.wait_s, read.host_s = t_wait, perf_counter() - t0
+        return read
+
+    def _process_text(self, read: "_ReadStep") -> list[StepOutput]:
+        """The taken tokens' text and outputs; then the step's books close."""
+        t0 = perf_counter()
+        outputs = read.outputs
+        for req, token, lp, reason, emitted in read.taken:
+            outputs.append(self._token_output_or_fail(req, token, lp, reason, emitted))
+        pending = read.pending
+        self.scheduler.on_step_completed(pending.batch.step)
         if self.kv_tier is not None:
             self.kv_tier.collect()  # tier copies that completed: their stats, their keep-alives
         if pending.record is not None:
-            pending.record.process_ms = (perf_counter() - t0) * 1e3
-            pending.record.host_wait_ms = t_wait * 1e3
+            pending.record.process_ms = (read.host_s + perf_counter() - t0) * 1e3
+            pending.record.host_wait_ms = read.wait_s * 1e3
             self.timeline.completed(pending.record, pending.forward_start, pending.forward_end,
                                     self._previous_forward_end, pending.mask_wait, pending.tier_wait)
             self._previous_forward_end = pending.forward_end
         return outputs
 
-    def _read_result(self, pending: PendingResult) -> list[StepOutput]:
+    def _read_result(self, pending: PendingResult, with_text: bool) -> "_ReadStep":
         host = pending.host
         tokens = host.token_ids.tolist()  # pinned memory, already complete: no device sync
         logprobs = host.logprobs.tolist() if host.logprobs is not None else None
@@ -813,34 +849,33 @@ class Engine:
         # worker re-admits a preempted request afresh: it keeps no books of them).
         if host.prompt is not None and self.parallel.tp.rank == 0:
             self._read_prompt_logprobs(pending.batch, host.prompt)
-        if pending.batch.is_verify:
-            outputs = self._read_verify(pending.batch, pending.verify_queries, tokens, logprobs, top_ids, top_lps,
-                                        pending.record)
-            self.scheduler.on_step_completed(self.completed_step)
-            return outputs
-        outputs = []
-        finished = Status.FINISHED
+        read = _ReadStep(pending)
+        if pending.batch.is_verify:  # its text is made with its tokens (a masked step never follows one)
+            read.outputs = self._read_verify(pending.batch, pending.verify_queries, tokens, logprobs, top_ids,
+                                             top_lps, pending.record)
+            return read
+        outputs, taken, finished = read.outputs, read.taken, Status.FINISHED
         for i, row in enumerate(pending.batch.sample_rows):  # per row per step: kept lean (issue 21)
             req = row.req
             if req.status is finished:
                 continue  # one-step lag: the token after a finish is dropped, never emitted
-            emitted = row.sample_index
+            emitted, token = row.sample_index, tokens[i]
             assert emitted == len(req.output_token_ids), "result out of order"
             lp = None
             if logprobs is not None and req.params.logprobs is not None:
                 n = req.params.logprobs
-                lp = TokenLogprob(tokens[i], logprobs[i], _top_pairs(top_ids, top_lps, i, n))
+                lp = TokenLogprob(token, logprobs[i], _top_pairs(top_ids, top_lps, i, n))
             if req.spec_pause:
                 note_plain(req)
             try:
-                out = self._append_token(req, tokens[i], lp)
+                reason = self._take_token(req, token, lp)
+                if not with_text:
+                    taken.append((req, token, lp, reason, emitted))
+                    continue
+                outputs.append(self._token_output(req, token, lp, reason))
             except Exception as exc:  # noqa: BLE001 (ends only this request: _token_failed)
-                out = self._token_failed(req, tokens[i], emitted, exc)
-            if emitted == 0 and req.params.prompt_logprobs is not None:
-                out.prompt_logprobs = self._prompt_logprobs(req)  # with the first output
-            outputs.append(out)
-        self.scheduler.on_step_completed(self.completed_step)
-        return outputs
+                outputs.append(self._token_failed(req, token, emitted, exc))
+        return read
 
     def _read_prompt_logprobs(self, batch: ScheduledBatch, host: PromptLogprobs) -> None:
         """Each scored row's logprob, rank and top k, appended in prompt order (pinned memory,
@@ -910,8 +945,16 @@ class Engine:
         detokenizer or a stop check raises) ends only that request, with the error."""
         emitted = len(req.output_token_ids)
         try:
-            return self._append_token(req, token, lp)
+            reason = self._take_token(req, token, lp)
         except Exception as exc:  # noqa: BLE001
+            return self._token_failed(req, token, emitted, exc)
+        return self._token_output_or_fail(req, token, lp, reason, emitted)
+
+    def _token_output_or_fail(self, req: Request, token: int, lp: TokenLogprob | None, reason: str | None,
+                              emitted: int) -> StepOutput:
+        try:
+            return self._token_output(req, token, lp, reason)
+        except Exception as exc:  # noqa: BLE001 (ends only this request)
             return self._token_failed(req, token, emitted, exc)
 
     def _token_failed(self, req: Request, token: int, emitted: int, exc: Exception) -> StepOutput:
@@ -920,39 +963,58 @@ class Engine:
         log.error("request %s: processing its token %d failed: %s", req.rid, token, first_line(exc),
                   exc_info=exc)
         del req.output_token_ids[emitted:], req.output_logprobs[emitted:]
-        if not req.finished:
+        if req.finished:  # its count or grammar finished it before its text failed
+            req.finish_reason = "error"
+        else:
             self._finish(req, "error")
         return StepOutput(req.rid, [], "", True, "error", num_cached_tokens=req.num_cached_tokens,
                           error=f"the engine could not process this request's token: {first_line(exc)}")
 
-    def _append_token(self, req: Request, token: int, lp: TokenLogprob | None) -> StepOutput:
+    def _take_token(self, req: Request, token: int, lp: TokenLogprob | None) -> str | None:
+        """The token joins the request's outputs and its grammar. Returns the finish its text
+        cannot change the fact of (a stop id, a completed grammar, the length), the request
+        finished then; None: its text decides (`_token_output`)."""
         req.output_token_ids.append(token)
         grammar_done = req.mask is not None and self.grammar.accept(req, token)
         if lp is not None:
             req.output_logprobs.append(lp)
         if req.first_token_time is None:
             req.first_token_time = time.monotonic()
-        text, new_text, reason = req.text, "", None
         if token in req.stop_ids:
             reason = "stop"
             req.stop_reason = token if token in (req.params.stop_token_ids or ()) else None
-            if text is not None and req.params.include_stop_str_in_output:
-                new_text = text.append([token]).text
-        elif text is not None:
-            delta = text.append([token])
-            new_text = delta.text
-            if delta.stop is not None:
-                reason, req.stop_reason = "stop", delta.stop
-        if reason is None and grammar_done:
+        elif grammar_done:
             reason = "stop"
-        if reason is None and len(req.output_token_ids) >= req.max_samples:
+        elif len(req.output_token_ids) >= req.max_samples:
             reason = "length"
-        if reason is not None:
-            self._finish(req, reason)
-            if text is not None:
+        else:
+            return None
+        self._finish(req, reason)
+        return reason
+
+    def _token_output(self, req: Request, token: int, lp: TokenLogprob | None, reason: str | None) -> StepOutput:
+        """The taken token's text and its step output. A stop string in the text ends the
+        request, and outranks a finish by length or a completed grammar (it names the stop)."""
+        text, new_text = req.text, ""
+        if text is not None:
+            if token in req.stop_ids:
+                if req.params.include_stop_str_in_output:
+                    new_text = text.append([token]).text
+            else:
+                delta = text.append([token])
+                new_text = delta.text
+                if delta.stop is not None:
+                    req.stop_reason = delta.stop
+                    if reason is None:
+                        self._finish(req, "stop")
+                    req.finish_reason = reason = "stop"
+            if reason is not None:
                 new_text += text.finish()
-        return StepOutput(req.rid, [token], new_text, reason is not None, reason,
-                          [lp] if lp is not None else None, req.num_cached_tokens)
+        out = StepOutput(req.rid, [token], new_text, reason is not None, reason,
+                         [lp] if lp is not None else None, req.num_cached_tokens)
+        if req.params.prompt_logprobs is not None and len(req.output_token_ids) == 1:
+            out.prompt_logprobs = self._prompt_logprobs(req)  # with the first output
+        return out
 
     def _finish(self, req: Request, reason: str) -> None:
         req.status, req.finish_reason = Status.FINISHED, reason
@@ -1054,6 +1116,18 @@ def _warn_of_build(builds: Compiles) -> Callable[[str, float], None]:
         log.warning("Triton built kernel %s while serving (%.2f s, the step waited): the warm-up did "
                     "not reach this shape", kernel, seconds)
     return note
+
+
+@dataclass
+class _ReadStep:
+    """A step's result between its two phases: tokens taken (`_read_result`), text to make
+    (`_process_text`)."""
+    pending: PendingResult
+    outputs: list[StepOutput] = field(default_factory=list)  # made already (with their text, or failed)
+    # (request, token, logprob, finish reason known without the text, outputs before it)
+    taken: list[tuple] = field(default_factory=list)
+    wait_s: float = 0.0  # the wait for the result
+    host_s: float = 0.0  # the wait and the tokens' processing
 
 
 def _step_record(batch: ScheduledBatch, t_start: float, t_launch: float, t_end: float) -> StepRecord:

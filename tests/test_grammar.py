@@ -113,6 +113,41 @@ def test_overlap_on_equals_off_for_constrained_requests(tiny_text_model, tempera
     assert runs[0] == runs[1] == runs[2]
 
 
+def test_masks_are_filled_before_the_previous_steps_text(tiny_text_model):
+    """Step N+1's masks need step N's tokens, not their text: with overlap on, N+1's masks are
+    filled (its sampling queued) before N's text is made. Stop strings that end constrained
+    requests in that text leave every output as with overlap off and with masks first."""
+    prompts = _prompts(12, seed=5)
+    stops = [dict(stop=['"', ","]), dict(stop=["-"]), dict(stop=["e"]), {}]
+    params = [_constrained(i, seed=300 + i, temperature=0.8, **stops[i % 4]) for i in range(12)]
+    runs, events = [], []
+    for overlap, mask_overlap in ((True, True), (False, True), (True, False)):
+        llm = LLM(str(tiny_text_model), device=TEST_DEVICE, dtype="float32", disable_overlap=not overlap,
+                  experiments=Experiments(grammar_overlap=mask_overlap))
+        _compile_first(llm, params)
+        engine = llm.engine
+        if overlap and mask_overlap:
+            masks, token_output = engine.grammar.masks, engine._token_output
+
+            def logged_masks(batch):
+                events.append(("masks", batch.step))
+                return masks(batch)
+
+            def logged_text(req, *args):  # made while the step after it is in flight
+                events.append(("text", engine.pending.batch.step if engine.pending else None))
+                return token_output(req, *args)
+
+            engine.grammar.masks, engine._token_output = logged_masks, logged_text
+        runs.append([(o.token_ids, o.finish_reason, o.text, o.outputs[0].stop_reason) for o in
+                     llm.generate(prompts, params, use_tqdm=False)])
+    assert runs[0] == runs[1] == runs[2]
+    assert sum(isinstance(stop, str) for *_, stop in runs[0]) >= 3  # stop strings ended constrained requests
+    masked_at = {step: i for i, (kind, step) in enumerate(events) if kind == "masks"}
+    texts_in_flight = [(i, step) for i, (kind, step) in enumerate(events) if kind == "text" and step in masked_at]
+    assert texts_in_flight, "no step's text was made while a masked step was in flight"
+    assert all(masked_at[step] < i for i, step in texts_in_flight)
+
+
 def test_preemption_and_chunked_prefill_keep_matchers_consistent(tiny_text_model):
     """A tight KV pool preempts constrained requests mid-output; they resume with the matcher
     at their kept tokens, so outputs equal a run without memory pressure and still validate."""

@@ -43,7 +43,7 @@ class Faults:
             self.failed_batches.append({row.req.rid for row in args[0].rows})
         elif args and hasattr(args[0], "batch"):  # a launched step (runner.sample)
             self.failed_batches.append({row.req.rid for row in args[0].batch.rows})
-        elif args and hasattr(args[0], "rid"):  # one request's token (engine._append_token)
+        elif args and hasattr(args[0], "rid"):  # one request's token (engine._take_token, _token_output)
             self.failed_batches.append({args[0].rid})
         raise self.make()
 
@@ -176,12 +176,14 @@ def _serves_next_100(engine: Engine) -> None:
     assert_kv_conserved(engine)
 
 
+@pytest.mark.parametrize("phase", ["_take_token", "_token_output"])
 @pytest.mark.parametrize("overlap", [True, False])
-def test_a_fault_while_processing_a_token_fails_only_its_request(tiny_text_model, specs, reference, overlap):
+def test_a_fault_while_processing_a_token_fails_only_its_request(tiny_text_model, specs, reference, overlap, phase):
     """The fault fires inside the processing of step N, i.e. after step N+1 was launched with
-    overlap on: step N+1 stays in flight and is processed normally."""
+    overlap on: step N+1 stays in flight and is processed normally. Either phase: taking the
+    token (its outputs, its grammar, its finish) or making its text."""
     engine = _engine(tiny_text_model, disable_overlap=not overlap)
-    faults = Faults(engine, "_append_token", {5, 60, 61, 200, 333}, lambda: RuntimeError("injected"))
+    faults = Faults(engine, phase, {5, 60, 61, 200, 333}, lambda: RuntimeError("injected"))
     results = run_workload(engine, specs)
     _assert_only_failed_differ(results, reference, set().union(*faults.failed_batches))
     assert_kv_conserved(engine)
@@ -225,6 +227,19 @@ def test_a_fault_while_filling_masks_rolls_the_step_back(tiny_text_model, gramma
     faults = Faults(engine.grammar, "masks", {2, 9, 10, 30}, lambda: RuntimeError("injected"))
     assert run_workload(engine, grammar_specs, step_errors=(RuntimeError,)) == grammar_reference
     assert faults.calls > 30
+    assert_kv_conserved(engine)
+
+
+@pytest.mark.parametrize("phase", ["_take_token", "_token_output"])
+def test_a_fault_in_a_token_of_a_step_before_masks_fails_only_its_request(tiny_text_model, grammar_specs,
+                                                                          grammar_reference, phase):
+    """Before a masked step's sampling, step N's tokens are taken and its text is made after
+    the masks: a token failing in either phase ends only its request, and every other request
+    (constrained or not) ends exactly as without the fault."""
+    engine = _grammar_engine(tiny_text_model, grammar_specs)
+    faults = Faults(engine, phase, {7, 40, 41, 150}, lambda: RuntimeError("injected"))
+    results = run_workload(engine, grammar_specs)
+    _assert_only_failed_differ(results, grammar_reference, set().union(*faults.failed_batches))
     assert_kv_conserved(engine)
 
 
