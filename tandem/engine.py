@@ -625,11 +625,10 @@ class Engine:
             if deferred_error is None and not masked and batch.is_decode:
                 deferred_error = self._plan_ahead(batch.step + 1)
         try:
-            if not masked:
-                if previous is not None:
-                    outputs.extend(self._process(previous))  # step N's result, while step N+1 runs
-            else:  # N's tokens are known: fill N+1's masks and queue its sampling, then N's text
+            if masked:  # N's tokens first: fill N+1's masks and queue its sampling, then N's text
                 self._sample_masked_then_text(launched, previous, outputs)
+            elif previous is not None:
+                outputs.extend(self._process(previous))  # step N's result, while step N+1 runs
         except BaseException as exc:
             if launched.host is None:  # N+1's sampling never ran: undo the step as a failed launch
                 self.pending = None
@@ -945,10 +944,9 @@ class Engine:
         detokenizer or a stop check raises) ends only that request, with the error."""
         emitted = len(req.output_token_ids)
         try:
-            reason = self._take_token(req, token, lp)
+            return self._token_output(req, token, lp, self._take_token(req, token, lp))
         except Exception as exc:  # noqa: BLE001
             return self._token_failed(req, token, emitted, exc)
-        return self._token_output_or_fail(req, token, lp, reason, emitted)
 
     def _token_output_or_fail(self, req: Request, token: int, lp: TokenLogprob | None, reason: str | None,
                               emitted: int) -> StepOutput:

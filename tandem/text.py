@@ -376,11 +376,6 @@ class _StopMatcher:
             state = self._fail[state]
         return self._next[state].get(ch, 0)
 
-    @property
-    def active(self) -> bool:
-        """Are there stop strings to match?"""
-        return len(self._next) > 1
-
     def push(self, text: str) -> tuple[str, str | None]:
         if len(self._next) == 1:
             return text, None
@@ -467,15 +462,9 @@ class RequestText:
             raise RuntimeError("append() after finish()")
         if self.matched_stop is not None:
             return TextDelta("", None)
-        out = self._decoder.push(token_ids)
-        stop = None
-        if self._stops.active:
-            out, stop = self._stops.push(out)
-            self.matched_stop = stop
-        if out:
-            self._chunks.append(out)
-            self._joined = None
-        return TextDelta(out, stop)
+        out, stop = self._stops.push(self._decoder.push(token_ids))
+        self.matched_stop = stop
+        return TextDelta(self._emit(out), stop)
 
     def finish(self) -> str:
         """The request ended: release held-back text and return it (idempotent)."""
