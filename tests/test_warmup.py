@@ -78,11 +78,13 @@ def test_the_warm_up_runs_its_eager_prefill_steps_and_leaves_no_state(tiny_text_
     """Prefill graphs up to 256 tokens (run as their fixed-shape work on the CPU): the warm-up's
     steps include one of 272 and one of 273 tokens past them, eager, and leave nothing behind."""
     from tandem.engine import Engine
-    from tandem.config import EngineConfig
+    from tandem.config import EngineConfig, Experiments
     from tandem.warmup import warm_up
     from test_prefill_graphs import _with_prefill_graphs
+    # On CUDA the engine captures its own graphs: capped at 256 tokens, as on the CPU.
     engine = Engine(EngineConfig(model=str(tiny_text_model), device=TEST_DEVICE, dtype="float32", max_model_len=256,
-                                 attention_backend="triton", warm_up="off"))
+                                 attention_backend="triton", warm_up="off",
+                                 experiments=Experiments(prefill_graph_max_tokens=256)))
     graphs = _with_prefill_graphs(engine)
     assert graphs.buckets[-1].tokens == 256
     launched, launch = [], engine.runner.launch
