@@ -166,3 +166,14 @@ def test_sticky_error_stops_the_engine_once(tiny_text_model, tmp_path):
     assert len(set(result["seen"])) == 1
     assert proc.stderr.count("sticky CUDA error") == 1, proc.stderr[-3000:]
     assert proc.stderr.count("Traceback (most recent call last)") == 1, proc.stderr[-3000:]
+
+
+def test_graph_launch_probe_measures_every_pattern(capsys):
+    """`python3 -m tandem.bench.graph_launch` on the tiny preset: a row per pattern, a positive
+    host time for each bucket."""
+    from tandem.bench.graph_launch import main
+    assert main(["--preset", "tiny", "--bucket", "1", "--bucket", "4"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and "pattern" not in line]
+    assert len(rows) == 6
+    for row in rows:
+        assert all(float(cell) > 0 for cell in row.strip("| ").split(" | ")[1:])
