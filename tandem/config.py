@@ -195,6 +195,13 @@ class Experiments:
     # The largest prefill step graphed, in tokens, where the model's GRAPH_MAX_FLOPS allows
     # (tandem.prefill_graphs.LARGEST_BUCKET; 2048 until session 26).
     prefill_graph_max_tokens: int = 8192  # = prefill_graphs.LARGEST_BUCKET (a test holds them equal)
+    # Decode graphs: one per (bucket, staging ring slot), each reading its ring slot's device
+    # buffer in place; off: one per bucket, reading the graphs' own input buffer, into which the
+    # step's ring slot is copied on the forward stream before the replay (one device copy a
+    # step). On the H200 at a14d1c1 `cudaGraphLaunch` took 0.2-0.4 ms of host a step in the
+    # loop, against 0.011 ms for one graph replayed back to back (docs/benchmarks.md, session
+    # 30); `python3 -m tandem.bench.graph_launch` says whether alternating graphs is the cause.
+    decode_graph_per_ring_slot: bool = True
 
     @classmethod
     def from_overrides(cls, pairs: list[str]) -> "Experiments":

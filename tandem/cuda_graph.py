@@ -2,7 +2,9 @@
 
 A decode step's whole forward (FutureMap gather, table write, model, logits) is one graph
 replay instead of ~1,700 kernel launches from Python. Inputs are read from the staging
-ring's device buffers at fixed offsets, so each ring slot has its own graphs. Rows past the
+ring's device buffers at fixed offsets, so each ring slot has its own graphs; or, with
+`per_ring_slot=False`, one graph per bucket reads the graphs' own input buffer, into which
+the step's ring slot is copied before the replay (`Experiments.decode_graph_per_ring_slot`). Rows past the
 real batch are padding: request slot 0 (the padding row and FutureMap padding slot), KV
 slot 0 (the dummy slot), sequence length 0 (attention outputs zeros); they are never sampled.
 """
@@ -15,7 +17,7 @@ from tandem.memory.kv_cache import KVCache
 from tandem.memory.req_to_token import ReqToTokenTable
 from tandem.models.decoder import DecoderModel
 from tandem.overlap.future_map import FutureMap
-from tandem.overlap.staging import InputStager
+from tandem.overlap.staging import InputStager, field_offsets, sliced_views
 from tandem.overlap.streams import StreamSet
 from tandem.scheduler.cascade import CascadeRule, graph_inputs, graph_sizes
 
@@ -72,7 +74,8 @@ def capture_all(streams: StreamSet, buckets: list[int], depth: int, views, captu
 class DecodeGraphs:
     def __init__(self, model: DecoderModel, kv: KVCache, table: ReqToTokenTable, backend,
                  future_map: FutureMap, streams: StreamSet, stager: InputStager,
-                 buckets: list[int], max_seq_len: int, draft=None, cascade: CascadeRule | None = None):
+                 buckets: list[int], max_seq_len: int, draft=None, cascade: CascadeRule | None = None,
+                 per_ring_slot: bool = True):
         self.model, self.kv, self.table, self.backend = model, kv, table, backend
         self.draft = draft  # speculative decoding's draft model: the graph writes its KV too
         self.future_map, self.streams, self.stager = future_map, streams, stager
@@ -94,6 +97,13 @@ class DecodeGraphs:
         # the forward stream, so a replay never overwrites logits still to be read.
         self.logits = torch.empty(self.max_batch, model.config.vocab_size, dtype=torch.float32,
                                   device=streams.device)
+        # Graphs per ring slot read the slot in place; else every graph reads `inputs`, the
+        # step's ring slot copied there first (`feed`).
+        self.per_ring_slot = per_ring_slot
+        self.input_ints = {(b, c): field_offsets(self.sizes(b, c))[1]
+                           for b in buckets for c in (False, True) if not c or self.has_cascade(b)}
+        self.inputs = None if per_ring_slot else torch.zeros(
+            max(self.input_ints.values()), dtype=torch.int64, device=streams.device)
 
     @property
     def max_batch(self) -> int:
@@ -109,6 +119,22 @@ class DecodeGraphs:
         """The staged fields a graph reads, in staging order."""
         sizes = decode_sizes(bucket)
         return sizes | graph_sizes(bucket, self.cascade) if cascade else sizes
+
+    def graph_views(self, ring: int, bucket: int, cascade: bool) -> dict[str, torch.Tensor]:
+        """The inputs the (bucket, ring slot) graph reads: the ring slot's or the graphs' own."""
+        sizes = self.sizes(bucket, cascade)
+        return self.stager.views(ring, sizes) if self.per_ring_slot else sliced_views(self.inputs, sizes)
+
+    def feed(self, bucket: int, ring: int, cascade: bool) -> int:
+        """Make the step staged in ring slot `ring` the graph's inputs; returns the ring slot the
+        graphs are keyed by. On the current (forward) stream: the copy runs after the wait for
+        the staged inputs (read-after-write) and after the previous replay's reads of `inputs`
+        (write-after-read, one stream); the ring slot's `consumed` is recorded after it."""
+        if self.per_ring_slot:
+            return ring
+        end = self.input_ints[(bucket, cascade)]
+        self.inputs[:end].copy_(self.stager.device[ring][:end], non_blocking=True)
+        return 0
 
     def forward(self, views: dict[str, torch.Tensor], bucket: int, cascade: bool = False) -> torch.Tensor:
         """The captured work; also what a replay recomputes. Returns logits [bucket, V]."""
@@ -139,8 +165,8 @@ class DecodeGraphs:
                 self.graphs[(bucket, ring, cascade)] = warm_and_capture(
                     lambda: self.forward(views, bucket, cascade), pool, self.streams.forward)
             self.memory_bytes += capture_all(
-                self.streams, buckets, self.stager.depth,
-                lambda ring, bucket, cascade=cascade: self.stager.views(ring, self.sizes(bucket, cascade)), one, pool)
+                self.streams, buckets, self.stager.depth if self.per_ring_slot else 1,
+                lambda ring, bucket, cascade=cascade: self.graph_views(ring, bucket, cascade), one, pool)
         log.info("captured %d decode graphs (buckets up to %d, cascade %s) using %.0f MiB",
                  len(self.graphs), self.max_batch, "on" if self.cascade else "off", self.memory_bytes / 2**20)
 
@@ -150,13 +176,13 @@ class DecodeGraphs:
             graph.reset()
         self.graphs.clear()
         self.input_ids.clear()
-        self.logits = None
+        self.logits = self.inputs = None
 
     def replay(self, bucket: int, ring: int, req_slots: torch.Tensor, cascade: bool = False) -> torch.Tensor:
         """Queue the graph on the current (forward) stream; returns its logits buffer.
         `req_slots` are the staged slots the graph reads (used here only in debug mode);
         `cascade`: the graph reading the cascade layout staged after the decode fields."""
-        graph, logits = self.graphs[(bucket, ring, cascade)]
+        graph, logits = self.graphs[(bucket, self.feed(bucket, ring, cascade), cascade)]
         if not self.resolve_in_graph:
             self.input_ids[bucket].copy_(self.future_map.resolve(req_slots))
         graph.replay()

@@ -383,7 +383,8 @@ class Engine:
             return None
         draft = self.spec_state.draft if self.spec_state is not None else None
         graphs = DecodeGraphs(self.model, self.kv, self.table, self.backend, self.future_map, self.streams,
-                              self.stager, self._graph_buckets(), self.max_model_len, draft, cascade)
+                              self.stager, self._graph_buckets(), self.max_model_len, draft, cascade,
+                              per_ring_slot=self.cfg.experiments.decode_graph_per_ring_slot)
         graphs.capture()
         return graphs
 

@@ -141,13 +141,14 @@ class _EagerGraphs(DecodeGraphs):
 
     def replay(self, bucket: int, ring: int, req_slots, cascade: bool = False):
         self.cascade_replays += cascade
-        return self.forward(self.stager.views(ring, self.sizes(bucket, cascade)), bucket, cascade)
+        return self.forward(self.graph_views(self.feed(bucket, ring, cascade), bucket, cascade), bucket, cascade)
 
 
-def _with_graph_layout(engine: Engine) -> Engine:
+def _with_graph_layout(engine: Engine, per_ring_slot: bool = True) -> Engine:
     e = engine
     e.runner.graphs = _EagerGraphs(e.model, e.kv, e.table, e.backend, e.future_map, e.streams, e.stager,
-                                   [1, 2, 4, 8, 16, 32], e.max_model_len, cascade=e.runner.cascade)
+                                   [1, 2, 4, 8, 16, 32], e.max_model_len, cascade=e.runner.cascade,
+                                   per_ring_slot=per_ring_slot)
     return e
 
 
@@ -163,6 +164,23 @@ def test_graph_layout_same_tokens(tiny_text_model):
         assert_kv_conserved(engine)
     assert runs["on"] == runs["off"]
     assert engine.runner.graphs.cascade_replays == engine.stats()["cascade_steps"] > 5
+
+
+def test_one_graph_per_bucket_fed_from_the_ring_gives_the_same_tokens(tiny_text_model):
+    """`decode_graph_per_ring_slot` off: every step's ring slot is copied into the graphs' own
+    inputs before the replay; with cascade groups (their layout after the decode fields) and
+    without, the tokens of the graphs read in place."""
+    specs = group_specs(groups=3, per_group=5, prefix_len=61, seed=3)
+    kw = dict(chunked_prefill_size=32, max_prefill_tokens=64)
+    for mode in ("off", "on"):
+        runs = {}
+        for per_ring_slot in (True, False):
+            engine = _with_graph_layout(_engine(tiny_text_model, mode, **kw), per_ring_slot)
+            runs[per_ring_slot] = run_workload(engine, specs, arrive_per_step=64)
+            assert_kv_conserved(engine)
+        assert runs[False] == runs[True]
+        graphs = engine.runner.graphs
+        assert graphs.inputs is not None and graphs.feed(4, 1, False) == 0
 
 
 def test_triton_backend_same_tokens(tiny_text_model):

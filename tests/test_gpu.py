@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from tandem import LLM, SamplingParams
+from tandem.config import Experiments
 from workload import random_specs, run_workload, step_without_host_syncs
 
 pytestmark = [pytest.mark.gpu,
@@ -28,10 +29,17 @@ def test_steady_decode_loop_has_no_hidden_sync(tiny_text_model):
     assert all(len(engine.output(f"g{i}").token_ids) == 24 for i in range(16))
 
 
-def test_graph_and_eager_decode_agree(tiny_text_model):
+@pytest.mark.parametrize("per_ring_slot", [True, False])
+def test_graph_and_eager_decode_agree(tiny_text_model, per_ring_slot):
+    """Graphs per ring slot, or one per bucket fed by a device copy from the ring slot
+    (`decode_graph_per_ring_slot` off): the eager tokens either way."""
     specs = random_specs(40, 1000, seed=21)
     runs = []
     for graph in ("on", "off"):
-        llm = LLM(str(tiny_text_model), device="cuda", dtype="float32", cuda_graph=graph)
+        llm = LLM(str(tiny_text_model), device="cuda", dtype="float32", cuda_graph=graph,
+                  experiments=Experiments(decode_graph_per_ring_slot=per_ring_slot))
         runs.append(run_workload(llm.engine, specs))
+        if graph == "on":
+            graphs = llm.engine.runner.graphs
+            assert {ring for _, ring, _ in graphs.graphs} == ({0, 1} if per_ring_slot else {0})
     assert runs[0] == runs[1]

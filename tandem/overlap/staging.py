@@ -71,11 +71,16 @@ class InputStager:
     def views(self, ring_slot: int, sizes: dict[str, int]) -> dict[str, torch.Tensor]:
         """Device views of ring slot `ring_slot`, fields in dict order, each 16-byte aligned.
         The same sizes give the same addresses: CUDA graphs read their inputs here."""
-        return _sliced(self.device[ring_slot], field_offsets(sizes)[0], sizes)
+        return sliced_views(self.device[ring_slot], sizes)
 
     def mark_consumed(self, step: int) -> None:
         """Called on the forward stream after the last read of step `step`'s inputs."""
         self.consumed[step % self.depth].record(self.streams.forward)
+
+
+def sliced_views(buffer: torch.Tensor, sizes: dict[str, int]) -> dict[str, torch.Tensor]:
+    """Views of `buffer` laid out as the stager lays out fields of these sizes."""
+    return _sliced(buffer, field_offsets(sizes)[0], sizes)
 
 
 def _sliced(buffer: torch.Tensor, offsets: dict[str, int], sizes: dict[str, int]) -> dict[str, torch.Tensor]:
