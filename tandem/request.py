@@ -68,6 +68,15 @@ class Request:
     host_match_walk: object | None = None  # its prompt's last tree walk (PrefixCache._host_only_tokens)
     mask: object | None = None  # a grammar.MaskProducer (structured output), set once compiled
 
+    @functools.cached_property
+    def plain_greedy(self) -> bool:
+        """Every sample is the argmax of the raw logits: temperature 0, no penalties, no bias,
+        no logprobs. Fixed at admission (the engine owns its params and biases), so a batch
+        of such rows needs no sampling inputs (`SamplingInputs.plain_greedy`)."""
+        p = self.params
+        return (p.temperature == 0 and not p.uses_penalties and not self.bias
+                and not (p.min_tokens and self.min_tokens_bias) and p.logprobs is None)
+
     def bias_at(self, sample_index: int) -> Bias:
         """The logit bias of sample `sample_index`, known at schedule time (no sampled value needed)."""
         if sample_index < self.params.min_tokens:

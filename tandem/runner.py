@@ -162,7 +162,9 @@ class ModelRunner:
         prefill graph's (`prefill`)), then the sampling."""
         rows, sample_rows = batch.rows, batch.sample_rows
         sampling = None
-        if sample_rows:
+        if sample_rows and all(r.req.plain_greedy for r in sample_rows):  # ~0.2 ms of host less at 256 rows
+            sampling = SamplingInputs.plain_greedy()
+        elif sample_rows:
             sampling = SamplingInputs.build(
                 [r.req.params for r in sample_rows], [r.req.seed for r in sample_rows],
                 [r.sample_index for r in sample_rows], [r.req.slot for r in sample_rows],
@@ -214,7 +216,8 @@ class ModelRunner:
                 elif batch.sample_rows:
                     out = self.sampler.sample(logits, sampling, bitmask)
                     self.future_map.stash(sample_slots, out.token_ids)
-                    self.sampler.record(sample_slots, out.token_ids)
+                    if sampling.need_penalties:  # only a request with penalties reads its slot's counts
+                        self.sampler.record(sample_slots, out.token_ids)
                     if pending.sampled_input_positions is not None:
                         self.spec.record(sample_slots, pending.sampled_input_positions, out.token_ids)
                     result = (out.token_ids, out.logprobs, out.top_ids, out.top_logprobs)
@@ -320,7 +323,8 @@ class ModelRunner:
             out = self.sampler.sample(logits, sampling, bitmask, extra)  # a bitmask only when every k is 0
             verdict = self.spec.point_mass_verdict(step, out.token_ids)
         packed = settle(self.spec, self.future_map, step, slots, verdict)
-        self.sampler.record_emitted(slots, verdict.tokens, verdict.accepted)
+        if sampling.need_penalties:  # only a request with penalties reads its slot's counts
+            self.sampler.record_emitted(slots, verdict.tokens, verdict.accepted)
         return packed, out.logprobs, out.top_ids, out.top_logprobs
 
     def _rejection_verdict(self, step: SpecStep, logits: torch.Tensor, sampling: SamplingInputs,

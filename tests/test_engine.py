@@ -69,6 +69,44 @@ def test_readmitted_request_restores_prompt_and_output_history(tiny_text_model):
     assert {t: int(counts[t]) for t in counts.nonzero().flatten().tolist()} == {9: 2, 10: 1}
 
 
+def test_steps_without_penalties_count_no_outputs(tiny_text_model):
+    """Once a request with penalties allocated the counts, a step whose rows use none adds no
+    count (four launches a step less): no request reads a slot's counts but one with penalties,
+    and that one resets its slot at admission. A step with one such row counts its tokens."""
+    llm = LLM(str(tiny_text_model), device=TEST_DEVICE, dtype="float32")
+    penalised = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, presence_penalty=0.5)
+    llm.generate([[5, 6, 7]], penalised, use_tqdm=False)
+    counts = llm.engine.sampler._output_counts
+    counts.zero_()
+    llm.generate([[5, 6, 7], [8, 9]], [_greedy(6), SamplingParams(max_tokens=6, temperature=1.0, seed=3)],
+                 use_tqdm=False)
+    assert int(counts.sum()) == 0
+    llm.generate([[5, 6, 7], [8, 9]], [_greedy(6), penalised], use_tqdm=False)
+    assert int(counts.sum()) == 6 + 6  # every row of a step with penalties is counted, each in its slot
+
+
+def test_plain_greedy_batches_build_no_sampling_inputs(tiny_text_model, monkeypatch):
+    """A step whose rows are all plain greedy (no penalties, bias, logprobs) builds no sampling
+    inputs and gives the tokens the built inputs give; one row with logprobs, a bias or
+    min_tokens makes the step build them."""
+    from tandem.request import Request
+    from tandem.sampling.inputs import SamplingInputs
+    built, build = [], SamplingInputs.build
+    monkeypatch.setattr(SamplingInputs, "build", staticmethod(lambda *a, **k: built.append(1) or build(*a, **k)))
+    prompts = [[5 + i, 6, 7, 8] * (2 + i) for i in range(6)]
+    llm = LLM(str(tiny_text_model), device=TEST_DEVICE, dtype="float32")
+    plain = [o.token_ids for o in llm.generate(prompts, _greedy(12), use_tqdm=False)]
+    assert not built
+    for extra in (dict(logprobs=0), dict(logit_bias={7: 1.0}), dict(min_tokens=3, ignore_eos=False)):
+        other = SamplingParams(**{"max_tokens": 12, "temperature": 0, "ignore_eos": True, **extra})  # EOS banned
+        llm.generate(prompts[:2], [_greedy(12), other], use_tqdm=False)
+        assert built, extra
+        built.clear()
+    monkeypatch.setattr(Request, "plain_greedy", property(lambda self: False))  # every step builds them
+    assert [o.token_ids for o in llm.generate(prompts, _greedy(12), use_tqdm=False)] == plain
+    assert built
+
+
 @pytest.mark.parametrize("overlap", [True, False])
 def test_pages_come_back_after_mixed_workload_with_aborts(tiny_text_model, overlap):
     engine = _engine(tiny_text_model, max_total_tokens=600, chunked_prefill_size=16,

@@ -95,6 +95,12 @@ class SamplingInputs:
             **_pack_biases(biases, pin_memory),
         )
 
+    @staticmethod
+    def plain_greedy() -> "SamplingInputs":
+        """A batch whose every row samples the argmax of its raw logits (no penalties, bias
+        or logprobs): flags only, no per-row values (the greedy argmax reads none)."""
+        return _PLAIN_GREEDY
+
     @property
     def need_bias(self) -> bool:
         return self.bias_index is not None
@@ -130,6 +136,12 @@ class SamplingInputs:
     top_k = property(lambda self: self.ints[0])
     noise_key = property(lambda self: self.ints[1])
     slots = property(lambda self: self.ints[2])
+
+
+_PLAIN_GREEDY = SamplingInputs(
+    floats=torch.empty((len(_FLOAT_ROWS), 0), dtype=torch.float32), ints=torch.empty((len(_INT_ROWS), 0), dtype=torch.int64),
+    all_greedy=True, need_top_k=False, need_top_p=False, need_min_p=False, need_penalties=False,
+    max_top_k=0, top_p_within_top_k=True, max_logprobs=None)
 
 
 def _pack_biases(biases: list | None, pin_memory: bool) -> dict[str, Tensor]:
