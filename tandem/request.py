@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from tandem.sampling import SamplingParams
 from tandem.sampling.bias import Bias
+from tandem.sampling.inputs import sampling_row
 from tandem.text import RequestText
 
 
@@ -67,6 +68,12 @@ class Request:
     prefetch_waits: int = 0  # plans that left it waiting for its host-tier prefix to load (PrefixCache)
     host_match_walk: object | None = None  # its prompt's last tree walk (PrefixCache._host_only_tokens)
     mask: object | None = None  # a grammar.MaskProducer (structured output), set once compiled
+
+    @functools.cached_property
+    def sampling_row(self) -> bytes:
+        """Its `sampling_row`, packed at its first sampled step (params are fixed once
+        submitted): the runner's sampling inputs join one bytes object a row."""
+        return sampling_row(self.params, self.seed)
 
     @functools.cached_property
     def plain_greedy(self) -> bool:

@@ -165,8 +165,8 @@ class ModelRunner:
         if sample_rows and all(r.req.plain_greedy for r in sample_rows):  # ~0.2 ms of host less at 256 rows
             sampling = SamplingInputs.plain_greedy()
         elif sample_rows:
-            sampling = SamplingInputs.build(
-                [r.req.params for r in sample_rows], [r.req.seed for r in sample_rows],
+            sampling = SamplingInputs.from_rows(
+                [r.req.sampling_row for r in sample_rows],
                 [r.sample_index for r in sample_rows], [r.req.slot for r in sample_rows],
                 pin_memory=self.streams.pin(), biases=[r.req.bias_at(r.sample_index) for r in sample_rows])
             if not _greedy_only(sampling):  # greedy argmax reads no per-row tensors: skip the copy
@@ -242,8 +242,8 @@ class ModelRunner:
         rows, spec = batch.rows, self.spec
         q = [spec.k + 1 if bucket is not None else row.spec_k + 1 for row in rows]
         per_token = [i for i, n in enumerate(q) for _ in range(n)]
-        sampling = SamplingInputs.build(
-            [rows[i].req.params for i in per_token], [rows[i].req.seed for i in per_token], [0] * len(per_token),
+        sampling = SamplingInputs.from_rows(
+            [rows[i].req.sampling_row for i in per_token], [0] * len(per_token),
             [rows[i].req.slot for i in per_token], pin_memory=self.streams.pin(),
             biases=[rows[i].req.bias_at(rows[i].sample_index) for i in per_token])
         greedy = _greedy_only(sampling)

@@ -91,8 +91,8 @@ def test_plain_greedy_batches_build_no_sampling_inputs(tiny_text_model, monkeypa
     min_tokens makes the step build them."""
     from tandem.request import Request
     from tandem.sampling.inputs import SamplingInputs
-    built, build = [], SamplingInputs.build
-    monkeypatch.setattr(SamplingInputs, "build", staticmethod(lambda *a, **k: built.append(1) or build(*a, **k)))
+    built, build = [], SamplingInputs.from_rows
+    monkeypatch.setattr(SamplingInputs, "from_rows", staticmethod(lambda *a, **k: built.append(1) or build(*a, **k)))
     prompts = [[5 + i, 6, 7, 8] * (2 + i) for i in range(6)]
     llm = LLM(str(tiny_text_model), device=TEST_DEVICE, dtype="float32")
     plain = [o.token_ids for o in llm.generate(prompts, _greedy(12), use_tqdm=False)]

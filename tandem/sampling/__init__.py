@@ -21,10 +21,11 @@ from tandem.sampling.noise import (
     gumbel_noise,
     row_keys,
     row_keys_host,
+    seed_key,
 )
 from tandem.sampling.params import MAX_LOGPROBS, SamplingParams
 from tandem.sampling.sampler import Sampler
 
 __all__ = ["MAX_LOGPROBS", "SampleOutput", "Sampler", "SamplingInputs", "SamplingParams",
            "gumbel_argmax", "gumbel_argmax_torch", "gumbel_argmax_triton", "gumbel_kernel", "gumbel_noise",
-           "row_keys", "row_keys_host", "seed_to_int64", "_mix32"]
+           "row_keys", "row_keys_host", "seed_key", "seed_to_int64", "_mix32"]

@@ -7,12 +7,23 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from tandem.sampling.noise import row_keys_host
+from tandem.sampling.noise import row_keys_host, seed_key
 from tandem.sampling.params import SamplingParams
 
 
 _FLOAT_ROWS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 _INT_ROWS = ("top_k", "noise_key", "slots")
+_ROW_WIDTH = len(_FLOAT_ROWS) + 3  # sampling_row: the float rows, top_k, logprobs, seed key
+
+
+def sampling_row(params: SamplingParams, seed: int) -> bytes:
+    """A request's per-row sampling values, packed once: the `_FLOAT_ROWS`, top_k, logprobs
+    (-1: none asked) and its `seed_key`, as float64 (every value exact). A batch joins its
+    rows' bytes into one array: no per-field pass over the rows each step."""
+    p = params
+    return np.array([p.temperature, p.top_p, p.min_p, p.repetition_penalty, p.presence_penalty,
+                     p.frequency_penalty, p.top_k, -1 if p.logprobs is None else p.logprobs, seed_key(seed)],
+                    dtype=np.float64).tobytes()
 
 
 def seed_to_int64(seed: int) -> int:
@@ -59,24 +70,39 @@ class SamplingInputs:
     ) -> "SamplingInputs":
         """`seeds[i]` is row i's effective seed: params.seed, or one the engine drew at admission;
         `biases[i]` row i's (token id, added logit) pairs."""
-        n = len(params)
-        if not (len(seeds) == len(output_index) == len(slots) == n):
+        if len(seeds) != len(params):
             raise ValueError("params, seeds, output_index and slots must have the same length")
-        # Columns by comprehension, flags by numpy: this runs on the scheduler's hot path
-        # every step, and per-row Python branching costs about a microsecond a row.
-        f = np.array(
-            [[getattr(p, name) for p in params] for name in _FLOAT_ROWS], dtype=np.float32
-        ).reshape(len(_FLOAT_ROWS), n)
+        return SamplingInputs.from_rows([sampling_row(p, s) for p, s in zip(params, seeds)], output_index, slots,
+                                        pin_memory, biases)
+
+    @staticmethod
+    def from_rows(
+        rows: list[bytes],
+        output_index: list[int],
+        slots: list[int],
+        pin_memory: bool = False,
+        biases: list[tuple[tuple[int, float], ...]] | None = None,
+    ) -> "SamplingInputs":
+        """`build` from each row's `sampling_row` (the engine keeps it per request): one join
+        of the rows' bytes, not one pass over the rows per parameter."""
+        n = len(rows)
+        if not (len(output_index) == len(slots) == n):
+            raise ValueError("params, seeds, output_index and slots must have the same length")
+        # One join of packed rows, flags by numpy: this runs on the scheduler's hot path every
+        # step, and per-row Python costs about a microsecond a row.
+        table = np.frombuffer(b"".join(rows), dtype=np.float64).reshape(n, _ROW_WIDTH)
+        f = table[:, :len(_FLOAT_ROWS)].T.astype(np.float32)
         sampled = f[0] != 0.0
         int_rows = np.empty((len(_INT_ROWS), n), dtype=np.int64)
-        int_rows[0] = [p.top_k for p in params]
+        int_rows[0] = table[:, len(_FLOAT_ROWS)]
         # Only draws read the keys (never an all-greedy batch's): skip the hashing then.
-        int_rows[1] = row_keys_host(seeds, output_index) if sampled.any() else 0
+        int_rows[1] = row_keys_host(table[:, _ROW_WIDTH - 1], output_index) if sampled.any() else 0
         int_rows[2] = slots
         top_k = int_rows[0]
         uses_k = sampled & (top_k != -1)
         uses_p = sampled & (f[1] < 1.0)
-        logprobs = [p.logprobs for p in params if p.logprobs is not None]
+        logprobs = table[:, _ROW_WIDTH - 2]
+        wants_logprobs = logprobs >= 0
         floats = torch.empty((len(_FLOAT_ROWS), n), dtype=torch.float32, pin_memory=pin_memory)
         ints = torch.empty((len(_INT_ROWS), n), dtype=torch.int64, pin_memory=pin_memory)
         floats.copy_(torch.from_numpy(f))
@@ -91,7 +117,7 @@ class SamplingInputs:
             need_penalties=bool(((f[3] != 1.0) | (f[4] != 0.0) | (f[5] != 0.0)).any()),
             max_top_k=int(top_k[uses_k].max()) if uses_k.any() else 0,
             top_p_within_top_k=not (uses_p & ~uses_k).any(),
-            max_logprobs=max(logprobs) if logprobs else None,
+            max_logprobs=int(logprobs.max()) if wants_logprobs.any() else None,
             **_pack_biases(biases, pin_memory),
         )
 

@@ -39,36 +39,30 @@ def _mix32(x: Tensor) -> Tensor:
 
 def row_keys(seed: Tensor, output_index: Tensor) -> Tensor:
     """[B] int64 32-bit key per (seed, output_index): all 64 seed bits matter. Plain operators
-    only, so Python ints work too (one row's key: `row_keys_host`)."""
+    only, so Python ints work too (the host's: `seed_key`, then `row_keys_host`)."""
     k = _mix32(seed & _M32)
     k = _mix32(k ^ ((seed >> 32) & _M32))
     return _mix32(k ^ (output_index & _M32))
 
 
-# Below this many rows `row_keys` on Python ints beats numpy's ~25 array ops (each ~2 us of
-# overhead: ~50 us a step at batch 1, a tenth of a small model's decode step).
-PY_KEYS_MAX_ROWS = 32
+def seed_key(seed: int) -> int:
+    """The seed's half of `row_keys` (a Python int, < 2**32): fixed per request, so the host
+    hashes it once and each step mixes in only the output index (`row_keys_host`)."""
+    k = _mix32(seed & _M32)
+    return _mix32(k ^ ((seed >> 32) & _M32))
 
 
-def row_keys_host(seeds: list[int], output_index: list[int]) -> np.ndarray:
-    """`row_keys` for host lists, in numpy uint64 (products of two 32-bit values cannot
-    wrap there), or Python ints for a few rows; the same bits, as int64."""
-    if len(seeds) <= PY_KEYS_MAX_ROWS:
-        return np.array([row_keys(s, i) for s, i in zip(seeds, output_index)], dtype=np.int64)
+def row_keys_host(seed_keys: np.ndarray, output_index: list[int]) -> np.ndarray:
+    """`row_keys` on the host from each row's `seed_key` (any integer or float array of
+    them) and output index: one mix, in numpy uint64 (products of two 32-bit values cannot
+    wrap there); the same bits, as int64."""
     m = np.uint64(_M32)
-
-    def mix(x: np.ndarray) -> np.ndarray:
-        x = x ^ (x >> np.uint64(16))
-        x = (x * np.uint64(0x7FEB352D)) & m
-        x = x ^ (x >> np.uint64(15))
-        x = (x * np.uint64(0x846CA68B)) & m
-        return x ^ (x >> np.uint64(16))
-
-    seed = np.array([s & 0xFFFF_FFFF_FFFF_FFFF for s in seeds], dtype=np.uint64)
-    index = np.array(output_index, dtype=np.int64).astype(np.uint64)
-    k = mix(seed & m)
-    k = mix(k ^ (seed >> np.uint64(32)))
-    return mix(k ^ (index & m)).astype(np.int64)
+    x = np.asarray(seed_keys).astype(np.uint64) ^ (np.array(output_index, dtype=np.int64).astype(np.uint64) & m)
+    x = x ^ (x >> np.uint64(16))
+    x = (x * np.uint64(0x7FEB352D)) & m
+    x = x ^ (x >> np.uint64(15))
+    x = (x * np.uint64(0x846CA68B)) & m
+    return (x ^ (x >> np.uint64(16))).astype(np.int64)
 
 
 def gumbel_noise(keys: Tensor, token_hash: Tensor) -> Tensor:
