@@ -491,7 +491,7 @@ class Engine:
                       stop_ids=stop_ids, prompt=prompt if isinstance(prompt, str) else None, text=text,
                       bias=bias, min_tokens_bias=min_tokens_bias(params, stop_ids))
         if bad_words:  # their last token is banned after the rest: the per-step mask path
-            req.mask = BadWordsMask(self.model_config.vocab_size, bad_words, ids)
+            self.grammar.give_mask(req, BadWordsMask(self.model_config.vocab_size, bad_words, ids))
         self.requests[rid] = req
         if params.constraint is not None:
             self.grammar.add(req)  # scheduled once its grammar compiled (off the loop)

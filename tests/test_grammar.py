@@ -248,7 +248,8 @@ class _Forbid:
 
 def test_any_mask_producer_plugs_into_the_mask_path(tiny_text_model):
     """The per-request interface (fill_next_mask / accept / is_terminated) the grammar uses is
-    open to other rules: a producer that bans the tokens greedy decoding picked."""
+    open to other rules (given through `GrammarManager.give_mask`): a producer that bans the
+    tokens greedy decoding picked."""
     engine = _engine(tiny_text_model)
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     engine.add_request([5, 6, 7], params, request_id="free")
@@ -257,12 +258,38 @@ def test_any_mask_producer_plugs_into_the_mask_path(tiny_text_model):
     free = engine.output("free").token_ids
     engine.add_request([5, 6, 7], params, request_id="banned")
     producer = _Forbid(engine.model_config.vocab_size, set(free))
-    engine.requests["banned"].mask = producer
+    engine.grammar.give_mask(engine.requests["banned"], producer)
     while engine.has_unfinished():
         engine.step()
     out = engine.output("banned").token_ids
     assert len(out) == 12 and not set(out) & set(free)
     assert producer.accepted == out
+
+
+class _RowsUnread:
+    """A batch whose rows must not be read."""
+
+    @property
+    def sample_rows(self):
+        raise AssertionError("the step's rows were scanned for masks")
+
+
+def test_steps_look_for_masks_only_while_a_masked_request_lives(tiny_text_model):
+    """`constrains` scans a step's rows only while some request given a mask is unfinished:
+    the mask-producer request's steps are masked; once it finished, a step's rows are not read."""
+    engine = _engine(tiny_text_model)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    engine.add_request([5, 6, 7], params, request_id="masked")
+    engine.grammar.give_mask(engine.requests["masked"], _Forbid(engine.model_config.vocab_size, {3}))
+    with pytest.raises(AssertionError, match="scanned"):
+        engine.grammar.constrains(_RowsUnread())
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.grammar.masked_steps > 0
+    engine.add_request([8, 9], params, request_id="plain")
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.grammar.constrains(_RowsUnread()) is False
 
 
 YES_NO = dict(regex="(yes|no)", min_tokens=8)

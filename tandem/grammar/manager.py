@@ -68,6 +68,9 @@ class GrammarManager:
         # Host seconds spent on masks (fill + copy) and on advancing matchers: the bench's split.
         self.fill_s = self.accept_s = 0.0
         self.masked_steps = 0
+        # Requests given a token mask (a grammar here, bad words by the engine), pruned of the
+        # finished ones as steps pass: without one alive no step scans its rows for masks.
+        self._masked: list[Request] = []
 
     # ---- submission ----
     def check(self, params: SamplingParams) -> None:
@@ -104,7 +107,7 @@ class GrammarManager:
             if entry.future.done():
                 failure = self._failure(entry)
                 if failure is None:
-                    entry.req.mask = GrammarMask(entry.future.result(), self._stop_set)
+                    self.give_mask(entry.req, GrammarMask(entry.future.result(), self._stop_set))
                     ready.append(entry.req)
                 else:
                     failed.append(failure)
@@ -142,8 +145,16 @@ class GrammarManager:
                 c.future.cancel()
 
     # ---- the loop ----
+    def give_mask(self, req: Request, mask) -> None:
+        """Every token mask a request gets goes through here (`constrains` counts on it)."""
+        req.mask = mask
+        self._masked.append(req)
+
     def constrains(self, batch: ScheduledBatch) -> bool:
-        return any(r.req.mask is not None for r in batch.sample_rows)
+        if not self._masked:  # the common step: no masked request alive, no pass over the rows
+            return False
+        self._masked = [r for r in self._masked if not r.finished]
+        return bool(self._masked) and any(r.req.mask is not None for r in batch.sample_rows)
 
     def accept(self, req: Request, token: int) -> bool:
         """Advance the request's matcher; True when its output is complete."""
