@@ -367,8 +367,8 @@ def test_plan_ahead_passes_over_the_running_only_when_a_prompt_waits_or_is_prefi
     ahead though nothing waits."""
     sched = _scheduler(False)
     step, _ = _decoding_with_burst(sched, burst=0)
-    passes, real = [], sched._cache_launched_prefills
-    sched._cache_launched_prefills = lambda: passes.append(step) or real()
+    passes, real = [], sched._prune_running
+    sched._prune_running = lambda: passes.append(step) or real()
     decode = sched.schedule(step, drain=lambda: None)
     assert decode.is_decode and len(passes) == 1
     assert sched.plan_ahead(step + 1) is None and len(passes) == 1

@@ -25,7 +25,7 @@ from typing import Iterator
 # (path from the engine to the part, methods timed). Inclusive times: a phase that calls another
 # counts the callee's time too (`Scheduler.schedule` holds `_plan`, which holds `_prefill_rows`).
 PHASES: list[tuple[str, tuple[str, ...]]] = [
-    ("scheduler", ("schedule", "_plan", "_cache_launched_prefills", "_prefill_rows", "_decode_rows", "_chunk",
+    ("scheduler", ("schedule", "_plan", "_prune_running", "_prefill_rows", "_decode_rows", "_chunk",
                    "on_step_completed", "prepare_waiting", "plan_ahead")),
     ("prefix_cache", ("admit", "prefetch_hold", "alloc", "undo_admit", "cache_prefill", "release", "prefetch",
                       "write_ahead", "evict_ahead")),

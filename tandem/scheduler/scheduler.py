@@ -324,27 +324,27 @@ class Scheduler:
         return self._separate_prefill_rows(prefilling) or self._decode_rows(step, drain)
 
     def _prune_running(self) -> list[Request]:
-        """Drop finished requests from the running list; returns those with prefill left."""
-        self.running = [r for r in self.running if not r.finished]
-        return self._cache_launched_prefills()
+        """Drop finished requests from the running list and cache the prompt chunks launched
+        in earlier steps (they become reusable); returns the running requests with prefill
+        left. One pass over the running requests, the only one a decode-only step makes for
+        prefill: a request whose prompt is all cached is skipped (cache_prefill would do
+        nothing for it)."""
+        running, prefilling, caching, finished = [], [], self.cache.enabled, Status.FINISHED
+        for req in self.running:
+            if req.status is finished:
+                continue
+            running.append(req)
+            if caching and req.cached_len < req.prefill_target:
+                self.cache.cache_prefill(req)
+            if req.num_computed < req.prefill_target:  # not req.prefill_done (a property, per row per step)
+                prefilling.append(req)
+        self.running = running
+        self._prefill_left = bool(prefilling)
+        return prefilling
 
     def _separate_prefill_rows(self, prefilling: list[Request]) -> list[Row]:
         """A prefill-only step (separate batches): its budget, then its rows."""
         return self._prefill_rows(self._separate_prefill_budget(), prefilling)
-
-    def _cache_launched_prefills(self) -> list[Request]:
-        """Prompt chunks launched in earlier steps become reusable (cached); returns the running
-        requests with prefill left. One pass over the running requests, the only one a
-        decode-only step makes for prefill: a request whose prompt is all cached is skipped
-        (cache_prefill would do nothing for it)."""
-        prefilling, caching = [], self.cache.enabled
-        for req in self.running:
-            if caching and req.cached_len < req.prefill_target:
-                self.cache.cache_prefill(req)
-            if not req.prefill_done:
-                prefilling.append(req)
-        self._prefill_left = bool(prefilling)
-        return prefilling
 
     def _separate_prefill_budget(self) -> int:
         """A stream decoding beside a burst waits one prefill step (see _decode_turn). Prefill
