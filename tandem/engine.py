@@ -454,7 +454,10 @@ class Engine:
 
     # ---- requests ----
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None) -> str:
+                    request_id: str | None = None, detokenize: bool = True) -> str:
+        """Queue a request; returns its id. `detokenize=False`: the engine makes no text for it
+        unless it has stop strings (they need the text, step by step): each output names the ids
+        whose text the caller makes (`StepOutput.text_ids`), and `output()` has no text."""
         self._check_open()
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
@@ -485,10 +488,12 @@ class Engine:
         seed = params.seed if params.seed is not None else _derived_seed(self.cfg.seed, rid)
         stop_ids = frozenset(params.stop_token_ids or ()) | (
             frozenset() if params.ignore_eos else frozenset(self.eos_token_ids))
+        engine_text = self.tokenizer is not None and (detokenize or bool(params.stop))
         text = (RequestText(self.tokenizer, ids, params.stop, params.skip_special_tokens,
-                            params.include_stop_str_in_output, self.token_pieces) if self.tokenizer is not None else None)
+                            params.include_stop_str_in_output, self.token_pieces) if engine_text else None)
         req = Request(rid, ids, params, seed, max_samples=params.max_tokens or self.max_model_len - len(ids),
                       stop_ids=stop_ids, prompt=prompt if isinstance(prompt, str) else None, text=text,
+                      text_outside=self.tokenizer is not None and not engine_text,
                       bias=bias, min_tokens_bias=min_tokens_bias(params, stop_ids))
         if bad_words:  # their last token is banned after the rest: the per-step mask path
             self.grammar.give_mask(req, BadWordsMask(self.model_config.vocab_size, bad_words, ids))
@@ -528,7 +533,8 @@ class Engine:
         self._finish(req, reason)
         self._carried.append(StepOutput(request_id, [], req.text.finish() if req.text else "", True, reason,
                                         num_cached_tokens=req.num_cached_tokens, error=error,
-                                        error_status=error_status, error_code=error_code))
+                                        error_status=error_status, error_code=error_code,
+                                        text_ids=[] if req.text_outside else None))
 
     def has_unfinished(self) -> bool:
         return not self.closed and (self.scheduler.has_work() or self.pending is not None
@@ -794,7 +800,8 @@ class Engine:
             log.log(logging.INFO if f.status < 500 else logging.ERROR, "request %s: %s", f.req.rid, f.message)
             self._finish(f.req, "error")
             outputs.append(StepOutput(f.req.rid, [], "", True, "error", error=f.message,
-                                      error_status=f.status, error_code=f.code))
+                                      error_status=f.status, error_code=f.code,
+                                      text_ids=[] if f.req.text_outside else None))
 
     def _process_first(self, batch: ScheduledBatch) -> bool:
         """Consecutive-prefill switch: finish the previous prefill before the next one."""
@@ -967,7 +974,8 @@ class Engine:
         else:
             self._finish(req, "error")
         return StepOutput(req.rid, [], "", True, "error", num_cached_tokens=req.num_cached_tokens,
-                          error=f"the engine could not process this request's token: {first_line(exc)}")
+                          error=f"the engine could not process this request's token: {first_line(exc)}",
+                          text_ids=[] if req.text_outside else None)
 
     def _take_token(self, req: Request, token: int, lp: TokenLogprob | None) -> str | None:
         """The token joins the request's outputs and its grammar. Returns the finish its text
@@ -994,8 +1002,10 @@ class Engine:
     def _token_output(self, req: Request, token: int, lp: TokenLogprob | None, reason: str | None) -> StepOutput:
         """The taken token's text and its step output. A stop string in the text ends the
         request, and outranks a finish by length or a completed grammar (it names the stop)."""
-        text, new_text = req.text, ""
-        if text is not None:
+        text, new_text, text_ids = req.text, "", None
+        if req.text_outside:  # the caller makes the text: name the ids that carry it
+            text_ids = [] if token in req.stop_ids and not req.params.include_stop_str_in_output else [token]
+        elif text is not None:
             if token in req.stop_ids:
                 if req.params.include_stop_str_in_output:
                     new_text = text.append([token]).text
@@ -1010,7 +1020,7 @@ class Engine:
             if reason is not None:
                 new_text += text.finish()
         out = StepOutput(req.rid, [token], new_text, reason is not None, reason,
-                         [lp] if lp is not None else None, req.num_cached_tokens)
+                         [lp] if lp is not None else None, req.num_cached_tokens, text_ids=text_ids)
         if req.params.prompt_logprobs is not None and len(req.output_token_ids) == 1:
             out.prompt_logprobs = self._prompt_logprobs(req)  # with the first output
         return out
@@ -1102,9 +1112,10 @@ def _merged(outs: list[StepOutput]) -> StepOutput:
         return outs[0]
     last = outs[-1]
     lps = [lp for o in outs for lp in (o.new_logprobs or [])]
+    text_ids = None if last.text_ids is None else [t for o in outs for t in o.text_ids]
     return StepOutput(last.request_id, [t for o in outs for t in o.new_token_ids], "".join(o.new_text for o in outs),
                       last.finished, last.finish_reason, lps or None, last.num_cached_tokens, last.error,
-                      last.error_status, last.error_code)
+                      last.error_status, last.error_code, text_ids=text_ids)
 
 
 def _warn_of_build(builds: Compiles) -> Callable[[str, float], None]:

@@ -71,6 +71,10 @@ class StepOutput:
     # On a request's first output, when it asked: its prompt logprobs (None first, then one per
     # prompt token), computed by the steps that ran its prefill.
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    # A request whose caller makes its text (Engine.add_request's detokenize=False): the ids of
+    # this output that carry text, in order (a stop id does not, unless include_stop_str_in_output).
+    # A finished output that is not an error ends the text (RequestText.finish). None otherwise.
+    text_ids: list[int] | None = None
 
 
 @dataclass

@@ -29,6 +29,8 @@ class Request:
     stop_ids: frozenset[int] = frozenset()  # token ids that finish it (EOS unless ignored, stop ids)
     prompt: str | None = None  # the prompt text, when it came as text
     text: RequestText | None = None  # incremental detokenizer; None for a model without tokenizer
+    # The caller makes its text (Engine.add_request's detokenize=False): outputs name the ids.
+    text_outside: bool = False
     bias: Bias = ()  # (token id, added logit) on every sample: logit_bias, bad words
     min_tokens_bias: Bias = ()  # bans on stop ids while fewer than params.min_tokens exist
     arrival_time: float = field(default_factory=time.monotonic)

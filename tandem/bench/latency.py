@@ -39,14 +39,14 @@ class DecodeRow:
 
 
 def steady_decode(engine: Engine, batch: int, overlap: bool, steps: int, warmup: int,
-                  prompt_len: int, seed: int = 0) -> DecodeRow:
+                  prompt_len: int, seed: int = 0, detokenize: bool = True) -> DecodeRow:
     engine.cfg.disable_overlap = not overlap
     engine.reset_prefix_cache()  # runs repeat prompts: each computes its own
     rng = random.Random(seed)
     vocab = engine.model_config.vocab_size
     params = SamplingParams(max_tokens=warmup + steps + 8, temperature=0, ignore_eos=True)
     rids = [engine.add_request([rng.randrange(vocab) for _ in range(prompt_len)], params,
-                               request_id=f"lat-{batch}-{overlap}-{i}") for i in range(batch)]
+                               request_id=f"lat-{batch}-{overlap}-{i}", detokenize=detokenize) for i in range(batch)]
     while any(r.num_scheduled_samples == 0 for r in (engine.requests[x] for x in rids)):
         engine.step()  # prefill everything first
     for _ in range(warmup):
@@ -137,6 +137,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokenizer", metavar="DIR",
                     help="with --preset: this saved tokenizer (its vocabulary) beside the dummy weights, so each "
                          "step detokenizes as a user's does ('builtin': the built-in model's); without it no text is made")
+    ap.add_argument("--text", default="engine", choices=["engine", "caller"],
+                    help="with --tokenizer: who makes the text. caller: the engine names the ids "
+                         "(add_request's detokenize=False) and no text is made, the engine's share of "
+                         "a server whose front end detokenizes")
     ap.add_argument("--batch-sizes", default="1,8,16,64,256")
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--warmup", type=int, default=10)
@@ -171,7 +175,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for b in sizes:
         for overlap in (True, False):
-            rows.append(steady_decode(engine, b, overlap, args.steps, args.warmup, args.prompt_len))
+            rows.append(steady_decode(engine, b, overlap, args.steps, args.warmup, args.prompt_len,
+                                      detokenize=args.text == "engine"))
     print(format_table(rows))
     for r in rows:
         print(f"host phases, batch {r.batch}, overlap {'on' if r.overlap else 'off'}: {r.phases_ms}")
