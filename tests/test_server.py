@@ -587,3 +587,20 @@ def test_a_choice_the_engine_failed_fails_its_request_and_stops_the_siblings():
     assert failed.value.status == 500 and "OutOfMemoryError" in failed.value.message
     assert failed.value.body()["error"]["type"] == "server_error"
     assert gen.client.aborted == ["cmpl-x-1"]
+
+
+@pytest.mark.parametrize("extra", [{}, {"skip_special_tokens": False},
+                                   {"stop_token_ids": [7, 11, 13, 19], "include_stop_str_in_output": True}],
+                         ids=["plain", "specials", "stop-ids-kept"])
+def test_the_front_ends_text_is_the_engines(client, extra):
+    """A request without stop strings is detokenized by the front end, one with stop strings by
+    the engine: a stop string that never matches gives the same tokens, so the two texts must be
+    equal, streamed and not (each request alone: the same batches, the same greedy tokens)."""
+    never = ["\u2400never\u2400"]
+    for prompt in ("Once upon a time", "def fibonacci(n):", "日本語のテキスト"):
+        kw = dict(model="llama", prompt=prompt, max_tokens=40, temperature=0,
+                  extra_body={"ignore_eos": True, **extra})
+        front = client.completions.create(**kw).choices[0].text
+        engine = client.completions.create(**kw, stop=never).choices[0].text
+        streamed = "".join(c.choices[0].text for c in client.completions.create(**kw, stream=True))
+        assert front == engine == streamed and front, (prompt, extra)

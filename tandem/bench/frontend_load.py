@@ -26,6 +26,7 @@ class _Paced:
     request_id: str
     max_tokens: int
     sent: int = 0
+    detokenize: bool = True  # False: the front end makes the text (StepOutput.text_ids), as with the real engine
 
 
 class PacedEngine:
@@ -40,8 +41,8 @@ class PacedEngine:
         self.requests: dict[str, _Paced] = {}
         self._next_step = time.monotonic()
 
-    def add_request(self, prompt_token_ids: list[int], params, request_id: str) -> None:
-        self.requests[request_id] = _Paced(request_id, params.max_tokens)
+    def add_request(self, prompt_token_ids: list[int], params, request_id: str, detokenize: bool = True) -> None:
+        self.requests[request_id] = _Paced(request_id, params.max_tokens, detokenize=detokenize or bool(params.stop))
 
     def abort(self, request_id: str) -> None:
         self.requests.pop(request_id, None)
@@ -64,7 +65,8 @@ class PacedEngine:
         for req in list(self.requests.values())[:self.max_running]:
             req.sent += 1
             done = req.sent >= req.max_tokens
-            outputs.append(StepOutput(req.request_id, [100], " x", done, "length" if done else None))
+            outputs.append(StepOutput(req.request_id, [100], " x" if req.detokenize else "", done,
+                                      "length" if done else None, text_ids=None if req.detokenize else [100]))
             if done:
                 del self.requests[req.request_id]
         return outputs

@@ -153,6 +153,7 @@ async def _serve(args: argparse.Namespace, cfg: EngineConfig) -> int:
         grammar_task = asyncio.create_task(asyncio.to_thread(_import_grammar_library))
         await client.start()
         tokenizer = await tokenizer_task
+        client.use_tokenizer(tokenizer)  # requests without stop strings are detokenized here
         await grammar_task
     except Exception as exc:
         log.error("could not start: %s", exc)

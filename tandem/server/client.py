@@ -4,7 +4,9 @@ Front end -> engine goes through a plain (non-async) PUSH socket: a send never
 blocks (no high-water mark) and works from cleanup code of a cancelled task,
 which is where client-disconnect aborts come from. Engine -> front end is read
 by one asyncio task that routes each delta to the queue of the HTTP request
-that owns it and feeds the metrics.
+that owns it and feeds the metrics. Once it has the tokenizer (`use_tokenizer`),
+it also makes the text of every request without stop strings (`_Tracked.text`),
+so the engine process does not.
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from tandem.server import protocol as P
 from tandem.server.engine_process import run_engine
 from tandem.server.errors import APIError, EngineDead
 from tandem.server.metrics import Metrics
+from tandem.text import RequestText, token_pieces
 
 log = logging.getLogger("tandem.server")
 
@@ -75,6 +78,7 @@ class _Tracked:
     accepted: asyncio.Future
     arrival: float = field(default_factory=time.monotonic)
     last_token: float | None = None
+    text: RequestText | None = None  # the front end makes its text (from Delta.text_ids); None: the engine
 
 
 # --restart-engine: an engine that dies within this many seconds of its start is restarted
@@ -98,6 +102,11 @@ class EngineClient:
         self._quick_deaths = 0
         self._restarting: asyncio.Task | None = None
         self._transport_open = False
+        self._tokenizer = self._pieces = None  # set by use_tokenizer: then the front end detokenizes
+
+    def use_tokenizer(self, tokenizer) -> None:
+        """From now on, requests without stop strings are detokenized here, not in the engine."""
+        self._tokenizer, self._pieces = tokenizer, token_pieces(tokenizer)
 
     # ---- lifecycle ----
     async def start(self) -> P.Ready:
@@ -236,10 +245,10 @@ class EngineClient:
         futures = []
         try:
             for i, (rid, ids, p) in enumerate(zip(request_ids, prompts, params)):
-                t = _Tracked(queue, i, len(ids), loop.create_future())
+                t = _Tracked(queue, i, len(ids), loop.create_future(), text=self._text_for(ids, p))
                 self._tracked[rid] = t
                 futures.append(t.accepted)
-                self._send(P.Add(rid, ids, p))
+                self._send(P.Add(rid, ids, p, detokenize=t.text is None))
             await asyncio.wait(futures)
             for f in futures:
                 if f.exception() is not None:
@@ -250,6 +259,14 @@ class EngineClient:
                 if f.done() and not f.cancelled():
                     f.exception()  # retrieved: no "never retrieved" warnings
             raise
+
+    def _text_for(self, prompt_ids: list[int], p: P.Params) -> RequestText | None:
+        """The request's text made here; None where the engine makes it (no tokenizer yet, or
+        stop strings: they must end the request in the step that completes them)."""
+        if self._tokenizer is None or p.stop:
+            return None
+        return RequestText(self._tokenizer, prompt_ids, None, p.skip_special_tokens,
+                           p.include_stop_str_in_output, self._pieces)
 
     def abort(self, request_ids: list[str]) -> None:
         live = [rid for rid in request_ids if self._tracked.pop(rid, None) is not None]
@@ -301,11 +318,32 @@ class EngineClient:
             t = self._tracked.get(d.request_id)
             if t is None:
                 continue  # aborted by the front end: nobody is listening
+            if t.text is not None and d.text_ids is not None:
+                self._make_text(d, t)
             if d.finished:
                 del self._tracked[d.request_id]
             t.queue.put_delta((t.index, d))
             if t.queue.unread > MAX_UNREAD_ENTRIES and not d.finished:
                 self._stop_slow_reader(d.request_id, t)
+
+    def _make_text(self, d: P.Delta, t: _Tracked) -> None:
+        """The delta's text from the ids the engine named, as the engine would have made it; a
+        finished delta (not an error) ends the text. A failure ends only this request, with
+        the error, as the engine's own detokenization failing would."""
+        try:
+            text = t.text.append(d.text_ids).text if d.text_ids else ""
+            if d.finished and d.finish_reason != "error":
+                text += t.text.finish()
+            d.text = text
+        except Exception as exc:  # noqa: BLE001 (ends only this request)
+            log.error("request %s: detokenizing its tokens failed: %s", d.request_id, exc, exc_info=exc)
+            if not d.finished:
+                try:
+                    self._send(P.Abort([d.request_id]))  # its later deltas go untracked
+                except EngineDead:
+                    pass  # nothing left to abort in
+            d.text, d.finished, d.finish_reason = "", True, "error"
+            d.error, d.error_status = f"the server could not detokenize this request's tokens: {exc}", 500
 
     def _stop_slow_reader(self, rid: str, t: _Tracked) -> None:
         """Abort this choice (its siblings follow on their next delta); the reader gets the

@@ -1,11 +1,13 @@
 """The engine loop in its own process, fed and drained over ZMQ IPC.
 
-Detokenization happens here, not in the front end: the engine already turns
-each step's tokens into text incrementally (`tandem.text.RequestText`) because
-stop strings must end a request in the step that completes them; doing it a
-second time in the front end, or moving stop strings there, would cost an abort
-round trip and extra generated tokens. The front end tokenizes prompts and
-applies chat templates, so the engine receives token ids only.
+Detokenization: a request with stop strings is detokenized here, step by step
+(`tandem.text.RequestText`), because its stop strings must end it in the step
+that completes them; moving them to the front end would cost an abort round trip
+and extra generated tokens. Every other request is detokenized by the front end
+(`Add.detokenize` False) from the ids each delta names (`Delta.text_ids`): the
+same decoder fed the same ids, off this process's path between two forwards
+(at 256 decoding rows, text was most of a result's processing). The front end
+tokenizes prompts and applies chat templates, so the engine receives token ids only.
 
 Per iteration: take every queued message without blocking while there is
 work (block when idle), run one `engine.step()`, send its deltas with fresh
@@ -140,7 +142,7 @@ class _EngineLoop:
                 continue
             try:
                 params = SamplingParams(**msgspec.structs.asdict(msg.params))
-                self.engine.add_request(msg.prompt_token_ids, params, msg.request_id)
+                self.engine.add_request(msg.prompt_token_ids, params, msg.request_id, detokenize=msg.detokenize)
             except ValueError as exc:  # the front end checks first; this is the backstop
                 rejected.append(P.Rejection(msg.request_id, 400, str(exc)))
                 continue
@@ -165,7 +167,7 @@ def _delta(out: StepOutput) -> P.Delta:
         prompt = [None if lp is None else P.Logprob(lp.token_id, lp.logprob, lp.top, lp.rank)
                   for lp in out.prompt_logprobs]
     return P.Delta(out.request_id, out.new_token_ids, out.new_text, out.finished, out.finish_reason, lps,
-                   out.num_cached_tokens, out.error, out.error_status, out.error_code, prompt)
+                   out.num_cached_tokens, out.error, out.error_status, out.error_code, prompt, out.text_ids)
 
 
 def _stats(engine) -> P.Stats:

@@ -42,6 +42,9 @@ class Add(msgspec.Struct, tag=True):
     request_id: str
     prompt_token_ids: list[int]
     params: Params
+    # False: the front end makes the text from each delta's `text_ids` (a request without stop
+    # strings); the engine's host time per step then holds no detokenization.
+    detokenize: bool = True
 
 
 class Abort(msgspec.Struct, tag=True):
@@ -68,7 +71,8 @@ class Logprob(msgspec.Struct, array_like=True):
 
 
 class Delta(msgspec.Struct, array_like=True):
-    """What one request gained in one engine step; text is already detokenized."""
+    """What one request gained in one engine step; its text detokenized by the engine, or by
+    the front end from `text_ids`."""
 
     request_id: str
     token_ids: list[int]
@@ -83,6 +87,9 @@ class Delta(msgspec.Struct, array_like=True):
     # On a choice's first delta when its params asked: None (the first prompt token), then one
     # per prompt token (StepOutput.prompt_logprobs).
     prompt_logprobs: list[Logprob | None] | None = None
+    # A request added with detokenize=False: the ids that carry text (StepOutput.text_ids);
+    # `text` is then empty and the front end makes it.
+    text_ids: list[int] | None = None
 
 
 class Rejection(msgspec.Struct):

@@ -53,6 +53,10 @@ class ReplicaRouter:
         self.metrics.routed.labels(str(target)).inc(len(request_ids))
         await self.replicas[target].submit(queue, request_ids, prompts, params)
 
+    def use_tokenizer(self, tokenizer) -> None:
+        for r in self.replicas:
+            r.use_tokenizer(tokenizer)
+
     def abort(self, request_ids: list[str]) -> None:
         for r in self.replicas:  # each aborts only the ids it tracks
             r.abort(request_ids)
