@@ -244,20 +244,23 @@ def test_kernels_built_while_serving_are_read_from_the_engines_warning(tmp_path,
     assert figs["serve.qwen3-0.6b.kernel_builds_while_serving"].value == 2
 
 
-def test_the_host_run_measures_decode_steps_that_detokenize(tmp_path):
-    """The suite's host-per-step run is `tandem bench latency --tokenizer`: each step of its
-    rows makes text (the saved tokenizer's vocabulary sizes the model); its figures are the
+@pytest.mark.parametrize("text", ["engine", "caller"])
+def test_the_host_run_measures_decode_steps_that_detokenize(tmp_path, text):
+    """The suite's host-per-step runs are `tandem bench latency --tokenizer`: each step of its
+    rows makes text (the saved tokenizer's vocabulary sizes the model), or with `--text caller`
+    names the ids whose text a caller makes (the server's engine); their figures are the
     overlapped row's host ms (lower is better) and GPU busy, with the phases as information."""
     from tandem.bench.presets import load_tokenizer
     from tandem.bench.suite_runs import Ctx, host_per_step
     saved = tmp_path / "tokenizer"
     load_tokenizer(None).save_pretrained(saved)
-    spec = host_per_step(Ctx(quick=True, device="cpu", raw=tmp_path, tokenizer=str(saved)), "qwen3-0.6b", 60)
+    spec = host_per_step(Ctx(quick=True, device="cpu", raw=tmp_path, tokenizer=str(saved)), "qwen3-0.6b", 60, text)
     assert spec.part == "latency" and "--tokenizer" in spec.argv
     subprocess.run(spec.argv, check=True, capture_output=True, timeout=300)
     report = json.loads((tmp_path / spec.json).read_text())
-    assert report["detokenizes"]
+    assert report["detokenizes"] == (text == "engine")
     figs = spec.figures(tmp_path / spec.json, tmp_path / "unused.log")
-    host = figs["host.tiny.b8.host_ms_per_step"]
+    key = "host.tiny.b8" + (".caller_text" if text == "caller" else "")
+    host = figs[f"{key}.host_ms_per_step"]
     assert host.better == "lower" and 0 < host.value
-    assert figs["host.tiny.b8.process_ms"].better == "none"
+    assert figs[f"{key}.process_ms"].better == "none"

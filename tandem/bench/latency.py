@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg.cuda_graph, cfg.tensor_parallel_size = args.cuda_graph, args.tp
     cfg.quantization, cfg.small_m_gemm = args.quantization, args.small_m_gemm
     engine = build_engine(cfg)  # --tp: starts the ranks
-    detokenizes = engine.tokenizer is not None  # each step makes text, as a user's does
+    detokenizes = engine.tokenizer is not None and args.text == "engine"  # each step makes text, as LLM()'s does
     rows = []
     for b in sizes:
         for overlap in (True, False):

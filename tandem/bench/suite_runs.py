@@ -123,17 +123,20 @@ def _latency_figures(path: Path, key: str) -> Figures:
     return figs
 
 
-def host_per_step(ctx: Ctx, preset: str, budget: float) -> RunSpec:
+def host_per_step(ctx: Ctx, preset: str, budget: float, text: str = "engine") -> RunSpec:
     """Issue 21's host target: host ms per step at 256 decode rows, each step detokenizing
-    (the saved tokenizer beside the dummy weights: its 49,152-token vocabulary sizes the LM head)."""
+    (the saved tokenizer beside the dummy weights: its 49,152-token vocabulary sizes the LM head).
+    `text="caller"`: the engine only names the text's ids, as `tandem serve`'s engine does for
+    requests without stop strings (its front end makes the text)."""
     model = ctx.model(preset)
     rows = 8 if ctx.quick else 256
     sizes = (["--steps", "5", "--warmup", "2", "--prompt-len", "8"] if ctx.quick else ["--steps", "60"])
-    tok = ["--tokenizer", ctx.tokenizer] if ctx.tokenizer else []
-    tag = f"host-{model}-b{rows}"
+    tok = ["--tokenizer", ctx.tokenizer, "--text", text] if ctx.tokenizer else []
+    caller = tok and text == "caller"
+    tag = f"host-{model}-b{rows}" + ("-caller-text" if caller else "")
     argv = [*BENCH, "latency", "--preset", model, "--device", ctx.device, "--batch-sizes", str(rows), *sizes,
             "--ttft-burst", "2", *tok, "--json", str(ctx.raw / f"{tag}.json")]
-    key = f"host.{model}.b{rows}" + ("" if tok else ".no_text")
+    key = f"host.{model}.b{rows}" + ((".caller_text" if caller else "") if tok else ".no_text")
     return RunSpec("latency", tag, argv, budget, lambda j, _: _host_figures(j, key))
 
 
@@ -330,6 +333,7 @@ def plan(ctx: Ctx) -> list[RunSpec]:
             offline(ctx, "llama-3.1-8b", None, False, 70),
             latency(ctx, "qwen3-0.6b", None, 45),
             host_per_step(ctx, "qwen3-0.6b", 45),
+            host_per_step(ctx, "qwen3-0.6b", 45, text="caller"),
             serve(ctx, "qwen3-0.6b", "server", 90),
             serve(ctx, "qwen3-0.6b", "engine", 50),
             prefix(ctx, "qwen3-0.6b", "on", 40),
