@@ -534,7 +534,7 @@ class Engine:
         self._carried.append(StepOutput(request_id, [], req.text.finish() if req.text else "", True, reason,
                                         num_cached_tokens=req.num_cached_tokens, error=error,
                                         error_status=error_status, error_code=error_code,
-                                        text_ids=[] if req.text_outside else None))
+                                        text_ids=_no_text_ids(req)))
 
     def has_unfinished(self) -> bool:
         return not self.closed and (self.scheduler.has_work() or self.pending is not None
@@ -801,7 +801,7 @@ class Engine:
             self._finish(f.req, "error")
             outputs.append(StepOutput(f.req.rid, [], "", True, "error", error=f.message,
                                       error_status=f.status, error_code=f.code,
-                                      text_ids=[] if f.req.text_outside else None))
+                                      text_ids=_no_text_ids(f.req)))
 
     def _process_first(self, batch: ScheduledBatch) -> bool:
         """Consecutive-prefill switch: finish the previous prefill before the next one."""
@@ -975,7 +975,7 @@ class Engine:
             self._finish(req, "error")
         return StepOutput(req.rid, [], "", True, "error", num_cached_tokens=req.num_cached_tokens,
                           error=f"the engine could not process this request's token: {first_line(exc)}",
-                          text_ids=[] if req.text_outside else None)
+                          text_ids=_no_text_ids(req))
 
     def _take_token(self, req: Request, token: int, lp: TokenLogprob | None) -> str | None:
         """The token joins the request's outputs and its grammar. Returns the finish its text
@@ -1104,6 +1104,12 @@ def _top_pairs(top_ids: list[list[int]] | None, top_lps: list[list[float]] | Non
     if not n or top_ids is None:
         return []
     return list(zip(top_ids[row][:n], top_lps[row][:n]))
+
+
+def _no_text_ids(req: Request) -> list[int] | None:
+    """`StepOutput.text_ids` of an output that carries no token: none to detokenize, where the
+    caller makes the request's text (a finished one ends it); None where the engine does."""
+    return [] if req.text_outside else None
 
 
 def _merged(outs: list[StepOutput]) -> StepOutput:

@@ -171,12 +171,13 @@ def main(argv: list[str] | None = None) -> int:
     cfg.cuda_graph, cfg.tensor_parallel_size = args.cuda_graph, args.tp
     cfg.quantization, cfg.small_m_gemm = args.quantization, args.small_m_gemm
     engine = build_engine(cfg)  # --tp: starts the ranks
-    detokenizes = engine.tokenizer is not None and args.text == "engine"  # each step makes text, as LLM()'s does
+    engine_text = args.text == "engine"
+    detokenizes = engine.tokenizer is not None and engine_text  # each step makes text, as LLM()'s does
     rows = []
     for b in sizes:
         for overlap in (True, False):
             rows.append(steady_decode(engine, b, overlap, args.steps, args.warmup, args.prompt_len,
-                                      detokenize=args.text == "engine"))
+                                      detokenize=engine_text))
     print(format_table(rows))
     for r in rows:
         print(f"host phases, batch {r.batch}, overlap {'on' if r.overlap else 'off'}: {r.phases_ms}")

@@ -132,7 +132,7 @@ def host_per_step(ctx: Ctx, preset: str, budget: float, text: str = "engine") ->
     rows = 8 if ctx.quick else 256
     sizes = (["--steps", "5", "--warmup", "2", "--prompt-len", "8"] if ctx.quick else ["--steps", "60"])
     tok = ["--tokenizer", ctx.tokenizer, "--text", text] if ctx.tokenizer else []
-    caller = tok and text == "caller"
+    caller = bool(tok) and text == "caller"
     tag = f"host-{model}-b{rows}" + ("-caller-text" if caller else "")
     argv = [*BENCH, "latency", "--preset", model, "--device", ctx.device, "--batch-sizes", str(rows), *sizes,
             "--ttft-burst", "2", *tok, "--json", str(ctx.raw / f"{tag}.json")]

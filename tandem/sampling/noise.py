@@ -23,7 +23,8 @@ _M32 = 0xFFFF_FFFF
 
 
 def _mix32(x: Tensor) -> Tensor:
-    """lowbias32 (Wellons) on 32-bit values held in int64 (or Python ints).
+    """lowbias32 (Wellons) on 32-bit values held in int64 (or Python ints, or numpy uint64:
+    the host's `row_keys_host`).
 
     Every product is a 32-bit value times a constant below 2**31, so it fits in
     int64 without overflow: the bits are defined and equal on CPU and CUDA. The
@@ -54,15 +55,10 @@ def seed_key(seed: int) -> int:
 
 def row_keys_host(seed_keys: np.ndarray, output_index: list[int]) -> np.ndarray:
     """`row_keys` on the host from each row's `seed_key` (any integer or float array of
-    them) and output index: one mix, in numpy uint64 (products of two 32-bit values cannot
-    wrap there); the same bits, as int64."""
-    m = np.uint64(_M32)
-    x = np.asarray(seed_keys).astype(np.uint64) ^ (np.array(output_index, dtype=np.int64).astype(np.uint64) & m)
-    x = x ^ (x >> np.uint64(16))
-    x = (x * np.uint64(0x7FEB352D)) & m
-    x = x ^ (x >> np.uint64(15))
-    x = (x * np.uint64(0x846CA68B)) & m
-    return (x ^ (x >> np.uint64(16))).astype(np.int64)
+    them) and output index: `_mix32` once, in numpy uint64 (products of two 32-bit values
+    cannot wrap there); the same bits, as int64."""
+    index = np.array(output_index, dtype=np.int64).astype(np.uint64) & np.uint64(_M32)
+    return _mix32(np.asarray(seed_keys).astype(np.uint64) ^ index).astype(np.int64)
 
 
 def gumbel_noise(keys: Tensor, token_hash: Tensor) -> Tensor:
