@@ -47,7 +47,7 @@ _REPLACEMENT = "\ufffd"
 _DECODING_METHODS = ("decode", "_decode", "convert_tokens_to_string")
 
 
-def _decodes_with_backend(tokenizer: Any) -> bool:
+def decodes_with_backend(tokenizer: Any) -> bool:
     """Is `tokenizer.decode(ids, skip_special_tokens=s, clean_up_tokenization_spaces=False)`
     the same as its Rust backend's `decode(ids, skip_special_tokens=s)`?
 
@@ -80,7 +80,7 @@ def ids_decoder(tokenizer: Any, skip_special_tokens: bool) -> Callable[[list[int
     kwargs plumbing) around one Rust call, so a stock fast tokenizer calls the Rust
     backend directly (about 2x faster per token).
     """
-    if _decodes_with_backend(tokenizer):
+    if decodes_with_backend(tokenizer):
         backend = tokenizer._tokenizer  # what `backend_tokenizer` returns, without the property
         return lambda ids: backend.decode(ids, skip_special_tokens=skip_special_tokens)
     return lambda ids: tokenizer.decode(
@@ -226,7 +226,7 @@ def token_pieces(tokenizer: Any) -> TokenPieces | None:
     """A table for the tokenizer if its ids' texts join as bytes (a byte-level decoder alone,
     decoded by the Rust backend); None otherwise (SentencePiece decoders strip a leading space
     at the start of a text: an id's text depends on what precedes it)."""
-    if tokenizer is None or not _decodes_with_backend(tokenizer) or _decode_stream_type() is None:
+    if tokenizer is None or not decodes_with_backend(tokenizer) or _decode_stream_type() is None:
         return None
     from tokenizers.decoders import ByteLevel
     return TokenPieces() if type(tokenizer._tokenizer.decoder) is ByteLevel else None
@@ -406,7 +406,7 @@ class _StopMatcher:
 def _decoder(tokenizer: Any, prompt_token_ids: Sequence[int], skip_special_tokens: bool,
              pieces: TokenPieces | None) -> _StreamDecoder | _IncrementalDecoder:
     """The Rust backend's stream where the tokenizer decodes with its backend; else the window decoder."""
-    stream_type = _decode_stream_type() if _decodes_with_backend(tokenizer) else None
+    stream_type = _decode_stream_type() if decodes_with_backend(tokenizer) else None
     if stream_type is None:
         return _IncrementalDecoder(tokenizer, prompt_token_ids, skip_special_tokens)
     return _StreamDecoder(tokenizer, prompt_token_ids, skip_special_tokens, stream_type, pieces)
@@ -479,6 +479,53 @@ class RequestText:
         if stop is None:
             out += self._stops.flush()
         return self._emit(out)
+
+
+@dataclass
+class TextAtEnd:
+    """A request whose caller makes its text once it has ended (`LLM.generate`): the ids each
+    of its outputs named (`StepOutput.text_ids`), in the order they came."""
+
+    prompt_token_ids: Sequence[int]
+    chunks: list[list[int]]
+    skip_special_tokens: bool = True
+    # Ended by an output that is not an error: its held-back tail is released (RequestText.finish).
+    ended: bool = True
+
+
+def texts_at_end(tokenizer: Any, requests: Sequence[TextAtEnd], pieces: TokenPieces | None = None) -> list[str]:
+    """Each request's text: exactly what a RequestText (no stop strings) fed its chunks as they
+    came would have made, at a fraction of the cost.
+
+    Where the tokenizer decodes with its Rust backend, one batch decode of each request's prompt
+    context and ids: the streamed text equals one full decode whenever that decode is valid
+    UTF-8 (no U+FFFD; `_IncrementalDecoder`). A request whose decode has a U+FFFD (broken bytes:
+    the streamed text may count them differently) is streamed chunk by chunk instead.
+    """
+    texts: list[str | None] = [None] * len(requests)
+    if decodes_with_backend(tokenizer):
+        for skip in (True, False):
+            rows = [i for i, r in enumerate(requests) if r.skip_special_tokens == skip]
+            if not rows:
+                continue
+            decode = ids_decoder(tokenizer, skip)
+            contexts = [_prompt_context(decode, list(requests[i].prompt_token_ids)) for i in rows]
+            batch = [ctx + [t for chunk in requests[i].chunks for t in chunk] for i, (ctx, _) in zip(rows, contexts)]
+            decoded = tokenizer._tokenizer.decode_batch(batch, skip_special_tokens=skip)
+            for i, (_, head), full in zip(rows, contexts, decoded):
+                if _REPLACEMENT not in full and full.startswith(head):
+                    texts[i] = full[len(head):]
+    return [text if text is not None else _streamed(tokenizer, r, pieces) for text, r in zip(texts, requests)]
+
+
+def _streamed(tokenizer: Any, request: TextAtEnd, pieces: TokenPieces | None) -> str:
+    text = RequestText(tokenizer, request.prompt_token_ids, skip_special_tokens=request.skip_special_tokens,
+                       pieces=pieces)
+    for chunk in request.chunks:
+        text.append(chunk)
+    if request.ended:
+        text.finish()
+    return text.text
 
 
 class TokenNames:

@@ -116,3 +116,33 @@ def test_a_text_cut_inside_a_character_is_finished_by_the_caller(tiny_text_model
         engine.release(rid)
         texts[detokenize] = text
     assert texts[False] == texts[True] != ""
+
+
+@pytest.mark.parametrize("spec", [False, True], ids=["plain", "self-draft"])
+def test_llm_generate_makes_each_text_at_the_end_the_engines_text(tiny_text_model, spec, monkeypatch):
+    """`LLM.generate` leaves the text of requests without stop strings to itself and makes it
+    once they ended (texts_at_end): the same texts, n > 1 and stop ids among them, as when the
+    engine streams them step by step."""
+    from tandem import LLM
+    import tandem.entrypoints.llm as llm_module
+    # The model drafting for itself: greedy drafts are all accepted, outputs carry runs of ids.
+    speculative = {"model": str(tiny_text_model), "num_speculative_tokens": 3} if spec else None
+    llm = LLM(str(tiny_text_model), device=TEST_DEVICE, dtype="float32", max_total_tokens=900,
+              speculative_config=speculative)
+    llm.engine.eos_token_ids = {2}  # a stop id the random model does emit
+    specs = _specs(llm.engine, seed=11 + spec)[:20]
+    params = [s.params.clone(n=2) if i % 5 == 0 else s.params for i, s in enumerate(specs)]
+    made = []
+    real = llm_module.texts_at_end
+    monkeypatch.setattr(llm_module, "texts_at_end", lambda *a: made.extend(a[1]) or real(*a))
+    at_end = llm.generate([s.prompt for s in specs], params, use_tqdm=False)
+    assert len(made) == sum(p.num_samples for p in params if not p.stop)  # every request without stop strings
+    assert any(len(chunk) > 1 for r in made for chunk in r.chunks) == spec  # verify steps name runs of ids
+    llm._texts_at_end = False  # the engine makes every text, step by step
+    # The same schedule (a warm prefix cache changes which steps verify, hence sampled draws).
+    llm.reset_prefix_cache()
+    streamed = llm.generate([s.prompt for s in specs], params, use_tqdm=False)
+    assert [[o.token_ids for o in r.outputs] for r in at_end] == [[o.token_ids for o in r.outputs] for r in streamed]
+    assert [[o.text for o in r.outputs] for r in at_end] == [[o.text for o in r.outputs] for r in streamed]
+    assert sum(bool(o.text) for r in at_end for o in r.outputs) > len(specs) // 2
+    llm.close()

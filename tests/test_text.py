@@ -11,7 +11,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from tandem.text import RequestText, TextDelta, _decodes_with_backend, _StopMatcher, ids_decoder
+from tandem.text import RequestText, TextDelta, decodes_with_backend, _StopMatcher, ids_decoder
 
 REPL = "\ufffd"
 
@@ -403,7 +403,7 @@ def test_stop_matching_cost_does_not_grow_with_the_number_of_stop_strings():
 def test_backend_decode_equals_tokenizer_decode(tok, skip):
     """Every window the streaming decoder may ask for decodes to what `decode` gives: random
     slices of real text with special tokens (skipped or shown) and characters cut mid-way."""
-    assert _decodes_with_backend(tok)
+    assert decodes_with_backend(tok)
     fast = ids_decoder(tok, skip)
     rng = random.Random(0)
     ids = enc(tok, " ".join(TEXTS) + "".join(POOL))
@@ -423,7 +423,7 @@ def test_clean_up_never_applied_on_the_fast_path(smollm):
     # transformers 5 skips the clean-up for BPE models unless told to corrupt their output
     cleaning.clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output = True
     assert cleaning.decode(ids) != "a , b . c ! don 't"  # the clean-up is on
-    assert _decodes_with_backend(cleaning)
+    assert decodes_with_backend(cleaning)
     _, _, rt = stream(cleaning, [], ids)
     assert rt.text == "a , b . c ! don 't"
 
@@ -441,7 +441,7 @@ class _ShoutingPrivateDecode(PreTrainedTokenizerFast):
 @pytest.mark.parametrize("cls", [_ShoutingDecode, _ShoutingPrivateDecode])
 def test_subclass_overriding_decode_keeps_its_decode(smollm, cls):
     shouting = cls(tokenizer_object=smollm.backend_tokenizer)
-    assert not _decodes_with_backend(shouting)
+    assert not decodes_with_backend(shouting)
     _, _, rt = stream(shouting, enc(smollm, "Say:"), enc(smollm, "quiet words 😀"))
     assert rt.text == "QUIET WORDS 😀"
 
@@ -449,7 +449,7 @@ def test_subclass_overriding_decode_keeps_its_decode(smollm, cls):
 def test_decode_patched_on_the_instance_is_used(smollm):
     patched = PreTrainedTokenizerFast(tokenizer_object=smollm.backend_tokenizer)
     patched.decode = lambda ids, **kw: "x" * len(ids)
-    assert not _decodes_with_backend(patched)
+    assert not decodes_with_backend(patched)
     assert ids_decoder(patched, True)([1, 2, 3]) == "xxx"
 
 
@@ -554,3 +554,51 @@ def test_the_table_learns_each_id_once_and_keeps_specials_apart(smollm):
     assert text == expected_text(smollm, prompt, gen, False) and calls == []
     assert run(True)[0] == "Hello there, world again"
     assert eos not in pieces.table(True)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_texts_made_at_the_end_are_the_streamed_texts(tok, seed, monkeypatch):
+    """`texts_at_end` (one batch decode; LLM.generate) gives each request the text a RequestText
+    fed its chunks as they came makes: valid text (specials skipped or shown, random chunks,
+    ended or cut by an error) from the batch decode alone, broken bytes and random ids by
+    streaming them."""
+    import tandem.text as text_module
+    from tandem.text import TextAtEnd, texts_at_end, token_pieces
+    rng = random.Random(seed)
+    opener = tok.convert_tokens_to_ids("ä" if tok.backend_tokenizer.decoder.__class__.__name__ == "ByteLevel"
+                                       else "<0xE4>")
+    requests, valid = [], []
+    for k in range(40):
+        broken = k % 4 == 3
+        if broken:  # random ids around a byte that opens a character: broken bytes, specials anywhere
+            gen = [rng.randrange(len(tok)) for _ in range(rng.randint(0, 30))]
+            gen.insert(rng.randint(0, len(gen)), opener)
+        else:
+            gen = enc(tok, "".join(rng.choice(POOL) for _ in range(rng.randint(0, 25))))
+            for _ in range(rng.choice([0, 1, 2])):  # a special between characters
+                at = [i for i in range(len(gen) + 1) if REPL not in tok.decode(gen[:i])]
+                gen.insert(rng.choice(at), tok.eos_token_id)
+        chunks, left = [], len(gen)
+        while left:
+            chunks.append(gen[len(gen) - left:len(gen) - left + min(left, rng.choice([1, 1, 2, 3, 5]))])
+            left -= len(chunks[-1])
+        prompt = enc(tok, "".join(rng.choice(POOL) for _ in range(rng.randint(0, 6))))
+        requests.append(TextAtEnd(prompt, chunks, rng.random() < 0.7, ended=rng.random() < 0.8))
+        valid.append(not broken)
+    pieces = token_pieces(tok)
+    want = [text_module._streamed(tok, r, pieces) for r in requests]
+    streamed = []
+    real = text_module._streamed
+    monkeypatch.setattr(text_module, "_streamed", lambda t, r, p: streamed.append(r) or real(t, r, p))
+    assert texts_at_end(tok, requests, pieces) == want
+    assert not any(r is s for s in streamed for r, ok in zip(requests, valid) if ok)  # the batch decode made them
+    assert streamed  # broken bytes were among them
+
+
+def test_texts_at_end_without_the_rust_backend_stream_every_request(smollm):
+    """A tokenizer whose decode the backend may not reproduce (a subclass overriding it) gets
+    its text the streamed way, through its own decode."""
+    from tandem.text import TextAtEnd, texts_at_end
+    shouting = _ShoutingPrivateDecode(tokenizer_object=smollm.backend_tokenizer)
+    gen = enc(smollm, "quiet words 😀")
+    assert texts_at_end(shouting, [TextAtEnd(enc(smollm, "Say:"), [gen[:1], gen[1:]])]) == ["QUIET WORDS 😀"]

@@ -5,6 +5,7 @@ import dataclasses
 import logging
 import time
 import weakref
+from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -18,7 +19,7 @@ from tandem.entrypoints.interrupts import interrupts_between_steps
 from tandem.options import llm_config
 from tandem.outputs import RequestOutput, SampleLogprobs, TokenLogprob, prompt_logprobs, sample_logprobs
 from tandem.sampling import SamplingParams
-from tandem.text import TokenNames
+from tandem.text import TextAtEnd, TokenNames, decodes_with_backend, texts_at_end
 
 # vLLM's PromptType, text only: a str, token ids, {"prompt": str} or {"prompt_token_ids": [...]}.
 Prompt = str | list[int] | dict[str, Any]
@@ -33,6 +34,9 @@ class LLM:
         self.engine = engine = build_engine(llm_config(model, options))
         self.tokenizer = engine.tokenizer
         self._names = TokenNames(engine.tokenizer)  # logprobs' decoded_token
+        # Texts are made once the requests ended, in one batch decode (texts_at_end), not step by
+        # step between two forwards; only a tokenizer the Rust backend decodes makes that cheaper.
+        self._texts_at_end = decodes_with_backend(engine.tokenizer)
         _finalize_with_engine(engine)
 
     def get_tokenizer(self) -> Any:
@@ -68,28 +72,49 @@ class LLM:
                 for prompt, sp in zip(prompts, params):
                     groups.append([])  # before adding: a failure part-way still cancels what was added
                     for seq in sp.samples():
-                        groups[-1].append(engine.add_request(prompt.engine_input, seq))
-                self._run(sum(len(g) for g in groups), use_tqdm, check_interrupt)
-                outputs = [self._merge([engine.output(rid) for rid in g], sp, p)
+                        groups[-1].append(engine.add_request(prompt.engine_input, seq,
+                                                             detokenize=not self._texts_at_end))
+                text_ids = self._run(sum(len(g) for g in groups), use_tqdm, check_interrupt)
+                outputs = [self._merge(self._with_texts([engine.output(rid) for rid in g], sp, text_ids), sp, p)
                            for g, sp, p in zip(groups, params, prompts)]
             finally:
                 if not engine.dead:  # a dead CUDA context (or worker) must not be touched again
                     engine.cancel([rid for g in groups for rid in g])  # on error too: nothing leaked
         return outputs  # a request whose step failed has finish_reason 'error' (the engine logs why)
 
-    def _run(self, num_sequences: int, use_tqdm: bool, check_interrupt) -> None:
+    def _run(self, num_sequences: int, use_tqdm: bool, check_interrupt) -> dict[str, list[list[int]]]:
+        """Step until every request ended; returns the ids each request's outputs named for its
+        text (`StepOutput.text_ids`, requests the engine makes no text for), output by output."""
         engine = self.engine
         bar = tqdm(total=num_sequences, desc="generate", unit="seq", dynamic_ncols=True,
                    disable=not use_tqdm or num_sequences < 2)
         tokens, start = 0, time.perf_counter()
+        text_ids: dict[str, list[list[int]]] = defaultdict(list)
         while engine.has_unfinished():
             check_interrupt()  # Ctrl-C lands here, between steps
-            outs = engine.step()
-            tokens += sum(len(o.new_token_ids) for o in outs)
-            bar.update(sum(o.finished for o in outs))
+            finished = 0
+            for out in engine.step():
+                tokens += len(out.new_token_ids)
+                finished += out.finished
+                if out.text_ids is not None:
+                    text_ids[out.request_id].append(out.text_ids)
+            bar.update(finished)
             if not bar.disable:
                 bar.set_postfix_str(f"{tokens / (time.perf_counter() - start):.0f} tok/s", refresh=False)
         bar.close()
+        return text_ids
+
+    def _with_texts(self, outs: list[RequestOutput], sp: SamplingParams,
+                    text_ids: dict[str, list[list[int]]]) -> list[RequestOutput]:
+        """The outputs with the texts the engine left to this caller (requests without stop
+        strings), made from the ids they named: the text the engine would have streamed."""
+        if not self._texts_at_end or sp.stop:
+            return outs
+        wanted = [TextAtEnd(o.prompt_token_ids, text_ids.get(o.request_id, []), sp.skip_special_tokens,
+                            ended=o.outputs[0].finish_reason != "error") for o in outs]
+        texts = texts_at_end(self.tokenizer, wanted, self.engine.token_pieces)
+        return [dataclasses.replace(o, outputs=[dataclasses.replace(o.outputs[0], text=t)])
+                for o, t in zip(outs, texts)]
 
     def reset_prefix_cache(self) -> int:
         """Drop every cached prompt prefix no running request uses; returns the KV slots freed."""
