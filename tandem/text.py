@@ -228,8 +228,13 @@ def token_pieces(tokenizer: Any) -> TokenPieces | None:
     at the start of a text: an id's text depends on what precedes it)."""
     if tokenizer is None or not decodes_with_backend(tokenizer) or _decode_stream_type() is None:
         return None
+    return TokenPieces() if _byte_level(tokenizer) else None
+
+
+def _byte_level(tokenizer: Any) -> bool:
+    """Its backend's decoder is byte-level BPE's alone: text is the UTF-8 of the ids' bytes."""
     from tokenizers.decoders import ByteLevel
-    return TokenPieces() if type(tokenizer._tokenizer.decoder) is ByteLevel else None
+    return type(tokenizer._tokenizer.decoder) is ByteLevel
 
 
 class _StreamDecoder:
@@ -499,8 +504,12 @@ def texts_at_end(tokenizer: Any, requests: Sequence[TextAtEnd], pieces: TokenPie
 
     Where the tokenizer decodes with its Rust backend, one batch decode of each request's prompt
     context and ids: the streamed text equals one full decode whenever that decode is valid
-    UTF-8 (no U+FFFD; `_IncrementalDecoder`). A request whose decode has a U+FFFD (broken bytes:
-    the streamed text may count them differently) is streamed chunk by chunk instead.
+    UTF-8 (no U+FFFD; `_IncrementalDecoder`). With broken bytes (U+FFFD) it does too for a
+    byte-level decoder, whose U+FFFD replace each broken run where it lies, once the request
+    ended (an error leaves the stream holding a last unfinished character back). The one
+    exception: 32 ids in a row that end no character, which the stream releases as U+FFFD
+    before it knows what follows. Every other request with a U+FFFD (byte fallback spreads it
+    over a whole byte run) is streamed chunk by chunk.
     """
     texts: list[str | None] = [None] * len(requests)
     if decodes_with_backend(tokenizer):
@@ -508,12 +517,12 @@ def texts_at_end(tokenizer: Any, requests: Sequence[TextAtEnd], pieces: TokenPie
             rows = [i for i, r in enumerate(requests) if r.skip_special_tokens == skip]
             if not rows:
                 continue
-            decode = ids_decoder(tokenizer, skip)
+            decode, byte_level = ids_decoder(tokenizer, skip), _byte_level(tokenizer)
             contexts = [_prompt_context(decode, list(requests[i].prompt_token_ids)) for i in rows]
             batch = [ctx + [t for chunk in requests[i].chunks for t in chunk] for i, (ctx, _) in zip(rows, contexts)]
             decoded = tokenizer._tokenizer.decode_batch(batch, skip_special_tokens=skip)
             for i, (_, head), full in zip(rows, contexts, decoded):
-                if _REPLACEMENT not in full and full.startswith(head):
+                if full.startswith(head) and (_REPLACEMENT not in full or byte_level and requests[i].ended):
                     texts[i] = full[len(head):]
     return [text if text is not None else _streamed(tokenizer, r, pieces) for text, r in zip(texts, requests)]
 

@@ -13,6 +13,7 @@ from tandem.bench.roofline import Hardware, ModelCost, measure_hardware, model_c
 from tandem.config import EngineConfig
 from tandem.diagnostics.timeline import StepRecord
 from tandem.engine import Engine
+from tandem.entrypoints.llm import LLM
 
 SMALL = ["--preset", "tiny", "--num-requests", "16", "--min-len", "8", "--max-len", "48", "--device", "cpu"]
 
@@ -86,12 +87,13 @@ def test_workload_is_seeded_and_in_range():
 def test_timeline_tokens_match_the_workload():
     """Every prompt token and every sampled token but the last is fed once: the counts the
     roofline uses add up to the workload."""
-    engine = Engine(EngineConfig(model=preset_dir("tiny"), dummy_weights=True, device="cpu",
-                                 timeline=True, max_prefill_tokens=64, chunked_prefill_size=32))
+    llm = LLM.from_config(EngineConfig(model=preset_dir("tiny"), dummy_weights=True, device="cpu",
+                                       timeline=True, max_prefill_tokens=64, chunked_prefill_size=32))
+    engine = llm.engine
     wl = make_workload(12, engine.model_config.vocab_size, 5, 80, seed=1)
     for overlap in (True, False):
         first = len(engine.timeline.records)
-        row = run_tandem(engine, wl, overlap, f"t{overlap}")
+        row = run_tandem(llm, wl, overlap, progress=False)
         recs = engine.timeline.records[first:]
         assert row.output_tokens == wl.output_tokens and row.steps == len(recs)
         assert sum(r.num_tokens for r in recs) == wl.input_tokens + wl.output_tokens - wl.num_requests

@@ -138,9 +138,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="with --preset: this saved tokenizer (its vocabulary) beside the dummy weights, so each "
                          "step detokenizes as a user's does ('builtin': the built-in model's); without it no text is made")
     ap.add_argument("--text", default="engine", choices=["engine", "caller"],
-                    help="with --tokenizer: who makes the text. caller: the engine names the ids "
-                         "(add_request's detokenize=False) and no text is made, the engine's share of "
-                         "a server whose front end detokenizes")
+                    help="with --tokenizer: who makes the text. engine: each step detokenizes (requests "
+                         "with stop strings). caller: the engine names the ids (add_request's detokenize=False) "
+                         "and makes no text, as for LLM.generate (texts made at the end) and tandem serve "
+                         "(its front end detokenizes) for requests without stop strings")
     ap.add_argument("--batch-sizes", default="1,8,16,64,256")
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--warmup", type=int, default=10)
@@ -172,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg.quantization, cfg.small_m_gemm = args.quantization, args.small_m_gemm
     engine = build_engine(cfg)  # --tp: starts the ranks
     engine_text = args.text == "engine"
-    detokenizes = engine.tokenizer is not None and engine_text  # each step makes text, as LLM()'s does
+    detokenizes = engine.tokenizer is not None and engine_text  # each step makes text (stop strings)
     rows = []
     for b in sizes:
         for overlap in (True, False):

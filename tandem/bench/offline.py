@@ -2,7 +2,8 @@
 with the roofline of this very run and, optionally, transformers' continuous batching.
 
 Workload: N requests (256), input and output lengths uniform in [min, max] ([100, 1024]),
-random token ids, EOS ignored, fixed seed; all requests arrive at once, greedy sampling.
+random token ids, EOS ignored, fixed seed; all requests arrive at once, greedy sampling, in
+one `LLM.generate` as users call it (its progress bar shown; a preset has no tokenizer, so no text).
 For each engine run: wall time from the first request added to the last token, output and
 total (input + output) tokens/s, and the roofline counted from the step timeline (bytes and
 FLOPs of the actual schedule over bandwidth and matmul rate measured in this process; see
@@ -26,8 +27,7 @@ import torch
 
 from tandem.bench.presets import preset_dir
 from tandem.bench.roofline import Hardware, ModelCost, measure_hardware, model_cost, roofline
-from tandem.engine import Engine
-from tandem.entrypoints.ranks import build_engine
+from tandem.entrypoints.llm import LLM
 from tandem.options import add_engine_options, engine_config
 from tandem.sampling import SamplingParams
 
@@ -111,26 +111,22 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def run_tandem(engine: Engine, wl: Workload, overlap: bool, tag: str,
-               cost: ModelCost | None = None, hw: Hardware | None = None) -> RunRow:
-    """All requests at once; steps until done. Token counts are checked against the workload."""
+def run_tandem(llm: LLM, wl: Workload, overlap: bool, cost: ModelCost | None = None,
+               hw: Hardware | None = None, progress: bool = True) -> RunRow:
+    """All requests in one `LLM.generate`, as users run it (its progress bar and texts
+    included); token counts are checked against the workload."""
+    engine = llm.engine
     engine.cfg.disable_overlap = not overlap
     engine.reset_prefix_cache()  # runs repeat prompts: each computes its own
     first = len(engine.timeline.records) if engine.timeline is not None else 0
     preempt0 = engine.scheduler.num_preemptions
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in wl.output_lens]
     _sync(engine.device)
     start = time.perf_counter()
-    rids = [engine.add_request(p, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True),
-                               request_id=f"{tag}-{i}")
-            for i, (p, n) in enumerate(zip(wl.prompts, wl.output_lens))]
-    while engine.has_unfinished():
-        engine.step()
+    outputs = llm.generate(wl.prompts, params, use_tqdm=progress)
     _sync(engine.device)
     wall = time.perf_counter() - start
-    got = []
-    for rid in rids:
-        got.append(len(engine.output(rid).token_ids))
-        engine.release(rid)
+    got = [len(o.outputs[0].token_ids) for o in outputs]
     if got != wl.output_lens:
         bad = [(i, g, n) for i, (g, n) in enumerate(zip(got, wl.output_lens)) if g != n][:5]
         raise RuntimeError(f"tandem produced the wrong number of tokens (index, got, want): {bad}")
@@ -151,11 +147,11 @@ def run_tandem(engine: Engine, wl: Workload, overlap: bool, tag: str,
     return row
 
 
-def warm_up(engine: Engine, wl: Workload, n: int = 16) -> None:
+def warm_up(llm: LLM, wl: Workload, n: int = 16) -> None:
     """A few of the workload's prompts with short outputs, both modes: kernels compiled, caches hot."""
     small = Workload(wl.prompts[:n], [min(4, x) for x in wl.output_lens[:n]], wl.seed)
     for overlap in (True, False):
-        run_tandem(engine, small, overlap, f"warm-{overlap}")
+        run_tandem(llm, small, overlap, progress=False)
 
 
 # ---- transformers ----
@@ -282,7 +278,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg.model, cfg.dummy_weights = preset_dir(args.preset), True
     cfg.timeline = cfg.timeline or True  # the roofline is counted from the step timeline
     t0 = time.perf_counter()
-    engine = build_engine(cfg)  # --tp: starts the ranks
+    llm = LLM.from_config(cfg)  # --tp: starts the ranks
+    engine = llm.engine
     device, dtype = engine.device, engine.dtype
     _log(f"engine ready in {time.perf_counter() - t0:.1f} s ({device}, {dtype})")
     wl = make_workload(args.num_requests, engine.model_config.vocab_size, args.min_len, args.max_len,
@@ -292,10 +289,10 @@ def main(argv: list[str] | None = None) -> int:
     cost = model_cost(engine.model, engine.model.local_config, dtype)  # this rank's share
     _log(f"measured: {hw.bandwidth / 1e9:,.1f} GB/s copy, {hw.matmul_flops / 1e12:,.2f} TFLOP/s {hw.dtype}")
     if not args.no_warmup:
-        warm_up(engine, wl)
+        warm_up(llm, wl)
     rows = []
     for overlap in (True,) if args.no_overlap_off else (True, False):
-        rows.append(run_tandem(engine, wl, overlap, f"run-{overlap}", cost, hw))
+        rows.append(run_tandem(llm, wl, overlap, cost, hw))
         _log(f"tandem overlap {'on' if overlap else 'off'}: {rows[-1].wall_s:.2f} s, "
              f"{rows[-1].output_tok_s:,.0f} output tok/s")
     engine_info = {"max_model_len": engine.max_model_len, "kv_tokens": engine.kv_slots.count,
@@ -309,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
     status = 0
     engine.close()  # tensor-parallel workers
     if args.compare_hf:
-        del engine
+        del engine, llm
         _free(device)
         if device.type == "cuda":
             _log(f"free for transformers: {torch.cuda.mem_get_info(device)[0] / 2**30:.1f} GiB")

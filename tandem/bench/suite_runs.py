@@ -124,10 +124,11 @@ def _latency_figures(path: Path, key: str) -> Figures:
 
 
 def host_per_step(ctx: Ctx, preset: str, budget: float, text: str = "engine") -> RunSpec:
-    """Issue 21's host target: host ms per step at 256 decode rows, each step detokenizing
-    (the saved tokenizer beside the dummy weights: its 49,152-token vocabulary sizes the LM head).
-    `text="caller"`: the engine only names the text's ids, as `tandem serve`'s engine does for
-    requests without stop strings (its front end makes the text)."""
+    """Issue 21's host target: host ms per step at 256 decode rows, each step detokenizing as
+    for requests with stop strings (the saved tokenizer beside the dummy weights: its
+    49,152-token vocabulary sizes the LM head). `text="caller"`: the engine only names the text's
+    ids, as it does for requests without stop strings under `LLM.generate` (texts made once they
+    ended) and `tandem serve` (its front end makes the text)."""
     model = ctx.model(preset)
     rows = 8 if ctx.quick else 256
     sizes = (["--steps", "5", "--warmup", "2", "--prompt-len", "8"] if ctx.quick else ["--steps", "60"])

@@ -32,18 +32,19 @@ def run_phase(preset: str, tp: int, requests: int, out: Path) -> None:
     from tandem.bench.presets import preset_dir
     from tandem.bench.roofline import measure_hardware, model_cost
     from tandem.config import EngineConfig
-    from tandem.entrypoints.ranks import build_engine  # starts the ranks
+    from tandem.entrypoints.llm import LLM  # starts the ranks
     t0 = time.perf_counter()
     cfg = EngineConfig(model=preset_dir(preset), dummy_weights=True, timeline=True,
                        tensor_parallel_size=tp, max_running_requests=256)
     error = None
     try:
-        engine = build_engine(cfg)
+        llm = LLM.from_config(cfg)
     except Exception as exc:  # e.g. a collective that cannot be captured: measure without graphs
         error = f"{type(exc).__name__}: {exc}"
         print(f"[tp_scaling] start failed ({error}); retrying with cuda_graph=off", flush=True)
         cfg.cuda_graph = "off"
-        engine = build_engine(cfg)
+        llm = LLM.from_config(cfg)
+    engine = llm.engine
     result = {"preset": preset, "tp": tp, "startup_s": time.perf_counter() - t0, "start_error": error,
               "cuda_graphs": engine.runner.graphs is not None, "kv_tokens": engine.kv_slots.count}
     try:
@@ -54,8 +55,8 @@ def run_phase(preset: str, tp: int, requests: int, out: Path) -> None:
         wl = make_workload(requests, engine.model_config.vocab_size, 100, 1024, 0)
         hw = measure_hardware(engine.device, engine.dtype)
         cost = model_cost(engine.model, engine.model.local_config, engine.dtype)
-        warm_up(engine, wl)
-        row = run_tandem(engine, wl, True, "run", cost, hw)
+        warm_up(llm, wl)
+        row = run_tandem(llm, wl, True, cost, hw, progress=False)
         result["offline"] = row.to_dict()
         result["hardware"] = {"bandwidth_gbs": hw.bandwidth / 1e9, "matmul_tflops": hw.matmul_flops / 1e12}
         out.write_text(json.dumps(result, indent=1))

@@ -13,6 +13,7 @@ import torch
 from tqdm import tqdm
 
 from tandem.chat_template import render_chat, text_content
+from tandem.config import EngineConfig
 from tandem.engine import Engine
 from tandem.entrypoints.ranks import build_engine
 from tandem.entrypoints.interrupts import interrupts_between_steps
@@ -31,7 +32,18 @@ class LLM:
         """`options`: the fields of `tandem.config.EngineConfig` (the command lines' engine
         flags, same names and defaults), `launch` and `experiments`; and vLLM's names for
         them (`max_num_seqs`, `enforce_eager`, ...: `tandem.options.VLLM_NAMES`)."""
-        self.engine = engine = build_engine(llm_config(model, options))
+        self._start(build_engine(llm_config(model, options)))
+
+    @classmethod
+    def from_config(cls, cfg: EngineConfig) -> "LLM":
+        """An LLM over the engine of a whole configuration (the command lines' engine flags,
+        as `tandem bench` reads them with `tandem.options.engine_config`)."""
+        llm = cls.__new__(cls)
+        llm._start(build_engine(cfg))
+        return llm
+
+    def _start(self, engine: Engine) -> None:
+        self.engine = engine
         self.tokenizer = engine.tokenizer
         self._names = TokenNames(engine.tokenizer)  # logprobs' decoded_token
         # Texts are made once the requests ended, in one batch decode (texts_at_end), not step by
