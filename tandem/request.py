@@ -26,36 +26,28 @@ class Request:
     params: SamplingParams
     seed: int
     max_samples: int  # min(max_tokens, room left in the context)
-    stop_ids: frozenset[int] = frozenset()  # token ids that finish it (EOS unless ignored, stop ids)
-    prompt: str | None = None  # the prompt text, when it came as text
-    text: RequestText | None = None  # incremental detokenizer; None for a model without tokenizer
-    # The caller makes its text (Engine.add_request's detokenize=False): outputs name the ids.
-    text_outside: bool = False
-    bias: Bias = ()  # (token id, added logit) on every sample: logit_bias, bad words
-    min_tokens_bias: Bias = ()  # bans on stop ids while fewer than params.min_tokens exist
-    arrival_time: float = field(default_factory=time.monotonic)
+    # Read for every row of every step (planning, launching, processing a result), so declared
+    # together: an instance's attributes lie in declaration order, and after a forward the
+    # requests are cold in the CPU's caches, where each cache line a row touches costs.
     status: Status = Status.WAITING
     output_token_ids: list[int] = field(default_factory=list)  # processed (known to the host)
-    output_logprobs: list = field(default_factory=list)
-    # prompt_logprobs: the engine's TokenLogprob of prompt tokens 1, 2, ... in order, as the
-    # steps that computed their rows are processed (row p's logits score token p + 1).
-    prompt_logprobs: list = field(default_factory=list)
-    finish_reason: str | None = None
-    stop_reason: str | int | None = None
+    stop_ids: frozenset[int] = frozenset()  # token ids that finish it (EOS unless ignored, stop ids)
+    # The caller makes its text (Engine.add_request's detokenize=False): outputs name the ids.
+    text_outside: bool = False
+    text: RequestText | None = None  # incremental detokenizer; None for a model without tokenizer
+    mask: object | None = None  # a grammar.MaskProducer (structured output), set once compiled
+    first_token_time: float | None = None
     # Placement, owned by the scheduler:
     slot: int = 0  # row in req_to_token and in the FutureMap; 0 = none
     kv_slots: list[int] = field(default_factory=list)  # KV slot of each computed token, in order
-    # Prefix cache (see tandem.memory.prefix_cache): kv_slots[:cached_len] are the tree's and
-    # locked through cache_node; duplicate_slots are the request's own copies of cached tokens.
-    cached_len: int = 0
-    cache_node: object = None
-    duplicate_slots: list[int] = field(default_factory=list)
-    host_hit_nodes: list = field(default_factory=list)  # loaded nodes this admission read first (host hits)
-    num_cached_tokens: int = 0  # prompt tokens reused from the cache at first admission
-    table_pending: int = 0  # leading table entries (reused from the cache) not yet on the device
     num_computed: int = 0  # tokens whose KV is written by work already launched
     prefill_target: int = 0  # len(fill_ids) when (re)admitted; decode starts once computed
     num_scheduled_samples: int = 0  # samples launched (>= processed outputs, by the lag)
+    last_step: int = -1  # last step that included this request (its KV is live until it completes)
+    # Prefix cache (see tandem.memory.prefix_cache): kv_slots[:cached_len] are the tree's and
+    # locked through cache_node; duplicate_slots are the request's own copies of cached tokens.
+    cached_len: int = 0
+    num_cached_tokens: int = 0  # prompt tokens reused from the cache at first admission
     # Speculative decoding: proposals of launched verify rows not processed yet. Each may add
     # up to this many outputs beyond num_scheduled_samples; while > 0 the length is unknown.
     spec_extra: int = 0
@@ -63,13 +55,25 @@ class Request:
     # the decode steps it proposes nothing for (tandem.speculative.planner.note_verified).
     spec_misses: int = 0
     spec_pause: int = 0
+    # Read when a request arrives, is admitted or ends:
+    prompt: str | None = None  # the prompt text, when it came as text
+    bias: Bias = ()  # (token id, added logit) on every sample: logit_bias, bad words
+    min_tokens_bias: Bias = ()  # bans on stop ids while fewer than params.min_tokens exist
+    arrival_time: float = field(default_factory=time.monotonic)
+    output_logprobs: list = field(default_factory=list)
+    # prompt_logprobs: the engine's TokenLogprob of prompt tokens 1, 2, ... in order, as the
+    # steps that computed their rows are processed (row p's logits score token p + 1).
+    prompt_logprobs: list = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    cache_node: object = None
+    duplicate_slots: list[int] = field(default_factory=list)
+    host_hit_nodes: list = field(default_factory=list)  # loaded nodes this admission read first (host hits)
+    table_pending: int = 0  # leading table entries (reused from the cache) not yet on the device
     spec_index: object | None = None  # a speculative.ngram.HostNgramIndex of its known tokens
-    last_step: int = -1  # last step that included this request (its KV is live until it completes)
-    first_token_time: float | None = None
     num_preemptions: int = 0
     prefetch_waits: int = 0  # plans that left it waiting for its host-tier prefix to load (PrefixCache)
     host_match_walk: object | None = None  # its prompt's last tree walk (PrefixCache._host_only_tokens)
-    mask: object | None = None  # a grammar.MaskProducer (structured output), set once compiled
 
     @functools.cached_property
     def sampling_row(self) -> bytes:
