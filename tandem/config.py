@@ -152,6 +152,12 @@ class Experiments:
     # time (0.6 tokens on average), about what the verify step costs over a decode step; after a
     # two-token match, 38-58 % (docs/benchmarks.md, session 28). 1: any match (before session 28).
     spec_verify_min_match: int = 2
+    # Draft-model proposals for sampled rows drawn with the noise plain sampling uses at the same
+    # output index (Gumbel-max coupling) and verified as point masses, as n-gram's are: the
+    # emitted tokens are plain decoding's, whichever steps speculate. Off: drawn with their own
+    # noise and verified by rejection sampling against the draft's distribution (the issue's
+    # method; a higher acceptance in theory).
+    spec_coupled_draft: bool = False
     # Host KV tier: one step's copy time per window for both directions, which the one copy
     # stream runs back to back (off: a step's worth each, two steps of copies per step).
     host_kv_shared_pace: bool = True

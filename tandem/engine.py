@@ -376,7 +376,7 @@ class Engine:
             return SpecState.ngram(rows, self.max_model_len, k, spec.prompt_lookup_min, spec.prompt_lookup_max,
                                    self.device, fused=self.device.type == "cuda" and self.backend.name == "triton")
         draft = DraftProposer(self.draft_model, self.draft_kv, self.backend, self.table, k, self.sampler.token_hash,
-                              rows, self.device)
+                              rows, self.device, coupled=self.cfg.experiments.spec_coupled_draft)
         return SpecState(rows, self.max_model_len, k, self.device, draft)
 
     def _capture_graphs(self, cascade: CascadeRule | None) -> DecodeGraphs | None:

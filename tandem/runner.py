@@ -317,7 +317,7 @@ class ModelRunner:
             return packed, None, None, None
         # Penalties position by position: query j counts the row's proposals before it.
         extra = self.spec.proposal_counts(step, self.sampler.vocab_size) if sampling.need_penalties else None
-        if self.spec.draft is not None and not sampling.all_greedy:
+        if step.proposal.probs is not None and not sampling.all_greedy:  # a draft's, not coupled
             verdict, out = self._rejection_verdict(step, logits, sampling, bitmask, extra)
         else:
             out = self.sampler.sample(logits, sampling, bitmask, extra)  # a bitmask only when every k is 0

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from tandem import SamplingParams
+from tandem.config import Experiments
 from tandem.speculative.draft import check_draft
 from test_speculative_engine import _engine, _generate, _prompts
 from tiny_models import TEST_DEVICE, make_cycling_model, make_tiny_model
@@ -250,3 +251,35 @@ def test_draft_steps_have_no_hidden_sync_on_cuda(target):
         engine.close()
     assert outs[0][::2] == outs[1][::2]  # the greedy rows
     assert [len(o) for o in outs[1]] == [p.max_tokens for p in params]
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_coupled_draws_make_sampled_rows_plain_decodings(target, other_draft, overlap):
+    """`Experiments.spec_coupled_draft`: the draft draws with the noise plain sampling uses at
+    each output index and the verify takes its draws as point masses, so sampled rows (seeds,
+    temperature, top-k/top-p) emit plain decoding's tokens through arrivals, chunked prefill,
+    prefix hits, aborts, preemption and a pool too short to propose at some steps. Rejection
+    sampling (the default) keeps only the distribution: its tokens differ. The shared noise is
+    what makes draws acceptable: with the draft's own noise (salted) 2 % of them were, coupled
+    10 %, rejection sampling 12 % (this workload, no pool limit)."""
+    specs = random_specs(40, 256, seed=5)
+    for s in specs:
+        s.params = s.params.clone(temperature=0.9, ignore_eos=True)
+    for s in specs[::4]:
+        s.prompt = specs[0].prompt[:30] + s.prompt[:10]
+    kw = dict(max_prefill_tokens=96, chunked_prefill_size=48, max_total_tokens=300, disable_overlap=not overlap)
+    plain_engine = _engine(target, **kw)
+    coupled_engine = _engine(target, _draft(other_draft), experiments=Experiments(spec_coupled_draft=True), **kw)
+    rejection_engine = _engine(target, _draft(other_draft), **kw)
+    plain = run_workload(plain_engine, specs)
+    assert_same_tokens(plain, run_workload(coupled_engine, specs), specs)
+    stats = coupled_engine.stats()
+    assert stats["num_preemptions"] > 0 and stats["prefix_cache_hit_tokens"] > 0
+    drafted, accepted = stats["spec_decode_num_draft_tokens"], stats["spec_decode_num_accepted_tokens"]
+    assert 0 < accepted < drafted  # another model: some draws differ from the target's
+    rejection = run_workload(rejection_engine, specs)
+    assert any(rejection[s.rid][0] != plain[s.rid][0] for s in specs if s.abort_after is None)
+    r = rejection_engine.stats()
+    assert accepted / drafted > 0.5 * r["spec_decode_num_accepted_tokens"] / r["spec_decode_num_draft_tokens"]
+    for engine in (plain_engine, coupled_engine, rejection_engine):
+        assert_kv_conserved(engine)

@@ -19,6 +19,12 @@ draft's softmax at the request's temperature with counter-based keys of (seed ^ 
 index), and the verify's rejection step reads that distribution (`Proposal.probs`). The
 draft's distribution may be anything for the rejection step to keep the target's; top-k/top-p
 apply to the target only.
+
+Coupled (`Experiments.spec_coupled_draft`): sampled rows draw with plain sampling's own key of
+the output index (no salt), the Gumbel noise the target adds to its logits there; the verify
+treats the draws as point masses (no `Proposal.probs`). A proposal is accepted where the
+target's noisy argmax is the draft's, and every emitted token is the target's own sample:
+plain decoding's tokens, whichever steps speculate.
 """
 from __future__ import annotations
 
@@ -38,9 +44,9 @@ DRAFT_SEED_SALT = 0x2545_F491_4F6C_DD1D
 
 class DraftProposer:
     def __init__(self, model, kv: KVCache, backend, table: ReqToTokenTable, k: int, token_hash: Tensor,
-                 max_slots: int, device: torch.device) -> None:
+                 max_slots: int, device: torch.device, coupled: bool = False) -> None:
         self.model, self.kv, self.backend, self.table, self.k = model, kv, backend, table, k
-        self.token_hash = token_hash
+        self.token_hash, self.coupled = token_hash, coupled
         # Per request row, written at admission (fill_: no host sync): what draws need.
         self.temperature = torch.zeros(max_slots + 1, dtype=torch.float32, device=device)
         self.seed = torch.zeros(max_slots + 1, dtype=torch.int64, device=device)
@@ -48,7 +54,8 @@ class DraftProposer:
 
     def admit(self, slot: int, prompt_len: int, temperature: float, seed: int) -> None:
         self.temperature[slot:slot + 1].fill_(float(temperature))
-        self.seed[slot:slot + 1].fill_(seed_to_int64(seed ^ DRAFT_SEED_SALT))
+        # Coupled: plain sampling's key, so a draw shares the target's noise at its output index.
+        self.seed[slot:slot + 1].fill_(seed_to_int64(seed if self.coupled else seed ^ DRAFT_SEED_SALT))
         self.prompt_len[slot:slot + 1].fill_(prompt_len)
 
     def mirror(self, batch) -> None:
@@ -76,17 +83,20 @@ class DraftProposer:
             ids, q = self._draw(logits, greedy, scale, self._keys(slots, lengths + i))
             tokens.append(ids)
             probs.append(q)
-        return Proposal(torch.stack(tokens, dim=1), k_rows.clone(), torch.stack(probs, dim=1))
+        return Proposal(torch.stack(tokens, dim=1), k_rows.clone(), None if self.coupled else torch.stack(probs, dim=1))
 
     def _keys(self, slots: Tensor, position: Tensor) -> Tensor:
         """The draw's key of the token at `position`: its output index, salted seed."""
         return row_keys(self.seed[slots], position - self.prompt_len[slots])
 
-    def _draw(self, logits: Tensor, greedy: Tensor, scale: Tensor, keys: Tensor) -> tuple[Tensor, Tensor]:
-        """(token [B], its distribution [B, V]): argmax and a point mass for greedy rows."""
+    def _draw(self, logits: Tensor, greedy: Tensor, scale: Tensor, keys: Tensor) -> tuple[Tensor, Tensor | None]:
+        """(token [B], its distribution [B, V]): argmax and a point mass for greedy rows.
+        Coupled: no distribution (the verify takes the draws as point masses)."""
         scaled = logits / scale
         point = logits.argmax(dim=-1)
         token = torch.where(greedy, point, gumbel_argmax(scaled, keys, self.token_hash))
+        if self.coupled:
+            return token, None
         one_hot = torch.nn.functional.one_hot(point, logits.shape[1]).to(torch.float32)
         return token, torch.where(greedy[:, None], one_hot, scaled.softmax(dim=-1))
 
