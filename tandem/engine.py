@@ -1162,12 +1162,17 @@ class _ReadStep:
 
 def _step_record(batch: ScheduledBatch, t_start: float, t_launch: float, t_end: float) -> StepRecord:
     """A timeline record of a launched step: its shape (for rooflines) and host times."""
-    tokens = context = pairs = 0
-    for r in batch.rows:  # one pass: this runs on every step, over every row
-        n = r.num_new
-        tokens += n
-        context += r.start + n
-        pairs += n * r.start + n * (n + 1) // 2
+    rows = batch.rows
+    if batch.is_decode and not batch.is_verify:  # one new token a row: one sum (every step, every row)
+        tokens = len(rows)
+        context = pairs = sum(r.start for r in rows) + tokens
+    else:
+        tokens = context = pairs = 0
+        for r in rows:
+            n = r.num_new
+            tokens += n
+            context += r.start + n
+            pairs += n * r.start + n * (n + 1) // 2
     return StepRecord(
         batch.step, len(batch.rows), tokens, batch.is_decode, context_tokens=context, attn_pairs=pairs,
         host_start=t_start, schedule_ms=(t_launch - t_start) * 1e3, launch_ms=(t_end - t_launch) * 1e3,

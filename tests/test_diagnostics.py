@@ -368,3 +368,25 @@ def test_timeline_recent_gauges_match_summary_window():
     assert g["gpu_busy_fraction"] == pytest.approx(fwd / (fwd + idle))
     assert g["mean_cpu_lead_ms"] == pytest.approx(sum(r.cpu_lead_ms for r in tl.records[6:]) / 4)
     assert Timeline().recent() == {"steps": 0, "mean_host_ms": 0.0}
+
+
+def test_step_records_count_tokens_context_and_pairs_of_every_kind_of_step():
+    """A decode step's record takes one sum over its rows; prefill and verify rows each count
+    their new tokens: context = start + n, pairs = n * start + n (n + 1) / 2 a row."""
+    from tandem.engine import _step_record
+    from tandem.request import Request
+    from tandem.scheduler.batch import Row, ScheduledBatch
+
+    def req():
+        return Request("r", [1, 2, 3], SamplingParams(), seed=0, max_samples=8)
+
+    def expected(rows, n_of):
+        return (sum(n_of(r) for r in rows), sum(r.start + n_of(r) for r in rows),
+                sum(n_of(r) * r.start + n_of(r) * (n_of(r) + 1) // 2 for r in rows))
+
+    decode = [Row(req(), start, [9], None, 0) for start in (0, 5, 17, 130)]
+    prefill = [Row(req(), 0, list(range(7)), list(range(7)), 0), Row(req(), 40, [1, 2], [5, 6], None)]
+    verify = [Row(req(), 12, [3, 4, 5], None, 0, spec_k=3), Row(req(), 30, [], None, 0, spec_k=0)]
+    for rows in (decode, prefill, decode[:2] + prefill, verify):
+        rec = _step_record(ScheduledBatch(step=3, rows=rows), 0.0, 0.001, 0.002)
+        assert (rec.num_tokens, rec.context_tokens, rec.attn_pairs) == expected(rows, lambda r: r.num_new)
