@@ -45,3 +45,19 @@ def test_experiments_reach_both_sides_engines(tiny_text_model, tmp_path, monkeyp
     assert json.loads(out.read_text())["experiments"] == ["spec_verify_min_match=1"]
     with pytest.raises(ValueError, match="--experiment takes NAME=VALUE"):
         spec_tasks.main(["--experiment", "no_such_switch=1", "--device", "cpu"])
+
+
+@pytest.mark.parametrize("coupled", [False, True])
+def test_sampled_rows_with_a_draft_are_plain_decodings_when_coupled(tiny_text_model, tmp_path, coupled):
+    """`--temperature` samples each row with its own seed; with a
+    model drafting for itself, coupled draws (`spec_coupled_draft`) emit plain decoding's tokens,
+    rejection sampling other ones, and the row says which ('identical')."""
+    out = tmp_path / "spec.json"
+    spec_tasks.main(["--model", str(tiny_text_model), "--tasks", "chat", "--batch-sizes", "2", "--max-tokens", "24",
+                     "--repeat", "1", "--device", "cpu", "--dtype", "float32", "--same-process", "--temperature", "1.0",
+                     "--speculative-config", json.dumps({"model": str(tiny_text_model), "num_speculative_tokens": 3}),
+                     "--experiment", f"spec_coupled_draft={str(coupled).lower()}", "--json", str(out)])
+    report = json.loads(out.read_text())
+    assert report["temperature"] == 1.0
+    (row,) = report["rows"]
+    assert row["identical"] is coupled and row["output_tokens"] == 48

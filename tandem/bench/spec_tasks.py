@@ -3,8 +3,8 @@ users run it (`LLM()` with default options, then the same with `speculative_conf
 
 Tasks (the issue's figures): three prompt-grounded ones, where the answer repeats text the
 prompt holds (copy a passage, summarize it, edit code given in full), and free-form chat,
-where it does not. Each runs at batch sizes B (B copies of the task's prompt, greedy,
-`--max-tokens` each) after an untimed warm-up of the same shape; tok/s is output tokens over
+where it does not. Each runs at batch sizes B (B copies of the task's prompt, greedy, or
+sampled at `--temperature` with a seed a row, `--max-tokens` each) after an untimed warm-up of the same shape; tok/s is output tokens over
 the median wall time of `--repeat` timed runs. Reported: plain and speculative tok/s and their ratio, the mean acceptance length
 (tokens a verify row emits), verify steps, and GPU busy from the step timeline (CUDA). Real
 weights are what make acceptance meaningful: the default model is the built-in one.
@@ -97,7 +97,7 @@ class TaskRow:
     steps: int
     output_tokens: int
     spec_gpu_busy: float | None
-    identical: bool  # greedy outputs equal plain decoding's
+    identical: bool  # outputs equal plain decoding's (greedy; sampled: n-gram and coupled draws)
     # Each timed run's wall ms, and the plain side's GPU busy: on the H200 (session 19) one plain
     # engine ran two tasks at half its speed on the others; these say whether a side's figure is
     # one slow run or a slow engine, and whether its GPU or its host was the slow part.
@@ -113,10 +113,13 @@ def add_model_args(ap: argparse.ArgumentParser) -> None:
                                                     '"prompt_lookup_max": 3}')
 
 
-def timed_chat(llm: LLM, task: str, batch: int, max_tokens: int, warm: bool = True) -> tuple[float, list, int]:
-    """`batch` copies of the task's chat, greedy, after an untimed warm-up of the same shape
-    (`warm`): (wall seconds, the outputs, the index of the timed run's first timeline record)."""
-    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+def timed_chat(llm: LLM, task: str, batch: int, max_tokens: int, warm: bool = True,
+               temperature: float = 0.0) -> tuple[float, list, int]:
+    """`batch` copies of the task's chat, greedy (or sampled at `temperature`, row i seeded i),
+    after an untimed warm-up of the same shape (`warm`): (wall seconds, the outputs, the index
+    of the timed run's first timeline record)."""
+    params = [SamplingParams(max_tokens=max_tokens, temperature=temperature, ignore_eos=True,
+                             seed=i if temperature > 0 else None) for i in range(batch)]
     one, chat_kw = task_chat(task)
     messages = [one] * batch
     if warm:
@@ -128,14 +131,15 @@ def timed_chat(llm: LLM, task: str, batch: int, max_tokens: int, warm: bool = Tr
     return time.perf_counter() - start, outs, first
 
 
-def _timed(llm: LLM, task: str, batch: int, max_tokens: int, repeat: int) -> tuple[float, list[list[int]], dict]:
+def _timed(llm: LLM, task: str, batch: int, max_tokens: int, repeat: int,
+           temperature: float = 0.0) -> tuple[float, list[list[int]], dict]:
     """The median wall time of `repeat` timed runs (these runs last ~0.3 s at batch 8: one run's
     figure moved 15 % between device calls), the outputs, and per-run step counters."""
     engine = llm.engine
     before = engine.stats()
     walls, first = [], None
     for i in range(repeat):
-        wall, outs, start = timed_chat(llm, task, batch, max_tokens, warm=i == 0)
+        wall, outs, start = timed_chat(llm, task, batch, max_tokens, warm=i == 0, temperature=temperature)
         walls.append(wall)
         first = start if first is None else first
     after = engine.stats()
@@ -151,18 +155,18 @@ def _timed(llm: LLM, task: str, batch: int, max_tokens: int, repeat: int) -> tup
 
 
 def _side(kw: dict, config: dict | None, tasks: list[str], batches: list[int], max_tokens: int,
-          repeat: int) -> dict[tuple[str, int], tuple]:
+          repeat: int, temperature: float = 0.0) -> dict[tuple[str, int], tuple]:
     """One side of the comparison (plain or speculative): every task and batch size, one engine."""
     llm = LLM(**kw, speculative_config=config)
     try:
-        return {(task, b): _timed(llm, task, b, max_tokens, repeat) for task in tasks for b in batches}
+        return {(task, b): _timed(llm, task, b, max_tokens, repeat, temperature) for task in tasks for b in batches}
     finally:
         llm.close()
 
 
 def run(model: str | None, spec: dict, tasks: list[str], batches: list[int], max_tokens: int,
         device: str, dtype: str, repeat: int = 3, same_process: bool = False,
-        experiments: Experiments | None = None) -> list[TaskRow]:
+        experiments: Experiments | None = None, temperature: float = 0.0) -> list[TaskRow]:
     """Each side runs in a fresh process (`same_process`: one after the other in this one, plain
     first, as before session 15: the A/B). On the H200 a speculating engine created second in
     its process launched its plain decode steps in 0.93 ms against the first (plain) engine's
@@ -173,7 +177,7 @@ def run(model: str | None, spec: dict, tasks: list[str], batches: list[int], max
         kw["experiments"] = experiments
     if model is not None:
         kw["model"] = model
-    sides = [(kw, config, tasks, batches, max_tokens, repeat) for config in (None, spec)]
+    sides = [(kw, config, tasks, batches, max_tokens, repeat, temperature) for config in (None, spec)]
     if same_process:
         plain, speculative = (_side(*args) for args in sides)
     else:
@@ -206,6 +210,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--repeat", type=int, default=3, help="timed runs per row (the median is reported)")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="sample at this temperature, row i with seed i (default greedy); 'same' then says "
+                         "whether the sampled tokens are plain decoding's (coupled draws, n-gram)")
     ap.add_argument("--same-process", action="store_true",
                     help="the A/B: both sides in this process, plain first (before session 15)")
     ap.add_argument("--experiment", action="append", default=[], metavar="NAME=VALUE",
@@ -218,7 +225,7 @@ def main(argv: list[str] | None = None) -> None:
         ap.error(f"unknown task(s) {unknown}; known: {', '.join(TASKS)}")
     rows = run(args.model, json.loads(args.speculative_config), tasks,
                [int(b) for b in args.batch_sizes.split(",")], args.max_tokens, args.device, args.dtype, args.repeat,
-               args.same_process, Experiments.from_overrides(args.experiment))
+               args.same_process, Experiments.from_overrides(args.experiment), args.temperature)
     print(f"{'task':10} {'batch':>5} {'plain tok/s':>12} {'spec tok/s':>11} {'x':>6} {'accept len':>10} "
           f"{'verify/steps':>13} {'gpu busy (plain / spec)':>23} same  runs ms (plain / spec)")
     for r in rows:
@@ -231,6 +238,7 @@ def main(argv: list[str] | None = None) -> None:
         with open(args.json, "w") as f:
             json.dump({"speculative_config": json.loads(args.speculative_config), "max_tokens": args.max_tokens,
                        "repeat": args.repeat, "same_process": args.same_process, "experiments": args.experiment,
+                       "temperature": args.temperature,
                        "rows": [asdict(r) for r in rows]}, f, indent=1)
 
 
