@@ -25,7 +25,7 @@ Semantics worth knowing:
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 # Prompt tokens decoded in front of the first generated ones, for their spacing.
@@ -487,20 +487,46 @@ class RequestText:
 
 
 @dataclass
+class NamedIds:
+    """The ids a request's outputs named for its text (`StepOutput.text_ids`), as they came:
+    flat, with each output's count kept only once one named other than one id (a verify step's
+    run, a stop id left out), so a long offline job keeps one int a token."""
+
+    ids: list[int] = field(default_factory=list)
+    sizes: list[int] | None = None  # ids per output; None: one each
+
+    def add(self, ids: list[int]) -> None:
+        if self.sizes is None and len(ids) != 1:
+            self.sizes = [1] * len(self.ids)  # every output before this one named one id
+        self.ids.extend(ids)
+        if self.sizes is not None:
+            self.sizes.append(len(ids))
+
+    def chunks(self) -> list[list[int]]:
+        """Each output's ids, in order."""
+        if self.sizes is None:
+            return [[t] for t in self.ids]
+        out, at = [], 0
+        for n in self.sizes:
+            out.append(self.ids[at:at + n])
+            at += n
+        return out
+
+
+@dataclass
 class TextAtEnd:
-    """A request whose caller makes its text once it has ended (`LLM.generate`): the ids each
-    of its outputs named (`StepOutput.text_ids`), in the order they came."""
+    """A request whose caller makes its text once it has ended (`LLM.generate`)."""
 
     prompt_token_ids: Sequence[int]
-    chunks: list[list[int]]
+    named: NamedIds
     skip_special_tokens: bool = True
     # Ended by an output that is not an error: its held-back tail is released (RequestText.finish).
     ended: bool = True
 
 
 def texts_at_end(tokenizer: Any, requests: Sequence[TextAtEnd], pieces: TokenPieces | None = None) -> list[str]:
-    """Each request's text: exactly what a RequestText (no stop strings) fed its chunks as they
-    came would have made, at a fraction of the cost.
+    """Each request's text: exactly what a RequestText (no stop strings) fed each output's ids
+    as they came would have made, at a fraction of the cost.
 
     Where the tokenizer decodes with its Rust backend, one batch decode of each request's prompt
     context and ids: the streamed text equals one full decode whenever that decode is valid
@@ -509,7 +535,7 @@ def texts_at_end(tokenizer: Any, requests: Sequence[TextAtEnd], pieces: TokenPie
     ended (an error leaves the stream holding a last unfinished character back). The one
     exception: 32 ids in a row that end no character, which the stream releases as U+FFFD
     before it knows what follows. Every other request with a U+FFFD (byte fallback spreads it
-    over a whole byte run) is streamed chunk by chunk.
+    over a whole byte run) is streamed output by output.
     """
     texts: list[str | None] = [None] * len(requests)
     if decodes_with_backend(tokenizer):
@@ -519,7 +545,7 @@ def texts_at_end(tokenizer: Any, requests: Sequence[TextAtEnd], pieces: TokenPie
                 continue
             decode, byte_level = ids_decoder(tokenizer, skip), _byte_level(tokenizer)
             contexts = [_prompt_context(decode, list(requests[i].prompt_token_ids)) for i in rows]
-            batch = [ctx + [t for chunk in requests[i].chunks for t in chunk] for i, (ctx, _) in zip(rows, contexts)]
+            batch = [ctx + requests[i].named.ids for i, (ctx, _) in zip(rows, contexts)]
             decoded = tokenizer._tokenizer.decode_batch(batch, skip_special_tokens=skip)
             for i, (_, head), full in zip(rows, contexts, decoded):
                 if full.startswith(head) and (_REPLACEMENT not in full or byte_level and requests[i].ended):
@@ -530,8 +556,8 @@ def texts_at_end(tokenizer: Any, requests: Sequence[TextAtEnd], pieces: TokenPie
 def _streamed(tokenizer: Any, request: TextAtEnd, pieces: TokenPieces | None) -> str:
     text = RequestText(tokenizer, request.prompt_token_ids, skip_special_tokens=request.skip_special_tokens,
                        pieces=pieces)
-    for chunk in request.chunks:
-        text.append(chunk)
+    for ids in request.named.chunks():
+        text.append(ids)
     if request.ended:
         text.finish()
     return text.text

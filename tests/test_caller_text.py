@@ -137,7 +137,7 @@ def test_llm_generate_makes_each_text_at_the_end_the_engines_text(tiny_text_mode
     monkeypatch.setattr(llm_module, "texts_at_end", lambda *a: made.extend(a[1]) or real(*a))
     at_end = llm.generate([s.prompt for s in specs], params, use_tqdm=False)
     assert len(made) == sum(p.num_samples for p in params if not p.stop)  # every request without stop strings
-    assert any(len(chunk) > 1 for r in made for chunk in r.chunks) == spec  # verify steps name runs of ids
+    assert any(len(ids) > 1 for r in made for ids in r.named.chunks()) == spec  # verify steps name runs of ids
     llm._texts_at_end = False  # the engine makes every text, step by step
     # The same schedule (a warm prefix cache changes which steps verify, hence sampled draws).
     llm.reset_prefix_cache()

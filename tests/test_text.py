@@ -564,7 +564,7 @@ def test_texts_made_at_the_end_are_the_streamed_texts(tok, seed, monkeypatch):
     the batch decode too where the decoder is byte-level and the request ended, else by
     streaming them."""
     import tandem.text as text_module
-    from tandem.text import TextAtEnd, texts_at_end, token_pieces
+    from tandem.text import NamedIds, TextAtEnd, texts_at_end, token_pieces
     rng = random.Random(seed)
     opener = tok.convert_tokens_to_ids("ä" if tok.backend_tokenizer.decoder.__class__.__name__ == "ByteLevel"
                                        else "<0xE4>")
@@ -584,7 +584,11 @@ def test_texts_made_at_the_end_are_the_streamed_texts(tok, seed, monkeypatch):
             chunks.append(gen[len(gen) - left:len(gen) - left + min(left, rng.choice([1, 1, 2, 3, 5]))])
             left -= len(chunks[-1])
         prompt = enc(tok, "".join(rng.choice(POOL) for _ in range(rng.randint(0, 6))))
-        requests.append(TextAtEnd(prompt, chunks, rng.random() < 0.7, ended=rng.random() < 0.8 and k % 8 != 7))
+        named = NamedIds()
+        for chunk in chunks:
+            named.add(chunk)
+        assert named.chunks() == chunks and named.ids == gen
+        requests.append(TextAtEnd(prompt, named, rng.random() < 0.7, ended=rng.random() < 0.8 and k % 8 != 7))
         valid.append(not broken)
     pieces = token_pieces(tok)
     want = [text_module._streamed(tok, r, pieces) for r in requests]
@@ -602,7 +606,20 @@ def test_texts_made_at_the_end_are_the_streamed_texts(tok, seed, monkeypatch):
 def test_texts_at_end_without_the_rust_backend_stream_every_request(smollm):
     """A tokenizer whose decode the backend may not reproduce (a subclass overriding it) gets
     its text the streamed way, through its own decode."""
-    from tandem.text import TextAtEnd, texts_at_end
+    from tandem.text import NamedIds, TextAtEnd, texts_at_end
     shouting = _ShoutingPrivateDecode(tokenizer_object=smollm.backend_tokenizer)
     gen = enc(smollm, "quiet words 😀")
-    assert texts_at_end(shouting, [TextAtEnd(enc(smollm, "Say:"), [gen[:1], gen[1:]])]) == ["QUIET WORDS 😀"]
+    named = NamedIds()
+    named.add(gen[:1]), named.add(gen[1:])
+    assert texts_at_end(shouting, [TextAtEnd(enc(smollm, "Say:"), named)]) == ["QUIET WORDS 😀"]
+
+
+def test_named_ids_keep_one_int_a_token_until_an_output_names_another_count():
+    from tandem.text import NamedIds
+    named = NamedIds()
+    for ids in ([5], [6], [7]):
+        named.add(ids)
+    assert named.sizes is None and named.chunks() == [[5], [6], [7]]
+    named.add([8, 9, 10])  # a verify step's run
+    named.add([])  # a stop id left out of the text
+    assert named.ids == [5, 6, 7, 8, 9, 10] and named.chunks() == [[5], [6], [7], [8, 9, 10], []]

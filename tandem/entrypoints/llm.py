@@ -20,7 +20,7 @@ from tandem.entrypoints.interrupts import interrupts_between_steps
 from tandem.options import llm_config
 from tandem.outputs import RequestOutput, SampleLogprobs, TokenLogprob, prompt_logprobs, sample_logprobs
 from tandem.sampling import SamplingParams
-from tandem.text import TextAtEnd, TokenNames, decodes_with_backend, texts_at_end
+from tandem.text import NamedIds, TextAtEnd, TokenNames, decodes_with_backend, texts_at_end
 
 # vLLM's PromptType, text only: a str, token ids, {"prompt": str} or {"prompt_token_ids": [...]}.
 Prompt = str | list[int] | dict[str, Any]
@@ -94,14 +94,14 @@ class LLM:
                     engine.cancel([rid for g in groups for rid in g])  # on error too: nothing leaked
         return outputs  # a request whose step failed has finish_reason 'error' (the engine logs why)
 
-    def _run(self, num_sequences: int, use_tqdm: bool, check_interrupt) -> dict[str, list[list[int]]]:
+    def _run(self, num_sequences: int, use_tqdm: bool, check_interrupt) -> dict[str, NamedIds]:
         """Step until every request ended; returns the ids each request's outputs named for its
         text (`StepOutput.text_ids`, requests the engine makes no text for), output by output."""
         engine = self.engine
         bar = tqdm(total=num_sequences, desc="generate", unit="seq", dynamic_ncols=True,
                    disable=not use_tqdm or num_sequences < 2)
         tokens, start = 0, time.perf_counter()
-        text_ids: dict[str, list[list[int]]] = defaultdict(list)
+        text_ids: dict[str, NamedIds] = defaultdict(NamedIds)
         while engine.has_unfinished():
             check_interrupt()  # Ctrl-C lands here, between steps
             finished = 0
@@ -109,7 +109,7 @@ class LLM:
                 tokens += len(out.new_token_ids)
                 finished += out.finished
                 if out.text_ids is not None:
-                    text_ids[out.request_id].append(out.text_ids)
+                    text_ids[out.request_id].add(out.text_ids)
             bar.update(finished)
             if not bar.disable:
                 bar.set_postfix_str(f"{tokens / (time.perf_counter() - start):.0f} tok/s", refresh=False)
@@ -117,12 +117,12 @@ class LLM:
         return text_ids
 
     def _with_texts(self, outs: list[RequestOutput], sp: SamplingParams,
-                    text_ids: dict[str, list[list[int]]]) -> list[RequestOutput]:
+                    text_ids: dict[str, NamedIds]) -> list[RequestOutput]:
         """The outputs with the texts the engine left to this caller (requests without stop
         strings), made from the ids they named: the text the engine would have streamed."""
         if not self._texts_at_end or sp.stop:
             return outs
-        wanted = [TextAtEnd(o.prompt_token_ids, text_ids.get(o.request_id, []), sp.skip_special_tokens,
+        wanted = [TextAtEnd(o.prompt_token_ids, text_ids.get(o.request_id, NamedIds()), sp.skip_special_tokens,
                             ended=o.outputs[0].finish_reason != "error") for o in outs]
         texts = texts_at_end(self.tokenizer, wanted, self.engine.token_pieces)
         return [dataclasses.replace(o, outputs=[dataclasses.replace(o.outputs[0], text=t)])
