@@ -87,8 +87,8 @@ class LLM:
                         groups[-1].append(engine.add_request(prompt.engine_input, seq,
                                                              detokenize=not self._texts_at_end))
                 text_ids = self._run(sum(len(g) for g in groups), use_tqdm, check_interrupt)
-                outputs = [self._merge(self._with_texts([engine.output(rid) for rid in g], sp, text_ids), sp, p)
-                           for g, sp, p in zip(groups, params, prompts)]
+                sequences = self._with_texts([[engine.output(rid) for rid in g] for g in groups], params, text_ids)
+                outputs = [self._merge(seqs, sp, p) for seqs, sp, p in zip(sequences, params, prompts)]
             finally:
                 if not engine.dead:  # a dead CUDA context (or worker) must not be touched again
                     engine.cancel([rid for g in groups for rid in g])  # on error too: nothing leaked
@@ -116,17 +116,20 @@ class LLM:
         bar.close()
         return text_ids
 
-    def _with_texts(self, outs: list[RequestOutput], sp: SamplingParams,
-                    text_ids: dict[str, NamedIds]) -> list[RequestOutput]:
-        """The outputs with the texts the engine left to this caller (requests without stop
-        strings), made from the ids they named: the text the engine would have streamed."""
-        if not self._texts_at_end or sp.stop:
-            return outs
-        wanted = [TextAtEnd(o.prompt_token_ids, text_ids.get(o.request_id, NamedIds()), sp.skip_special_tokens,
-                            ended=o.outputs[0].finish_reason != "error") for o in outs]
-        texts = texts_at_end(self.tokenizer, wanted, self.engine.token_pieces)
-        return [dataclasses.replace(o, outputs=[dataclasses.replace(o.outputs[0], text=t)])
-                for o, t in zip(outs, texts)]
+    def _with_texts(self, groups: list[list[RequestOutput]], params: list[SamplingParams],
+                    text_ids: dict[str, NamedIds]) -> list[list[RequestOutput]]:
+        """Each prompt's sequences with the texts the engine left to this caller (requests
+        without stop strings), all made in one batch from the ids they named: the texts the
+        engine would have streamed."""
+        if not self._texts_at_end:
+            return groups
+        left = [(o, sp) for outs, sp in zip(groups, params) if not sp.stop for o in outs]
+        texts = texts_at_end(self.tokenizer, [
+            TextAtEnd(o.prompt_token_ids, text_ids.get(o.request_id, NamedIds()), sp.skip_special_tokens,
+                      ended=o.outputs[0].finish_reason != "error") for o, sp in left], self.engine.token_pieces)
+        made = {id(o): dataclasses.replace(o, outputs=[dataclasses.replace(o.outputs[0], text=t)])
+                for (o, _), t in zip(left, texts)}
+        return [[made.get(id(o), o) for o in outs] for outs in groups]
 
     def reset_prefix_cache(self) -> int:
         """Drop every cached prompt prefix no running request uses; returns the KV slots freed."""
