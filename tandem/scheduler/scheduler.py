@@ -260,7 +260,7 @@ class Scheduler:
 
     def _prefill_ahead_rows(self) -> list[Row]:
         """`_plan`'s separate-batch prefill branch, without the decode fallback."""
-        prefilling = self._prune_running()
+        prefilling, _ = self._prune_running()
         if not (self.waiting or prefilling):
             return []
         self.cache.new_step()
@@ -311,36 +311,41 @@ class Scheduler:
                 self.waiting.appendleft(req)
 
     def _plan(self, step: int, drain: Callable[[], None]) -> list[Row]:
-        prefilling = self._prune_running()
+        prefilling, decoding = self._prune_running()
         if self.cfg.enable_mixed_batch:
-            decode = self._decode_rows(step, drain, beside_prefill=bool(self.waiting or prefilling))
+            decode = self._decode_rows(step, drain, decoding, beside_prefill=bool(self.waiting or prefilling))
             if decode and decode[0].spec_k is not None:
                 return decode  # a verify step carries no prefill
             return decode + self._prefill_rows(self._mixed_prefill_budget(len(decode)), prefilling)
         if self._decode_turn():
-            return self._decode_rows(step, drain) or self._prefill_rows(self.cfg.max_prefill_tokens, prefilling)
+            return (self._decode_rows(step, drain, decoding)
+                    or self._prefill_rows(self.cfg.max_prefill_tokens, prefilling))
         if not (self.waiting or prefilling):  # decode only: skip sizing a prefill step (a scan)
-            return self._decode_rows(step, drain)
-        return self._separate_prefill_rows(prefilling) or self._decode_rows(step, drain)
+            return self._decode_rows(step, drain, decoding)
+        return self._separate_prefill_rows(prefilling) or self._decode_rows(step, drain, decoding)
 
-    def _prune_running(self) -> list[Request]:
+    def _prune_running(self) -> tuple[list[Request], list[Request]]:
         """Drop finished requests from the running list and cache the prompt chunks launched
         in earlier steps (they become reusable); returns the running requests with prefill
-        left. One pass over the running requests, the only one a decode-only step makes for
-        prefill: a request whose prompt is all cached is skipped (cache_prefill would do
-        nothing for it)."""
-        running, prefilling, caching, finished = [], [], self.cache.enabled, Status.FINISHED
-        for req in self.running:
-            if req.status is finished:
+        left and those that can decode (`Request.can_decode`). One pass over the running
+        requests, the only one a decode-only step makes before its rows: a request whose
+        prompt is all cached is skipped (cache_prefill would do nothing for it)."""
+        running, prefilling, decoding, caching = [], [], [], self.cache.enabled
+        finished, live = Status.FINISHED, Status.RUNNING
+        for req in self.running:  # per row per step: no properties (each a call)
+            status = req.status
+            if status is finished:
                 continue
             running.append(req)
             if caching and req.cached_len < req.prefill_target:
                 self.cache.cache_prefill(req)
-            if req.num_computed < req.prefill_target:  # not req.prefill_done (a property, per row per step)
+            if req.num_computed < req.prefill_target:
                 prefilling.append(req)
+            elif status is live and req.num_scheduled_samples < req.max_samples:
+                decoding.append(req)
         self.running = running
         self._prefill_left = bool(prefilling)
-        return prefilling
+        return prefilling, decoding
 
     def _separate_prefill_rows(self, prefilling: list[Request]) -> list[Row]:
         """A prefill-only step (separate batches): its budget, then its rows."""
@@ -414,8 +419,12 @@ class Scheduler:
             req.table_pending = 0
         req.last_step = step
 
-    def _decode_rows(self, step: int, drain: Callable[[], None], beside_prefill: bool = False) -> list[Row]:
-        reqs = [r for r in self.running if r.can_decode]
+    def _decode_rows(self, step: int, drain: Callable[[], None], decoding: list[Request],
+                     beside_prefill: bool = False) -> list[Row]:
+        """`decoding`: the running requests that can decode, as `_prune_running` found them.
+        Rule: nothing between that scan and this call drains or preempts (a prefill plan only
+        admits, and its new rows cannot decode yet); a drain here scans again."""
+        reqs = decoding
         if self.verify is not None and reqs:
             rows = None if beside_prefill else self.verify.plan(reqs, self.cache.available(), self._alloc)
             if rows is not None:
