@@ -199,16 +199,17 @@ def test_a_truncated_draft_is_the_targets_first_layers(tiny_text_model, tmp_path
         main(["--model", str(tiny_text_model), "--layers", "3", "--out", str(tmp_path / "x")])
 
 
-def test_the_fixed_shape_layout_with_a_draft(target, other_draft):
+@pytest.mark.parametrize("coupled", [False, True])
+def test_the_fixed_shape_layout_with_a_draft(target, other_draft, coupled):
     """What a captured verify graph runs, eagerly on the CPU (every row k + 1 draft forwards
     and queries, padding rows), greedy and sampled rows together: greedy outputs are plain's,
-    the greedy-only steps settle in the tail, sampled rows finish."""
+    the greedy-only steps settle in the tail, sampled rows finish (coupled: as plain's too)."""
     from test_speculative_engine import _eager_verify_graphs
     prompts = _prompts(5, seed=12)
     params = [SamplingParams(max_tokens=20 + 7 * i, temperature=0.8 * (i % 2), seed=i, ignore_eos=True)
               for i in range(5)]
     plain, _ = _generate(target, prompts, params)
-    engine = _engine(target, _draft(other_draft))
+    engine = _engine(target, _draft(other_draft), experiments=Experiments(spec_coupled_draft=coupled))
     graphs = _eager_verify_graphs(engine)
     calls = []
     replay = graphs.replay
@@ -220,6 +221,8 @@ def test_the_fixed_shape_layout_with_a_draft(target, other_draft):
     assert [o for o, p in zip(outs, params) if p.temperature == 0] == \
            [o.token_ids for o, p in zip(plain, params) if p.temperature == 0]
     assert [len(o) for o in outs] == [p.max_tokens for p in params]
+    if coupled:
+        assert outs == [o.token_ids for o in plain]
     assert {8, 4, 2, 1} & set(calls) and engine.stats()["spec_decode_num_accepted_tokens"] > 20
     assert int(engine.spec_state.length[0]) == 0
     assert_kv_conserved(engine)
