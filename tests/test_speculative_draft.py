@@ -231,10 +231,12 @@ def test_the_fixed_shape_layout_with_a_draft(target, other_draft, coupled):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_draft_steps_have_no_hidden_sync_on_cuda(target):
+@pytest.mark.parametrize("coupled", [False, True])
+def test_draft_steps_have_no_hidden_sync_on_cuda(target, coupled):
     """On the GPU, graphs captured with the draft inside (decode graphs mirror its KV, verify
     graphs run its k + 1 forwards), under sync-debug "error": the target drafting for itself
-    has every greedy proposal accepted and gives plain decoding's greedy outputs."""
+    has every greedy proposal accepted and gives plain decoding's greedy outputs (coupled
+    draws: the sampled rows' too)."""
     from test_speculative_engine import _generate_on
     from workload import step_without_host_syncs
     prompts = _prompts(8, seed=4)
@@ -242,7 +244,7 @@ def test_draft_steps_have_no_hidden_sync_on_cuda(target):
               for i in range(8)]
     outs = []
     for spec in (None, _draft(target, disable_by_batch_size=4)):
-        engine = _engine(target, spec, device="cuda")
+        engine = _engine(target, spec, device="cuda", experiments=Experiments(spec_coupled_draft=coupled))
         _generate_on(engine, prompts[:2], params[:2])  # compile every shape first
         for i, (p, sp) in enumerate(zip(prompts, params)):
             engine.add_request(p, sp, request_id=f"g{i}")
@@ -254,6 +256,8 @@ def test_draft_steps_have_no_hidden_sync_on_cuda(target):
         engine.close()
     assert outs[0][::2] == outs[1][::2]  # the greedy rows
     assert [len(o) for o in outs[1]] == [p.max_tokens for p in params]
+    if coupled:
+        assert outs[0] == outs[1]
 
 
 @pytest.mark.parametrize("overlap", [True, False])
