@@ -539,11 +539,12 @@ def texts_at_end(tokenizer: Any, requests: Sequence[TextAtEnd], pieces: TokenPie
     """
     texts: list[str | None] = [None] * len(requests)
     if decodes_with_backend(tokenizer):
+        byte_level = _byte_level(tokenizer)
         for skip in (True, False):
             rows = [i for i, r in enumerate(requests) if r.skip_special_tokens == skip]
             if not rows:
                 continue
-            decode, byte_level = ids_decoder(tokenizer, skip), _byte_level(tokenizer)
+            decode = ids_decoder(tokenizer, skip)
             contexts = [_prompt_context(decode, list(requests[i].prompt_token_ids)) for i in rows]
             batch = [ctx + requests[i].named.ids for i, (ctx, _) in zip(rows, contexts)]
             decoded = tokenizer._tokenizer.decode_batch(batch, skip_special_tokens=skip)

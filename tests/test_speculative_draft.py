@@ -40,16 +40,23 @@ def test_a_model_drafting_for_itself_has_every_proposal_accepted(target, overlap
     assert stats["spec_decode_num_accepted_tokens"] == stats["spec_decode_num_draft_tokens"]
 
 
+def _fuzzed_workload(seed: int, temperature: float, overlap: bool) -> tuple[list, dict]:
+    """40 requests at `temperature` (EOS ignored), every fourth sharing a prefix, and engine
+    settings small enough for chunked prefill, prefix hits and preemption."""
+    specs = random_specs(40, 256, seed=seed)
+    for s in specs:
+        s.params = s.params.clone(temperature=temperature, ignore_eos=True)
+    for s in specs[::4]:
+        s.prompt = specs[0].prompt[:30] + s.prompt[:10]
+    return specs, dict(max_prefill_tokens=96, chunked_prefill_size=48, max_total_tokens=300,
+                       disable_overlap=not overlap)
+
+
 @pytest.mark.parametrize("overlap", [True, False])
 def test_the_fuzzed_workload_with_another_draft_is_plain_decodings(target, other_draft, overlap):
     """Arrivals, chunked prefill, prefix hits, aborts and preemption, greedy: every request's
     tokens equal plain decoding's (an aborted one may have seen more before its abort)."""
-    specs = random_specs(40, 256, seed=4)
-    for s in specs:
-        s.params = s.params.clone(temperature=0.0, ignore_eos=True)
-    for s in specs[::4]:
-        s.prompt = specs[0].prompt[:30] + s.prompt[:10]
-    kw = dict(max_prefill_tokens=96, chunked_prefill_size=48, max_total_tokens=300, disable_overlap=not overlap)
+    specs, kw = _fuzzed_workload(seed=4, temperature=0.0, overlap=overlap)
     plain_engine, spec_engine = _engine(target, **kw), _engine(target, _draft(other_draft), **kw)
     plain, spec = run_workload(plain_engine, specs), run_workload(spec_engine, specs)
     assert_same_tokens(plain, spec, specs)
@@ -269,12 +276,7 @@ def test_coupled_draws_make_sampled_rows_plain_decodings(target, other_draft, ov
     sampling (the default) keeps only the distribution: its tokens differ. The shared noise is
     what makes draws acceptable: with the draft's own noise (salted) 2 % of them were, coupled
     10 %, rejection sampling 12 % (this workload, no pool limit)."""
-    specs = random_specs(40, 256, seed=5)
-    for s in specs:
-        s.params = s.params.clone(temperature=0.9, ignore_eos=True)
-    for s in specs[::4]:
-        s.prompt = specs[0].prompt[:30] + s.prompt[:10]
-    kw = dict(max_prefill_tokens=96, chunked_prefill_size=48, max_total_tokens=300, disable_overlap=not overlap)
+    specs, kw = _fuzzed_workload(seed=5, temperature=0.9, overlap=overlap)
     plain_engine = _engine(target, **kw)
     coupled_engine = _engine(target, _draft(other_draft), experiments=Experiments(spec_coupled_draft=True), **kw)
     rejection_engine = _engine(target, _draft(other_draft), **kw)
