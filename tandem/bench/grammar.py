@@ -152,7 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--cuda-graph", default="auto", choices=["auto", "on", "off"])
-    ap.add_argument("--grammar-threads", type=int, default=4)
+    ap.add_argument("--grammar-threads", type=int, default=EngineConfig.grammar_threads,
+                    help="the engine's grammar threads (default: EngineConfig's, as users run it)")
     ap.add_argument("--no-overlap-off", action="store_true", help="skip the overlap-off runs")
     ap.add_argument("--json", help="write results here")
     args = ap.parse_args(argv)

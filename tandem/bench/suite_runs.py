@@ -217,7 +217,7 @@ def grammar(ctx: Ctx, preset: str, budget: float) -> RunSpec:
     model = ctx.model(preset)
     sizes = (["--num-requests", "2", "--prompt-len", "8", "--max-tokens", "24", "--grammar-threads", "1",
               "--no-overlap-off"]  # a 49,152-token vocabulary on the CPU: few steps
-             if ctx.quick else ["--num-requests", "128", "--grammar-threads", "8"])
+             if ctx.quick else ["--num-requests", "128"])  # the engine's grammar threads, as users run it
     tok = ["--tokenizer", ctx.tokenizer] if ctx.tokenizer else []
     argv = [*BENCH, "grammar", "--preset", model, "--device", ctx.device, *sizes, *tok,
             "--json", str(ctx.raw / f"grammar-{model}.json")]
