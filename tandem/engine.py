@@ -445,7 +445,7 @@ class Engine:
         for name in _DEVICE_STATE:
             vars(self).pop(name, None)
         self.requests, self._carried, self.pending = {}, [], None
-        lifetime.release(self, self.device, usable)
+        lifetime.return_memory(self, self.device, usable)
         if pinned:
             _return_pinned_memory()  # the host tier's pool is gone: its pinned pages go back to the OS
 
@@ -572,7 +572,7 @@ class Engine:
         for rid in request_ids:
             self.abort(rid)
         outputs: list[StepOutput] = []
-        self._drain(outputs)
+        self._process_in_flight(outputs)
         self._carried = [o for o in self._carried + outputs if o.request_id not in gone]
         for rid in request_ids:
             if rid in self.requests:
@@ -611,14 +611,14 @@ class Engine:
     def _run_step(self, outputs: list[StepOutput]) -> None:
         self._admit_compiled(outputs)
         t0 = perf_counter()
-        batch = self.scheduler.schedule(self.step_id, drain=lambda: self._drain(outputs))
+        batch = self.scheduler.schedule(self.step_id, process_in_flight=lambda: self._process_in_flight(outputs))
         if batch is None:  # nothing to launch: the pending result is processed at once
-            self._drain(outputs)
+            self._process_in_flight(outputs)
             return
         masked = self.grammar.constrains(batch)
         masks_first = masked and not self.cfg.experiments.grammar_overlap  # the A/B: masks before the forward
         if self.pending is not None and (self._process_first(batch) or masks_first):
-            self._drain(outputs)
+            self._process_in_flight(outputs)
         t1 = perf_counter()
         if self.kv_tier is not None:  # the forward waits on the device for this plan's tier copies
             copies = self.kv_tier.fence(self.streams.forward, timed=self.timeline is not None)
@@ -658,7 +658,7 @@ class Engine:
         if deferred_error is not None:
             raise deferred_error  # after step N's outputs are in `outputs`: none is lost
         if self.cfg.disable_overlap:
-            self._drain(outputs)
+            self._process_in_flight(outputs)
         if self.kv_tier is not None and not early_window:
             self._move_between_tiers()
         if self.prefix_cache.debug:
@@ -766,7 +766,7 @@ class Engine:
         self.scheduler.on_step_completed(self.completed_step)  # releases a rollback made due
         if self.runner.mirror is not None:  # the workers already run this step: ranks cannot agree now
             raise EngineDeadError(f"tensor-parallel step launch failed on rank 0: {first_line(exc)}") from exc
-        self._drain(outputs)  # every earlier step processed: the host knows each row's tokens
+        self._process_in_flight(outputs)  # every earlier step processed: the host knows each row's tokens
         self._resync_rows(batch)
         if not is_out_of_memory(exc):
             raise  # called from the launch's except clause: re-raises exc with its traceback
@@ -819,7 +819,7 @@ class Engine:
         return (self.cfg.experiments.process_before_consecutive_prefill and batch.has_prefill
                 and self.pending.batch.has_prefill)
 
-    def _drain(self, outputs: list[StepOutput]) -> None:
+    def _process_in_flight(self, outputs: list[StepOutput]) -> None:
         if self.pending is not None:
             pending, self.pending = self.pending, None
             outputs.extend(self._process(pending))

@@ -20,7 +20,7 @@ def freeze(engine: object) -> None:
     gc.freeze()
 
 
-def release(engine: object, device: torch.device, device_usable: bool) -> None:
+def return_memory(engine: object, device: torch.device, device_usable: bool) -> None:
     """Called by `close()` after the engine dropped its state: collect it, return device memory."""
     _open.discard(engine)
     gc.unfreeze()

@@ -154,10 +154,10 @@ def test_prefetch_without_evicting_takes_free_slots_only_and_counts_a_host_hit_a
     req = Request("r", tokens + [7], SamplingParams(max_tokens=1), seed=0, max_samples=1)
     cache.new_step()
     assert cache.admit(req) == 200 and loads == [80, 120] and cache.host_hit_tokens == 200
-    cache.release(req)
+    cache.cache_and_free(req)
     again = Request("s", tokens + [9], SamplingParams(max_tokens=1), seed=0, max_samples=1)
     assert cache.admit(again) == 200 and cache.host_hit_tokens == 200  # a GPU hit now
-    cache.release(again)
+    cache.cache_and_free(again)
     cache.check([])
 
 
@@ -203,7 +203,7 @@ def test_the_queue_head_waits_for_prefetch_at_most_a_few_plans():
     assert holds == [Hold.SKIP] * MAX_PREFETCH_WAITS + [None] * 5
     cache.new_step()
     assert cache.admit(patient) == 200  # then admission loads it
-    cache.release(patient)
+    cache.cache_and_free(patient)
     cache.check([])
 
 
@@ -275,7 +275,7 @@ def test_an_undone_admission_takes_its_host_hit_back():
     cache.undo_admit(req)
     cache.new_step()
     assert cache.admit(req) == 200 and (cache.host_hit_tokens, cache.hit_tokens) == (200, 200)  # loaded once, read once
-    cache.release(req)
+    cache.cache_and_free(req)
     cache.check([])
 
 
@@ -539,18 +539,18 @@ def test_the_tier_window_runs_while_the_previous_step_is_awaited(tiny_text_model
     want = run_chats(_engine(tiny_text_model, max_total_tokens=20000), rounds)
     engine = _small_tiered_engine(tiny_text_model, experiments=Experiments(host_kv_window_before_wait=before_wait))
     order: list[tuple[str, int]] = []
-    # A drain (before a plan or launch that needs S's result) processes S early: not the case here.
+    # Processing the step in flight (before a plan or launch that needs S's result) processes S early: not the case here.
     processing = ["process"]
-    window, process, drain = engine._move_between_tiers, engine._process, engine._drain
+    window, process, in_flight = engine._move_between_tiers, engine._process, engine._process_in_flight
     engine._move_between_tiers = lambda: order.append(("window", engine.pending.batch.step)) or window()
     engine._process = lambda pending: order.append((processing[0], pending.batch.step)) or process(pending)
 
-    def drain_marked(outputs):
-        processing[0] = "drain"
-        drain(outputs)
+    def in_flight_marked(outputs):
+        processing[0] = "in flight"
+        in_flight(outputs)
         processing[0] = "process"
 
-    engine._drain = drain_marked
+    engine._process_in_flight = in_flight_marked
     assert run_chats(engine, rounds) == want
     at = {entry: i for i, entry in enumerate(order)}
     pairs = [(at[("window", s + 1)], i) for (what, s), i in at.items()

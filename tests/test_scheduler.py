@@ -33,7 +33,7 @@ def _request(rid: str, prompt_len: int, first_token: int, max_samples: int) -> R
 def _run_step(sched: Scheduler, step: int) -> ScheduledBatch | None:
     """Plan one step and complete it at once, as a disable_overlap engine would: every row
     that samples gets a token, and a request with all its samples finishes."""
-    batch = sched.schedule(step, drain=lambda: None)
+    batch = sched.schedule(step, process_in_flight=lambda: None)
     _complete(sched, batch, step)
     return batch
 
@@ -133,7 +133,7 @@ def test_separate_prefill_steps_are_sized_to_the_measured_pace():
         if step == 3:
             for req in burst:
                 sched.add(req)
-        batch = sched.schedule(step, drain=lambda: None)
+        batch = sched.schedule(step, process_in_flight=lambda: None)
         now[0] += 1e-3 * sum(r.num_new for r in batch.rows if r.prefill_ids is not None) + 0.02
         _complete(sched, batch, step)
         if any(r.req is stream for r in batch.sample_rows):
@@ -150,9 +150,9 @@ def test_rollback_restores_the_prefill_step_count():
     step, _ = _stream_decoding(sched)
     for i in range(8):
         sched.add(_request(f"b{i}", PROMPT_LEN, 7 * i, max_samples=4))
-    first = sched.schedule(step, drain=lambda: None)
+    first = sched.schedule(step, process_in_flight=lambda: None)
     sched.rollback(step)
-    again = sched.schedule(step, drain=lambda: None)
+    again = sched.schedule(step, process_in_flight=lambda: None)
     assert [(r.req.rid, r.num_new) for r in again.rows] == [(r.req.rid, r.num_new) for r in first.rows]
     assert again.has_prefill
 
@@ -336,7 +336,7 @@ def test_a_prefill_step_planned_ahead_is_the_step_that_was_due():
         step, _ = _decoding_with_burst(sched, burst=24)
     planned_for = set()
     for s in range(step, step + 40):
-        batch = ahead.schedule(s, drain=lambda: None)
+        batch = ahead.schedule(s, process_in_flight=lambda: None)
         if batch is not None and batch.is_decode and ahead.plan_ahead(s + 1):  # s's result is not read yet
             planned_for.add(s + 1)
         _complete(ahead, batch, s)
@@ -354,7 +354,7 @@ def test_plan_ahead_only_plans_a_prefill_step_that_is_due_next():
     step, _ = _decoding_with_burst(sched, burst=0)
     assert not sched.plan_ahead(step)  # nothing to prefill
     sched.add(_request("late", PROMPT_LEN, 3, max_samples=4))
-    prefill = sched.schedule(step, drain=lambda: None)
+    prefill = sched.schedule(step, process_in_flight=lambda: None)
     assert prefill.has_prefill
     sched.add(_request("later", PROMPT_LEN, 5, max_samples=4))
     assert not sched.plan_ahead(step + 1)  # after a prefill step the decodes have their turn
@@ -369,7 +369,7 @@ def test_plan_ahead_passes_over_the_running_only_when_a_prompt_waits_or_is_prefi
     step, _ = _decoding_with_burst(sched, burst=0)
     passes, real = [], sched._prune_running
     sched._prune_running = lambda: passes.append(step) or real()
-    decode = sched.schedule(step, drain=lambda: None)
+    decode = sched.schedule(step, process_in_flight=lambda: None)
     assert decode.is_decode and len(passes) == 1
     assert sched.plan_ahead(step + 1) is None and len(passes) == 1
     _complete(sched, decode, step)
@@ -377,7 +377,7 @@ def test_plan_ahead_passes_over_the_running_only_when_a_prompt_waits_or_is_prefi
     long = _request("long", 3 * PREFILL_BUDGET, 3, max_samples=4)
     sched.add(long)
     assert [r.req for r in _run_step(sched, step).rows] == [long]  # its first chunk
-    decode = sched.schedule(step + 1, drain=lambda: None)  # the decodes' turn
+    decode = sched.schedule(step + 1, process_in_flight=lambda: None)  # the decodes' turn
     assert decode.is_decode and not sched.waiting and not long.prefill_done
     planned = sched.plan_ahead(step + 2)
     assert planned is not None and [r.req for r in planned.rows] == [long]
@@ -389,7 +389,7 @@ def test_finishing_a_request_undoes_the_plan_made_ahead_with_it():
     aborted request is not queued again, and the step is planned afresh without it."""
     sched = _scheduler(False)
     step, stream = _decoding_with_burst(sched)
-    decode = sched.schedule(step, drain=lambda: None)
+    decode = sched.schedule(step, process_in_flight=lambda: None)
     assert decode.is_decode
     before = _books(sched)
     assert sched.plan_ahead(step + 1)
@@ -405,7 +405,7 @@ def test_finishing_a_request_undoes_the_plan_made_ahead_with_it():
     free_kv, free_req, waiting, running, count = before
     assert sched.cache.kv_slots.num_free == free_kv and sched.req_slots.num_free == free_req
     assert [r.rid for r in sched.waiting] == [rid for rid in waiting if rid != victim.rid]
-    again = sched.schedule(step + 1, drain=lambda: None)
+    again = sched.schedule(step + 1, process_in_flight=lambda: None)
     assert again.planned_ahead_ms is None and victim.rid not in [r.req.rid for r in again.rows]
     assert [r.req.rid for r in again.rows] == [r.req.rid for r in planned.rows if r.req is not victim][:len(again.rows)]
 
@@ -414,20 +414,20 @@ def test_a_rollback_undoes_the_plan_made_ahead_first():
     sched = _scheduler(False)
     step, _ = _decoding_with_burst(sched)
     before = _books(sched)
-    decode = sched.schedule(step, drain=lambda: None)
+    decode = sched.schedule(step, process_in_flight=lambda: None)
     assert decode.is_decode and sched.plan_ahead(step + 1)
     sched.rollback(step)  # the decode's launch failed: neither plan happened
     assert _books(sched) == before and sched._ahead is None
-    assert sched.schedule(step, drain=lambda: None).is_decode  # the retry plans the same step
+    assert sched.schedule(step, process_in_flight=lambda: None).is_decode  # the retry plans the same step
 
 
 def test_a_plan_made_ahead_for_another_step_number_is_planned_afresh():
     sched = _scheduler(False)
     step, _ = _decoding_with_burst(sched)
-    sched.schedule(step, drain=lambda: None)
+    sched.schedule(step, process_in_flight=lambda: None)
     before = _books(sched)
     assert sched.plan_ahead(step + 1)
-    assert sched.schedule(step + 2, drain=lambda: None).planned_ahead_ms is None
+    assert sched.schedule(step + 2, process_in_flight=lambda: None).planned_ahead_ms is None
     sched.rollback(step + 2)
     assert _books(sched) == before
 

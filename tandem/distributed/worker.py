@@ -100,7 +100,7 @@ class StepFollower:
         self.on_tier_copy = on_tier_copy  # queues rank 0's host-tier copies on this rank's shard
         self.ended: str | None = None  # "stop" (rank 0 said so) or "gone" (rank 0 vanished)
 
-    def schedule(self, step: int, drain) -> ScheduledBatch | None:
+    def schedule(self, step: int, process_in_flight) -> ScheduledBatch | None:
         """Rank 0's step `step`, or None (no message yet, or the end: see `ended`); the engine
         then processes its in-flight step, as rank 0 does when it has nothing to launch."""
         msg = self._receive()

@@ -280,12 +280,12 @@ class PrefixCache:
 
     def cache_prefill(self, req: Request) -> None:
         """Cache the prompt tokens whose KV writes were launched, so that requests sharing
-        them (and this one, if preempted) reuse them. Decode tokens wait for `release`."""
+        them (and this one, if preempted) reuse them. Decode tokens wait for `cache_and_free`."""
         upto = min(req.num_computed, req.prefill_target)
         if self.enabled and upto > req.cached_len:
             self._insert(req, upto)
 
-    def release(self, req: Request) -> None:
+    def cache_and_free(self, req: Request) -> None:
         """The request is done with its KV (no launched step can touch it): cache every token
         whose KV exists and whose id is known, and free the rest."""
         known = min(req.num_computed, len(req.prompt_token_ids) + len(req.output_token_ids))

@@ -179,15 +179,15 @@ class Scheduler:
         self._deferred = still
 
     def _release(self, req: Request) -> None:
-        self.cache.release(req)  # one-step lag: no launched step can touch its KV any more
+        self.cache.cache_and_free(req)  # one-step lag: no launched step can touch its KV any more
         self.req_slots.free([req.slot])
         req.slot = 0
         if req in self.running:
             self.running.remove(req)
 
     # ---- planning a step ----
-    def schedule(self, step: int, drain: Callable[[], None]) -> ScheduledBatch | None:
-        """Plan the next step. `drain` processes the in-flight result; it is called only when
+    def schedule(self, step: int, process_in_flight: Callable[[], None]) -> ScheduledBatch | None:
+        """Plan the next step. `process_in_flight` processes the in-flight result; called only when
         memory runs out and preemption may be needed (preempting needs every token known).
 
         Transactional: if planning raises, everything it admitted or allocated is given back;
@@ -198,14 +198,14 @@ class Scheduler:
         self._journal = _Journal(step, self._prefill_steps_in_a_row)
         self.cache.new_step()
         try:
-            rows = self._plan(step, drain)
+            rows = self._plan(step, process_in_flight)
             if not rows and self.has_work():
-                drain()  # results may finish requests or free memory
-                rows = self._plan(step, drain)
+                process_in_flight()  # results may finish requests or free memory
+                rows = self._plan(step, process_in_flight)
                 # Partial prefills can hold all memory between them: recompute the newest.
                 while not rows and len(self.running) > 1:
                     self._preempt(self.running[-1])
-                    rows = self._plan(step, drain)
+                    rows = self._plan(step, process_in_flight)
             for row in rows:
                 self._commit(row, step)
             batch = ScheduledBatch(step=step, rows=rows)
@@ -310,19 +310,20 @@ class Scheduler:
             if req not in self.waiting:
                 self.waiting.appendleft(req)
 
-    def _plan(self, step: int, drain: Callable[[], None]) -> list[Row]:
+    def _plan(self, step: int, process_in_flight: Callable[[], None]) -> list[Row]:
         prefilling, decoding = self._prune_running()
         if self.cfg.enable_mixed_batch:
-            decode = self._decode_rows(step, drain, decoding, beside_prefill=bool(self.waiting or prefilling))
+            decode = self._decode_rows(step, process_in_flight, decoding,
+                                       beside_prefill=bool(self.waiting or prefilling))
             if decode and decode[0].spec_k is not None:
                 return decode  # a verify step carries no prefill
             return decode + self._prefill_rows(self._mixed_prefill_budget(len(decode)), prefilling)
         if self._decode_turn():
-            return (self._decode_rows(step, drain, decoding)
+            return (self._decode_rows(step, process_in_flight, decoding)
                     or self._prefill_rows(self.cfg.max_prefill_tokens, prefilling))
         if not (self.waiting or prefilling):  # decode only: skip sizing a prefill step (a scan)
-            return self._decode_rows(step, drain, decoding)
-        return self._separate_prefill_rows(prefilling) or self._decode_rows(step, drain, decoding)
+            return self._decode_rows(step, process_in_flight, decoding)
+        return self._separate_prefill_rows(prefilling) or self._decode_rows(step, process_in_flight, decoding)
 
     def _prune_running(self) -> tuple[list[Request], list[Request]]:
         """Drop finished requests from the running list and cache the prompt chunks launched
@@ -419,23 +420,24 @@ class Scheduler:
             req.table_pending = 0
         req.last_step = step
 
-    def _decode_rows(self, step: int, drain: Callable[[], None], decoding: list[Request],
+    def _decode_rows(self, step: int, process_in_flight: Callable[[], None], decoding: list[Request],
                      beside_prefill: bool = False) -> list[Row]:
         """`decoding`: the running requests that can decode, as `_prune_running` found them.
-        Rule: nothing between that scan and this call drains or preempts (a prefill plan only
-        admits, and its new rows cannot decode yet); a drain here scans again."""
+        Rule: nothing between that scan and this call processes the step in flight or
+        preempts (a prefill plan only admits, and its new rows cannot decode yet); processing
+        it here scans again."""
         reqs = decoding
         if self.verify is not None and reqs:
             rows = None if beside_prefill else self.verify.plan(reqs, self.cache.available(), self._alloc)
             if rows is not None:
                 return rows
             if any(r.spec_extra for r in reqs):  # plain rows need every length: process the verify
-                drain()
+                process_in_flight()
                 self.running = [r for r in self.running if not r.finished]
                 reqs = [r for r in self.running if r.can_decode]
         need = sum(map(_needs_slot, reqs))
         if need > self.cache.available():
-            drain()  # finishes may free enough; if not, nothing is in flight for preemption
+            process_in_flight()  # finishes may free enough; if not, nothing is in flight for preemption
             self.running = [r for r in self.running if not r.finished]
             while sum(r.can_decode and _needs_slot(r) for r in self.running) > self.cache.available():
                 self._preempt(self.running[-1])
@@ -449,10 +451,10 @@ class Scheduler:
     def _preempt(self, req: Request) -> None:
         assert not req.spec_extra, "preempting a request whose verify is in flight"
         """Recompute later: keep the known outputs, go back to the queue's head. Its computed KV
-        goes to the prefix cache (nothing is in flight: preemption follows a drain), so the
+        goes to the prefix cache (nothing is in flight: preemption follows processing it), so the
         recompute is only what eviction took meanwhile."""
         self.running.remove(req)
-        self.cache.release(req)
+        self.cache.cache_and_free(req)
         self.req_slots.free([req.slot])
         req.slot, req.num_computed = 0, 0
         req.status = Status.WAITING
@@ -462,7 +464,7 @@ class Scheduler:
 
     def _prefill_rows(self, budget: int, prefilling: list[Request]) -> list[Row]:
         """Chunks of the running prefills (`prefilling`: the plan's scan), then admissions."""
-        # This plan's drain may have finished or preempted some of them since the scan.
+        # Processing the step in flight in this plan may have finished or preempted some since the scan.
         prefilling = [r for r in prefilling if r.status is Status.RUNNING]
         if not prefilling and not self.waiting:
             return []
@@ -490,7 +492,7 @@ class Scheduler:
             if hold is Hold.SKIP:
                 # Its prefix loads from the host tier beside the running steps first; the ones
                 # behind it go ahead meanwhile (bounded: it waits MAX_PREFETCH_WAITS plans at most).
-                # A `break` here drained the batch while the copies ran (H200: 35% more steps).
+                # A `break` here emptied the batch while the copies ran (H200: 35% more steps).
                 continue
             if hold is Hold.STOP:
                 break  # its turn to be prefetched comes first (`PrefixCache.prefetch_hold`)
