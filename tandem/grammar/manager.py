@@ -189,7 +189,9 @@ class GrammarManager:
                 req.mask.fill_next_mask(host, i)
         if matchers:
             self._grammar_batch_matcher().batch_fill_next_token_bitmask(matchers, host, indices)
-        empty = [i for i in indices if _bans_every_allowed_token(host[i], rows[i])]
+        # Only a row with bans can be left without a token; most constrained rows have none.
+        empty = [i for i in indices if (rows[i].req.bias or rows[i].req.min_tokens_bias)
+                 and _bans_every_allowed_token(host[i], rows[i])]
         for i in empty:
             host[i].fill_(-1)
         device_rows, ready = stager.copy(batch.step, len(rows))
