@@ -118,6 +118,9 @@ class Experiments:
     process_before_consecutive_prefill: bool = False
     # Fill grammar token masks while the forward runs (off: before the step is queued).
     grammar_overlap: bool = True
+    # With it: the mask fill runs on the fill thread while the previous step's text is made,
+    # and the step's sampling is queued after both (off: fill, sample, then the text).
+    grammar_fill_beside_text: bool = True
     # Split-K decode attention: each row picks its split count from its own length (on the
     # device); off spreads every row over the grid's splits, sized for the longest context.
     attention_split_by_context: bool = True

@@ -725,32 +725,39 @@ class Engine:
     def _sample_masked_then_text(self, launched: PendingResult, previous: PendingResult | None,
                                  outputs: list[StepOutput]) -> None:
         """Step N+1's masks need step N's tokens, accepted by their grammars, not their text:
-        so N's tokens are taken, N+1's sampling is queued behind its masks, and only then is
-        N's text made (its stop strings, its outputs), while N+1 samples on the device.
-        Whatever the sampling does, N's outputs are made (none is lost to a mask failure).
-        A request whose constraints leave no token ends with an error once N's text is read
-        (a stop string in it may have ended it first)."""
+        so N's tokens are taken, N+1's mask fill starts on the fill thread, N's text is made
+        (its stop strings, its outputs) while it fills, and N+1's sampling is queued behind
+        the masks. Whatever the text or the masks do, both run: none of N's outputs is lost
+        to a mask failure, and N+1 is fully queued unless its masks or sampling failed. A
+        request whose constraints leave no token ends with an error after N's text (a stop
+        string in it may have ended it first)."""
         taken = self._process_tokens(previous) if previous is not None else None
-        no_token: list[Request] = []
+        batch, fill, no_token = launched.batch, None, []
         try:
-            no_token = self._sample_masked(launched)
-        finally:
-            if taken is not None:
-                outputs.extend(self._process_text(taken))
-            for req in no_token:
-                self._end(req.rid, "error", NO_TOKEN_ERROR, error_status=400, error_code="no_allowed_token")
+            fill = self.grammar.start_masks(batch)
+            if not self.cfg.experiments.grammar_fill_beside_text:  # the A/B: N+1 sampled before N's text
+                started, fill = fill, None
+                no_token = self._sample_masked(launched, started)
+        finally:  # N's text, whatever the masks did
+            try:
+                if taken is not None:
+                    outputs.extend(self._process_text(taken))
+            finally:
+                try:
+                    if fill is not None:  # filled beside the text: joined now, N+1's sampling queued
+                        no_token = self._sample_masked(launched, fill)
+                finally:
+                    self.grammar.mark_consumed(batch)  # write-after-read on the mask ring, on every path
+        for req in no_token:
+            self._end(req.rid, "error", NO_TOKEN_ERROR, error_status=400, error_code="no_allowed_token")
 
-    def _sample_masked(self, launched: PendingResult) -> list[Request]:
-        """Queue a constrained step's sampling behind its token masks. Returns the requests
-        whose constraints leave no token at this sample: their rows are drawn unmasked, and
-        the caller ends them with an error (the token is dropped: they finished)."""
-        batch = launched.batch
-        try:
-            masks = self.grammar.masks(batch)
-            self.runner.sample(launched, masks.bitmask, masks.ready)
-            return masks.no_token
-        finally:
-            self.grammar.mark_consumed(batch)  # write-after-read on the mask ring, on every path
+    def _sample_masked(self, launched: PendingResult, fill) -> list[Request]:
+        """Queue a constrained step's sampling behind its token masks (`fill`, started).
+        Returns the requests whose constraints leave no token at this sample: their rows are
+        drawn unmasked, and the caller ends them with an error (the token is dropped)."""
+        masks = self.grammar.finish_masks(fill)
+        self.runner.sample(launched, masks.bitmask, masks.ready)
+        return masks.no_token
 
     def _launch_failed(self, batch: ScheduledBatch, exc: BaseException, outputs: list[StepOutput]) -> None:
         """A step that did not launch commits nothing: its plan is rolled back, so no KV slot,

@@ -114,9 +114,10 @@ def test_overlap_on_equals_off_for_constrained_requests(tiny_text_model, tempera
 
 
 def test_masks_are_filled_before_the_previous_steps_text(tiny_text_model):
-    """Step N+1's masks need step N's tokens, not their text: with overlap on, N+1's masks are
-    filled (its sampling queued) before N's text is made. Stop strings that end constrained
-    requests in that text leave every output as with overlap off and with masks first."""
+    """Step N+1's masks need step N's tokens, not their text: with overlap on, N+1's mask fill
+    starts before N's text is made (the fill thread fills while the text is made). Stop strings
+    that end constrained requests in that text leave every output as with overlap off and
+    with masks first."""
     prompts = _prompts(12, seed=5)
     stops = [dict(stop=['"', ","]), dict(stop=["-"]), dict(stop=["e"]), {}]
     params = [_constrained(i, seed=300 + i, temperature=0.8, **stops[i % 4]) for i in range(12)]
@@ -127,17 +128,17 @@ def test_masks_are_filled_before_the_previous_steps_text(tiny_text_model):
         _compile_first(llm, params)
         engine = llm.engine
         if overlap and mask_overlap:
-            masks, token_output = engine.grammar.masks, engine._token_output
+            start_masks, token_output = engine.grammar.start_masks, engine._token_output
 
             def logged_masks(batch):
                 events.append(("masks", batch.step))
-                return masks(batch)
+                return start_masks(batch)
 
             def logged_text(req, *args):  # made while the step after it is in flight
                 events.append(("text", engine.pending.batch.step if engine.pending else None))
                 return token_output(req, *args)
 
-            engine.grammar.masks, engine._token_output = logged_masks, logged_text
+            engine.grammar.start_masks, engine._token_output = logged_masks, logged_text
         runs.append([(o.token_ids, o.finish_reason, o.text, o.outputs[0].stop_reason) for o in
                      llm.generate(prompts, params, use_tqdm=False)])
     assert runs[0] == runs[1] == runs[2]

@@ -217,14 +217,16 @@ def grammar_reference(tiny_text_model, grammar_specs):
     return run_workload(_grammar_engine(tiny_text_model, grammar_specs), grammar_specs)
 
 
+@pytest.mark.parametrize("phase", ["start_masks", "finish_masks"])
 @pytest.mark.parametrize("overlap", [True, False])
 def test_a_fault_while_filling_masks_rolls_the_step_back(tiny_text_model, grammar_specs, grammar_reference,
-                                                         overlap):
-    """The masks of step N+1 are filled after its forward was queued and step N processed: a
-    failure there undoes step N+1 (synchronized, rolled back), the caller steps on, and every
+                                                         overlap, phase):
+    """The masks of step N+1 are filled after its forward was queued and step N's tokens were
+    taken: a failure as the fill starts, or as it is joined (where an error of the fill thread
+    surfaces), undoes step N+1 (synchronized, rolled back), the caller steps on, and every
     request ends exactly as without the fault."""
     engine = _grammar_engine(tiny_text_model, grammar_specs, disable_overlap=not overlap)
-    faults = Faults(engine.grammar, "masks", {2, 9, 10, 30}, lambda: RuntimeError("injected"))
+    faults = Faults(engine.grammar, phase, {2, 9, 10, 30}, lambda: RuntimeError("injected"))
     assert run_workload(engine, grammar_specs, step_errors=(RuntimeError,)) == grammar_reference
     assert faults.calls > 30
     assert_kv_conserved(engine)

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from tandem.bench.presets import PRESETS, load_tokenizer, preset_dir
-from tandem.config import EngineConfig
+from tandem.config import EngineConfig, Experiments
 from tandem.engine import Engine
 from tandem.sampling import SamplingParams
 
@@ -155,6 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--grammar-threads", type=int, default=EngineConfig.grammar_threads,
                     help="the engine's grammar threads (default: EngineConfig's, as users run it)")
     ap.add_argument("--no-overlap-off", action="store_true", help="skip the overlap-off runs")
+    ap.add_argument("--experiment", action="append", default=[], metavar="NAME=VALUE",
+                    help="an Experiments switch for every run (A/B of the engine's internals)")
     ap.add_argument("--json", help="write results here")
     args = ap.parse_args(argv)
 
@@ -162,7 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = EngineConfig(model=preset_dir(args.preset, tokenizer), dummy_weights=True, device=args.device,
                        dtype=args.dtype, timeline=True, max_running_requests=max(args.num_requests, 1),
                        cuda_graph=args.cuda_graph, grammar_threads=args.grammar_threads,
-                       max_model_len=args.prompt_len + args.max_tokens + 8)
+                       max_model_len=args.prompt_len + args.max_tokens + 8,
+                       experiments=Experiments.from_overrides(args.experiment))
     engine = Engine(cfg)
     _log(f"engine ready ({engine.device}, {engine.dtype}, vocab {engine.model_config.vocab_size})")
     rng = random.Random(args.seed)

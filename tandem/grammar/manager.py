@@ -32,6 +32,17 @@ class StepMasks:
     no_token: list[Request]
 
 
+@dataclass
+class MaskFill:
+    """A step's masks between `start_masks` and `finish_masks`: the host rows being filled,
+    the rows that have grammar matchers, and the fill thread's future (None: no matcher)."""
+
+    batch: ScheduledBatch
+    host: torch.Tensor
+    indices: list[int]
+    filled: Future | None
+
+
 class Compiling(NamedTuple):
     req: Request
     future: Future  # job.future, second as before: callers wait on `compiling[i][1]`
@@ -65,6 +76,7 @@ class GrammarManager:
                           if enabled and tokenizer is not None else None)
         self._stager: MaskStager | None = None
         self._batch_matcher = None
+        self._filler: concurrent.futures.ThreadPoolExecutor | None = None
         # Host seconds spent on masks (fill + copy) and on advancing matchers: the bench's split.
         self.fill_s = self.accept_s = 0.0
         self.masked_steps = 0
@@ -166,15 +178,15 @@ class GrammarManager:
         self.accept_s += perf_counter() - t0
         return done
 
-    def masks(self, batch: ScheduledBatch) -> StepMasks:
-        """Fill the step's masks on the host and queue their copy (schedule stream). Every
-        earlier token of each row's request has been accepted: the previous step was processed.
-        A row whose grammar allows only tokens its bans forbid is reported in `no_token` (and
-        left unmasked, so its draw stays finite); the engine ends that request."""
+    def start_masks(self, batch: ScheduledBatch) -> "MaskFill":
+        """Begin the step's masks on the host: rows without a grammar matcher are filled here,
+        the matchers' rows on the fill thread (xgrammar releases the GIL while it fills), so
+        the caller can make the previous step's text meanwhile. Every earlier token of each
+        row's request has been accepted: the previous step's tokens were taken. `finish_masks`
+        must follow, on every path (it owns the host ring slot until then)."""
         t0 = perf_counter()
         rows = batch.sample_rows
-        stager = self._mask_stager()
-        host = stager.host_rows(batch.step, len(rows))
+        host = self._mask_stager().host_rows(batch.step, len(rows))
         matchers, indices = [], []
         for i, row in enumerate(rows):
             req = row.req
@@ -187,17 +199,34 @@ class GrammarManager:
                 indices.append(i)
             else:
                 req.mask.fill_next_mask(host, i)
-        if matchers:
-            self._grammar_batch_matcher().batch_fill_next_token_bitmask(matchers, host, indices)
+        filled = None
+        if matchers:  # the matchers are only read by the fill until finish_masks joins it
+            filled = self._fill_thread().submit(self._grammar_batch_matcher().batch_fill_next_token_bitmask,
+                                                matchers, host, indices)
+        self.fill_s += perf_counter() - t0
+        return MaskFill(batch, host, indices, filled)
+
+    def finish_masks(self, fill: "MaskFill") -> StepMasks:
+        """Wait for the fill, then queue the masks' copy (schedule stream). A row whose grammar
+        allows only tokens its bans forbid is reported in `no_token` (and left unmasked, so
+        its draw stays finite); the engine ends that request."""
+        t0 = perf_counter()
+        if fill.filled is not None:
+            fill.filled.result()  # re-raises the fill's error here, on the engine loop
+        rows, host = fill.batch.sample_rows, fill.host
         # Only a row with bans can be left without a token; most constrained rows have none.
-        empty = [i for i in indices if (rows[i].req.bias or rows[i].req.min_tokens_bias)
+        empty = [i for i in fill.indices if (rows[i].req.bias or rows[i].req.min_tokens_bias)
                  and _bans_every_allowed_token(host[i], rows[i])]
         for i in empty:
             host[i].fill_(-1)
-        device_rows, ready = stager.copy(batch.step, len(rows))
+        device_rows, ready = self._mask_stager().copy(fill.batch.step, len(rows))
         self.fill_s += perf_counter() - t0
         self.masked_steps += 1
         return StepMasks(device_rows, ready, [rows[i].req for i in empty])
+
+    def masks(self, batch: ScheduledBatch) -> StepMasks:
+        """The step's masks, filled and copied with nothing in between."""
+        return self.finish_masks(self.start_masks(batch))
 
     def mark_consumed(self, batch: ScheduledBatch) -> None:
         self._stager.mark_consumed(batch.step)
@@ -207,6 +236,13 @@ class GrammarManager:
         if self._stager is None:
             self._stager = MaskStager(self.streams, self.max_rows, self.vocab_size)
         return self._stager
+
+    def _fill_thread(self) -> concurrent.futures.ThreadPoolExecutor:
+        # One thread: fills are joined before the next starts, and xgrammar's batch matcher
+        # spreads a fill over its own `threads`.
+        if self._filler is None:
+            self._filler = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tandem-mask-fill")
+        return self._filler
 
     def _grammar_batch_matcher(self):
         # Built once a grammar compiled, so xgrammar is imported by then (by the pool): a
@@ -220,6 +256,8 @@ class GrammarManager:
     def shutdown(self) -> None:
         if self._compiler is not None:
             self._compiler.shutdown()
+        if self._filler is not None:
+            self._filler.shutdown(wait=True)  # a fill in progress writes pinned memory close() frees
 
 
 def _bans_every_allowed_token(mask_row: torch.Tensor, row) -> bool:
