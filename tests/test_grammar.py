@@ -4,6 +4,7 @@ and the mask reaches every sampling method."""
 import json
 import random
 import re
+import threading
 
 import jsonschema
 import pytest
@@ -104,30 +105,32 @@ def test_overlap_on_equals_off_for_constrained_requests(tiny_text_model, tempera
     params = [_constrained(i, seed=100 + i, temperature=temperature) for i in range(20)]
     params += [SamplingParams(max_tokens=12, temperature=temperature, seed=7, ignore_eos=True)] * 4
     runs = []
-    for overlap, mask_overlap in ((True, True), (False, True), (True, False)):
+    for overlap, mask_overlap, beside in ((True, True, True), (False, True, True), (True, False, True),
+                                          (True, True, False)):
         llm = LLM(str(tiny_text_model), device=TEST_DEVICE, dtype="float32", disable_overlap=not overlap,
-                  experiments=Experiments(grammar_overlap=mask_overlap))
+                  experiments=Experiments(grammar_overlap=mask_overlap, grammar_fill_beside_text=beside))
         _compile_first(llm, params)
         runs.append([(o.token_ids, o.finish_reason) for o in
                      llm.generate(prompts + _prompts(4, seed=3), params, use_tqdm=False)])
-    assert runs[0] == runs[1] == runs[2]
+    assert runs[0] == runs[1] == runs[2] == runs[3]
 
 
 def test_masks_are_filled_before_the_previous_steps_text(tiny_text_model):
     """Step N+1's masks need step N's tokens, not their text: with overlap on, N+1's mask fill
     starts before N's text is made (the fill thread fills while the text is made). Stop strings
-    that end constrained requests in that text leave every output as with overlap off and
-    with masks first."""
+    that end constrained requests in that text leave every output as with overlap off, with
+    masks first and with the fill joined before the text."""
     prompts = _prompts(12, seed=5)
     stops = [dict(stop=['"', ","]), dict(stop=["-"]), dict(stop=["e"]), {}]
     params = [_constrained(i, seed=300 + i, temperature=0.8, **stops[i % 4]) for i in range(12)]
-    runs, events = [], []
-    for overlap, mask_overlap in ((True, True), (False, True), (True, False)):
+    runs, events, fill_threads = [], [], set()
+    for overlap, mask_overlap, beside in ((True, True, True), (False, True, True), (True, False, True),
+                                          (True, True, False)):
         llm = LLM(str(tiny_text_model), device=TEST_DEVICE, dtype="float32", disable_overlap=not overlap,
-                  experiments=Experiments(grammar_overlap=mask_overlap))
+                  experiments=Experiments(grammar_overlap=mask_overlap, grammar_fill_beside_text=beside))
         _compile_first(llm, params)
         engine = llm.engine
-        if overlap and mask_overlap:
+        if overlap and mask_overlap and beside:
             start_masks, token_output = engine.grammar.start_masks, engine._token_output
 
             def logged_masks(batch):
@@ -139,14 +142,23 @@ def test_masks_are_filled_before_the_previous_steps_text(tiny_text_model):
                 return token_output(req, *args)
 
             engine.grammar.start_masks, engine._token_output = logged_masks, logged_text
+            batch_matcher = engine.grammar._grammar_batch_matcher()
+
+            class ThreadLogged:  # where xgrammar's batch fill runs
+                def batch_fill_next_token_bitmask(self, *args):
+                    fill_threads.add(threading.current_thread().name)
+                    return batch_matcher.batch_fill_next_token_bitmask(*args)
+
+            engine.grammar._batch_matcher = ThreadLogged()
         runs.append([(o.token_ids, o.finish_reason, o.text, o.outputs[0].stop_reason) for o in
                      llm.generate(prompts, params, use_tqdm=False)])
-    assert runs[0] == runs[1] == runs[2]
+    assert runs[0] == runs[1] == runs[2] == runs[3]
     assert sum(isinstance(stop, str) for *_, stop in runs[0]) >= 3  # stop strings ended constrained requests
     masked_at = {step: i for i, (kind, step) in enumerate(events) if kind == "masks"}
     texts_in_flight = [(i, step) for i, (kind, step) in enumerate(events) if kind == "text" and step in masked_at]
     assert texts_in_flight, "no step's text was made while a masked step was in flight"
     assert all(masked_at[step] < i for i, step in texts_in_flight)
+    assert fill_threads and all(name.startswith("tandem-mask-fill") for name in fill_threads)
 
 
 def test_preemption_and_chunked_prefill_keep_matchers_consistent(tiny_text_model):
