@@ -25,7 +25,7 @@ from tandem.diagnostics.debug_checks import DebugChecks
 from tandem.diagnostics.errors import EngineDeadError, FatalErrorGuard, first_line, is_out_of_memory
 from tandem.distributed.runtime import SingleProcess
 from tandem.diagnostics.timeline import StepRecord, Timeline
-from tandem.grammar import GrammarManager
+from tandem.grammar import GrammarManager, MaskFill
 from tandem.limits import context_error
 from tandem.cuda_graph import DecodeGraphs, default_buckets
 from tandem.kernels.extend_attention import extend_block_rows
@@ -732,26 +732,23 @@ class Engine:
         request whose constraints leave no token ends with an error after N's text (a stop
         string in it may have ended it first)."""
         taken = self._process_tokens(previous) if previous is not None else None
-        batch, fill, no_token = launched.batch, None, []
+        batch, no_token = launched.batch, []
         try:
             fill = self.grammar.start_masks(batch)
-            if not self.cfg.experiments.grammar_fill_beside_text:  # the A/B: N+1 sampled before N's text
-                started, fill = fill, None
-                no_token = self._sample_masked(launched, started)
-        finally:  # N's text, whatever the masks did
             try:
-                if taken is not None:
-                    outputs.extend(self._process_text(taken))
-            finally:
-                try:
-                    if fill is not None:  # filled beside the text: joined now, N+1's sampling queued
-                        no_token = self._sample_masked(launched, fill)
-                finally:
-                    self.grammar.mark_consumed(batch)  # write-after-read on the mask ring, on every path
+                if taken is not None and self.cfg.experiments.grammar_fill_beside_text:  # off: the A/B
+                    read, taken = taken, None  # made once, even if it fails
+                    outputs.extend(self._process_text(read))
+            finally:  # after a failed text too: the fill joined, N+1's sampling queued
+                no_token = self._sample_masked(launched, fill)
+        finally:
+            self.grammar.mark_consumed(batch)  # write-after-read on the mask ring, on every path
+            if taken is not None:  # the A/B's order (text after the sampling), or the masks failed first
+                outputs.extend(self._process_text(taken))
         for req in no_token:
             self._end(req.rid, "error", NO_TOKEN_ERROR, error_status=400, error_code="no_allowed_token")
 
-    def _sample_masked(self, launched: PendingResult, fill) -> list[Request]:
+    def _sample_masked(self, launched: PendingResult, fill: MaskFill) -> list[Request]:
         """Queue a constrained step's sampling behind its token masks (`fill`, started).
         Returns the requests whose constraints leave no token at this sample: their rows are
         drawn unmasked, and the caller ends them with an error (the token is dropped)."""

@@ -9,7 +9,7 @@ which waits on the GPU for the mask's host-to-device copy. The FutureMap is unto
 xgrammar is imported, and its tokenizer info built, by the grammar pool as the engine starts
 (in the background: neither start-up nor the engine loop waits for it).
 """
-from tandem.grammar.manager import GrammarManager
+from tandem.grammar.manager import GrammarManager, MaskFill
 from tandem.grammar.mask import GrammarMask, MaskProducer
 
-__all__ = ["GrammarManager", "GrammarMask", "MaskProducer"]
+__all__ = ["GrammarManager", "GrammarMask", "MaskFill", "MaskProducer"]

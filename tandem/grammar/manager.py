@@ -178,7 +178,7 @@ class GrammarManager:
         self.accept_s += perf_counter() - t0
         return done
 
-    def start_masks(self, batch: ScheduledBatch) -> "MaskFill":
+    def start_masks(self, batch: ScheduledBatch) -> MaskFill:
         """Begin the step's masks on the host: rows without a grammar matcher are filled here,
         the matchers' rows on the fill thread (xgrammar releases the GIL while it fills), so
         the caller can make the previous step's text meanwhile. Every earlier token of each
@@ -206,7 +206,7 @@ class GrammarManager:
         self.fill_s += perf_counter() - t0
         return MaskFill(batch, host, indices, filled)
 
-    def finish_masks(self, fill: "MaskFill") -> StepMasks:
+    def finish_masks(self, fill: MaskFill) -> StepMasks:
         """Wait for the fill, then queue the masks' copy (schedule stream). A row whose grammar
         allows only tokens its bans forbid is reported in `no_token` (and left unmasked, so
         its draw stays finite); the engine ends that request."""
@@ -223,10 +223,6 @@ class GrammarManager:
         self.fill_s += perf_counter() - t0
         self.masked_steps += 1
         return StepMasks(device_rows, ready, [rows[i].req for i in empty])
-
-    def masks(self, batch: ScheduledBatch) -> StepMasks:
-        """The step's masks, filled and copied with nothing in between."""
-        return self.finish_masks(self.start_masks(batch))
 
     def mark_consumed(self, batch: ScheduledBatch) -> None:
         self._stager.mark_consumed(batch.step)
