@@ -294,7 +294,7 @@ class EngineConfig:
                                        "/metrics either way)", metavar="PATH")
     timeline_max_records: int | None = knob(None, "steps the timeline keeps in memory (None: all; "
                                                   "the server keeps 4096 unless told)")
-    grammar_threads: int = knob(2, "threads compiling grammars and filling token masks")
+    grammar_threads: int = knob(2, "threads compiling grammars (token masks are filled on one thread)")
     # A compilation cannot be stopped (its thread runs on); the request waiting for it can.
     grammar_compile_timeout: float = knob(
         60.0, "seconds a grammar may compile before the requests waiting for it fail with a 400")

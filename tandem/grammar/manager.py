@@ -65,7 +65,7 @@ class GrammarManager:
                  enabled: bool = True) -> None:
         self.tokenizer, self.vocab_size, self.stop_ids = tokenizer, vocab_size, stop_ids
         self._stop_set = frozenset(stop_ids)
-        self.streams, self.max_rows, self.threads = streams, max_rows, threads
+        self.streams, self.max_rows = streams, max_rows
         if not compile_timeout > 0:
             raise ValueError(f"grammar_compile_timeout must be > 0 seconds, got {compile_timeout!r}")
         self.compile_timeout = compile_timeout
@@ -234,8 +234,7 @@ class GrammarManager:
         return self._stager
 
     def _fill_thread(self) -> concurrent.futures.ThreadPoolExecutor:
-        # One thread: fills are joined before the next starts, and xgrammar's batch matcher
-        # spreads a fill over its own `threads`.
+        # One thread: fills are joined before the next starts.
         if self._filler is None:
             self._filler = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tandem-mask-fill")
         return self._filler
@@ -246,7 +245,10 @@ class GrammarManager:
         if self._batch_matcher is None:
             import xgrammar as xgr
 
-            self._batch_matcher = xgr.BatchGrammarMatcher(max_threads=self.threads)
+            # One thread: a row's fill is ~1 us, so spreading a step's fill costs more than it
+            # saves (64 rows: 0.04 ms on one thread, 0.12 on two; docs/benchmarks.md, session 34);
+            # the fill already runs beside the loop's text. `threads` is for compiling.
+            self._batch_matcher = xgr.BatchGrammarMatcher(max_threads=1)
         return self._batch_matcher
 
     def shutdown(self) -> None:
