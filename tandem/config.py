@@ -155,6 +155,13 @@ class Experiments:
     # time (0.6 tokens on average), about what the verify step costs over a decode step; after a
     # two-token match, 38-58 % (docs/benchmarks.md, session 28). 1: any match (before session 28).
     spec_verify_min_match: int = 2
+    # Graphed verify steps of at most this many rows (bucket) score each row's k + 1 queries
+    # in the extend layout (one extend attention launch a layer), larger ones as one decode
+    # row per query. H200, built-in shape, one row, 512 cached tokens (`tandem bench
+    # spec-verify`): the extend layout's forward 1.065 against 1.187 ms at k 4, 1.071 / 1.263
+    # at k 7, 1.097 / 1.239 at k 8, 1.107 / 1.240 at k 15 (docs/benchmarks.md, session 34).
+    # 0: never (the layout before session 34). More rows are the next measurement.
+    verify_extend_max_rows: int = 1
     # Draft-model proposals for sampled rows drawn with the noise plain sampling uses at the same
     # output index (Gumbel-max coupling) and verified as point masses, as n-gram's are: the
     # emitted tokens are plain decoding's, whichever steps speculate. Off: drawn with their own

@@ -411,7 +411,8 @@ class Engine:
         if not buckets or buckets[-1] < min(spec.disable_by_batch_size, self.cfg.max_running_requests):
             buckets.append(min(spec.disable_by_batch_size, self.cfg.max_running_requests))
         graphs = VerifyGraphs(self.model, self.kv, self.table, self.backend, self.future_map, self.streams,
-                              self.stager, self.spec_state, buckets, self.max_model_len)
+                              self.stager, self.spec_state, buckets, self.max_model_len,
+                              extend_max_rows=self.cfg.experiments.verify_extend_max_rows)
         graphs.capture()
         return graphs
 

@@ -32,6 +32,10 @@ class ForwardBatch:
     # Extend only: (rows, query-block indices) of each attention program, planned on the host
     # (a graphed prefill step's fixed grid); None: the dense grid over (row, query block).
     extend_blocks: tuple[torch.Tensor, torch.Tensor] | None = None
+    # Extend only: every row has exactly this many new tokens and the kernels take the rows'
+    # lengths from the device (`fixed_extend_batch`: a graphed verify step); the host fields
+    # then hold placeholders. None: the host fields are the rows' real lengths.
+    queries_per_row: int | None = None
 
 
 def query_rows_batch(input_ids: torch.Tensor, positions: torch.Tensor, locs: torch.Tensor,
@@ -51,3 +55,24 @@ def query_rows_batch(input_ids: torch.Tensor, positions: torch.Tensor, locs: tor
         # Decode kernels read device lengths; these host fields only size extend kernels.
         host_req_slots=[0] * t, host_seq_lens=[1] * t, host_extend_lens=[1] * t,
         is_decode=True, max_seq_len=max_seq_len)
+
+
+def fixed_extend_batch(input_ids: torch.Tensor, positions: torch.Tensor, locs: torch.Tensor,
+                       req_slots: torch.Tensor, queries: int, req_to_token: torch.Tensor,
+                       max_seq_len: int) -> ForwardBatch:
+    """A verify step in the extend layout: row b's `queries` tokens (positions p0 .. p0 +
+    queries - 1, request-major) are new tokens after its cache, attended causally by one
+    extend launch a layer; `req_slots` [B], one per row. Lengths stay on the device (p0 =
+    the row's first query position; lengths clamped to `max_seq_len`, the table's width:
+    queries past the end are dead ones, never emitted), so it is graph-capturable. Same
+    queries, same causal mask as `query_rows_batch`, one launch instead of a row per query."""
+    b = req_slots.shape[0]
+    prefix_lens = positions.view(b, queries)[:, 0].to(torch.int32)
+    return ForwardBatch(
+        input_ids=input_ids, positions=positions, out_cache_loc=locs, req_slots=req_slots,
+        seq_lens=(prefix_lens + queries).clamp(max=max_seq_len), prefix_lens=prefix_lens,
+        qo_indptr=torch.arange(0, b * queries + 1, queries, dtype=torch.int32, device=input_ids.device),
+        req_to_token=req_to_token,
+        # Placeholders (the lengths are on the device); host_extend_lens sizes the extend grid.
+        host_req_slots=[0] * b, host_seq_lens=[queries] * b, host_extend_lens=[queries] * b,
+        is_decode=False, max_seq_len=max_seq_len, queries_per_row=queries)

@@ -312,6 +312,38 @@ def test_backend_matches_torch_backend(prefix_lens, extend_lens):
     _close(out, expected, torch.float32)
 
 
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_verify_layouts_give_the_same_attention(backend):
+    """A verify step's queries (k + 1 a row after its cache) as one decode row per query and
+    in the fixed extend layout (lengths on the device only) attend alike: rows of different
+    contexts, a padding row (slot 0, first position 0) and a row at the table's end, whose
+    queries past it are dead (lengths clamped to the width; only its live queries compared)."""
+    from tandem.forward_batch import fixed_extend_batch, query_rows_batch
+    queries, heads, kvh, d = 5, 6, 2, 64
+    width = 48
+    prefixes = [30, 7, width - 2]  # the last row: queries 0 and 1 live, 2..4 past the table
+    k_cache, v_cache, r2t, slots = _paged([min(p + queries, width) for p in prefixes], kvh, d, torch.float32)
+    r2t = r2t[:, :width].contiguous()  # the table's width: the engine's max_model_len
+    slots = torch.cat([slots, torch.zeros(1, dtype=slots.dtype, device=DEVICE)])  # + a padding row
+    prefixes.append(0)
+    b, t = len(prefixes), len(prefixes) * queries
+    positions = (torch.tensor(prefixes)[:, None] + torch.arange(queries)).flatten().to(DEVICE)
+    live = positions < width
+    rows = torch.arange(b, device=DEVICE).repeat_interleave(queries)
+    locs = torch.where(live, r2t[slots[rows], positions.clamp(max=width - 1)].long(), 0)
+    q = torch.randn(t, heads, d, device=DEVICE)
+    k, v = torch.randn(t, kvh, d, device=DEVICE), torch.randn(t, kvh, d, device=DEVICE)
+    ids = torch.zeros(t, dtype=torch.long, device=DEVICE)
+    attn = TritonAttention() if backend == "triton" else ref.TorchAttention()
+    outs = []
+    for fb in (query_rows_batch(ids, positions, locs, slots[rows], r2t, width),
+               fixed_extend_batch(ids, positions, locs, slots, queries, r2t, width)):
+        caches = (k_cache.clone(), v_cache.clone())
+        outs.append(attn.forward(q, k, v, *caches, fb, d ** -0.5))
+    assert outs[1].isfinite().all()
+    _close(outs[1][live], outs[0][live].float(), torch.float32)
+
+
 @pytest.mark.parametrize("fused", [True, False], ids=["fused_merge", "merge_launch"])
 def test_backend_fused_decode_merge(fused):
     # Rows long enough for split-K (3 splits at this batch): the backend's counters, or none.

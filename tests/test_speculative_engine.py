@@ -323,27 +323,34 @@ def test_the_timeline_shows_verify_steps(cycling_model):
     engine.close()
 
 
-def _eager_verify_graphs(engine):
+def _eager_verify_graphs(engine, extend_max_rows: int = 1):
     """Verify graphs for buckets 1..8 run eagerly (capture=False: what a captured graph runs,
-    here on any device), installed in the engine's runner."""
+    here on any device), installed in the engine's runner; buckets up to `extend_max_rows`
+    in the extend layout, the others a decode row per query."""
     from tandem.speculative.graphs import VerifyGraphs
     e = engine
     graphs = VerifyGraphs(e.model, e.kv, e.table, e.backend, e.future_map, e.streams, e.stager, e.spec_state,
-                          [1, 2, 4, 8], e.max_model_len, capture=False)
+                          [1, 2, 4, 8], e.max_model_len, capture=False, extend_max_rows=extend_max_rows)
     engine.runner.verify_graphs = graphs
     return graphs
 
 
-def test_the_fixed_shape_layout_of_graphed_verify_steps(cycling_model):
+# Experiments.verify_extend_max_rows: every bucket a decode row per query, or every one extend.
+LAYOUTS = pytest.mark.parametrize("extend_max_rows", [0, 8], ids=["query_rows", "extend"])
+
+
+@LAYOUTS
+def test_the_fixed_shape_layout_of_graphed_verify_steps(cycling_model, extend_max_rows):
     """What a captured verify graph runs (k + 1 queries every row, those past a row's k_row
-    writing the dummy slot, padding rows), here eagerly on the CPU: outputs are plain's."""
+    writing the dummy slot, padding rows), here eagerly on the CPU, in either query layout:
+    outputs are plain's."""
     prompts = _prompts(7, seed=8)
     extra = {3: {"repetition_penalty": 1.2}, 4: {"logprobs": 2}}
     params = [SamplingParams(max_tokens=20 + 9 * i, temperature=0.8 * (i % 2), seed=i, ignore_eos=True,
                              **extra.get(i, {})) for i in range(7)]
     plain, _ = _generate(cycling_model, prompts, params)
     engine = _engine(cycling_model, NGRAM)
-    graphs = _eager_verify_graphs(engine)
+    graphs = _eager_verify_graphs(engine, extend_max_rows)
     calls = []
     replay = graphs.replay
     graphs.replay = lambda bucket, ring: calls.append(bucket) or replay(bucket, ring)
@@ -359,7 +366,8 @@ def test_the_fixed_shape_layout_of_graphed_verify_steps(cycling_model):
     engine.close()
 
 
-def test_greedy_verify_steps_settle_in_the_graphed_tail(cycling_model):
+@LAYOUTS
+def test_greedy_verify_steps_settle_in_the_graphed_tail(cycling_model, extend_max_rows):
     """A greedy-only graphed verify step samples and settles in its second graph (argmax,
     verdict, lengths, history, the relay): here eagerly on the CPU, the same fixed-shape
     work. Outputs are plain's; a step with a sampled row settles eagerly instead."""
@@ -367,7 +375,7 @@ def test_greedy_verify_steps_settle_in_the_graphed_tail(cycling_model):
     greedy = [SamplingParams(max_tokens=24 + 7 * i, temperature=0, ignore_eos=True) for i in range(5)]
     plain, _ = _generate(cycling_model, prompts, greedy)
     engine = _engine(cycling_model, NGRAM)
-    graphs = _eager_verify_graphs(engine)
+    graphs = _eager_verify_graphs(engine, extend_max_rows)
     tails = []
     replay_tail = graphs.replay_tail
     graphs.replay_tail = lambda *a: tails.append(a[2]) or replay_tail(*a)

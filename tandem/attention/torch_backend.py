@@ -97,6 +97,27 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     return out
 
 
+def fixed_extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           req_to_token: torch.Tensor, req_slots: torch.Tensor, prefix_lens: torch.Tensor,
+                           seq_lens: torch.Tensor, scale: float, max_seq_len: int) -> torch.Tensor:
+    """`extend_attention` for rows of the same number of new tokens (q [B * Q, H, D], request-
+    major) with the lengths on the device: query j of row b sits at prefix_lens[b] + j and
+    sees keys up to its own position, below seq_lens[b]. Padded to `max_seq_len` and masked
+    as `decode_attention` is: no host loop, no device value read."""
+    b = req_slots.shape[0]
+    queries = q.shape[0] // b
+    token_idx = req_to_token[req_slots, :max_seq_len].long()  # [B, L]
+    k = k_cache[token_idx].transpose(1, 2)  # [B, KVH, L, D]
+    v = v_cache[token_idx].transpose(1, 2)
+    k_pos = torch.arange(max_seq_len, device=q.device)
+    q_pos = prefix_lens[:, None].long() + torch.arange(queries, device=q.device)  # [B, Q]
+    mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & (k_pos[None, None, :] < seq_lens[:, None, None])
+    qb = q.view(b, queries, *q.shape[1:]).transpose(1, 2)  # [B, H, Q, D]
+    # Every query sees key 0 at least (a padding row's too: prefix 0, length `queries`).
+    out = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask[:, None], scale=scale, enable_gqa=True)
+    return out.transpose(1, 2).reshape(q.shape)
+
+
 class TorchAttention:
     """Attention backend over the reference functions above."""
 
@@ -119,5 +140,8 @@ class TorchAttention:
         if batch.is_decode:
             return decode_attention(q, k_cache, v_cache, batch.req_to_token, batch.req_slots,
                                     batch.seq_lens, scale, batch.max_seq_len)
+        if batch.queries_per_row is not None:
+            return fixed_extend_attention(q, k_cache, v_cache, batch.req_to_token, batch.req_slots,
+                                          batch.prefix_lens, batch.seq_lens, scale, batch.max_seq_len)
         return extend_attention(q, k_cache, v_cache, batch.req_to_token, batch.host_req_slots,
                                 batch.host_seq_lens, batch.host_extend_lens, scale)

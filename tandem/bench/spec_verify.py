@@ -1,9 +1,11 @@
 """`tandem bench spec-verify`: what a speculative verify step costs against a decode step.
 
 A verify forward scores each row's last token and its k proposals: k + 1 query tokens per
-row over the row's cached context, and logits at every position. The engine runs it as a
-decode batch of one row per query (`forward_batch.query_rows_batch`); the extend layout
-(k + 1 new tokens after a prefix, the extend kernel) is timed beside it for comparison.
+row over the row's cached context, and logits at every position. Two layouts are timed: a
+decode batch of one row per query (`forward_batch.query_rows_batch`, the "verify" columns)
+and the extend layout (k + 1 new tokens after the row's cache, one extend attention launch
+a layer: `forward_batch.fixed_extend_batch`). The engine's graphed verify steps use the
+extend layout up to `Experiments.verify_extend_max_rows` rows, the other above.
 Speculation pays when (accepted + 1) tokens per verify outweigh its cost over one decode
 step, so this ratio is the break-even acceptance, per batch size (issue 20 asks for <= 1.15x
 at batch 1 on the Llama-3.1-8B shape with k + 1 = 5).
@@ -27,7 +29,7 @@ from tandem.bench.presets import preset_dir
 from tandem.config import EngineConfig
 from tandem.engine import Engine
 from tandem.forward_batch import ForwardBatch
-from tandem.forward_batch import query_rows_batch
+from tandem.forward_batch import fixed_extend_batch, query_rows_batch
 
 
 @dataclass
@@ -36,8 +38,8 @@ class VerifyRow:
     k: int
     context: int
     decode_ms: float  # graph replay on CUDA, eager elsewhere
-    verify_ms: float  # the engine's layout: a decode row per query
-    verify_extend_ms: float  # the extend layout, for comparison
+    verify_ms: float  # a decode row per query (the engine's layout above verify_extend_max_rows)
+    verify_extend_ms: float  # the extend layout (the engine's up to verify_extend_max_rows rows)
     decode_eager_ms: float
     verify_eager_ms: float
     first_position_max_diff: float  # |verify logits[pos 0] - decode logits|, the layout check
@@ -75,14 +77,8 @@ class Shapes:
         positions = (context + torch.arange(q, device=dev)).repeat(batch)
         self.verify = query_rows_batch(tokens.flatten(), positions, locs[:, context:context + q].flatten(),
                                        slots.repeat_interleave(q), table.table, context + q)
-        self.verify_extend = ForwardBatch(
-            input_ids=tokens.flatten(), positions=(context + torch.arange(q, device=dev)).repeat(batch),
-            out_cache_loc=locs[:, context:context + q].flatten(), req_slots=slots,
-            seq_lens=torch.full((batch,), context + q, dtype=torch.int32, device=dev),
-            prefix_lens=torch.full((batch,), context, dtype=torch.int32, device=dev),
-            qo_indptr=torch.arange(0, batch * q + 1, q, dtype=torch.int32, device=dev), req_to_token=table.table,
-            host_req_slots=list(range(1, batch + 1)), host_seq_lens=[context + q] * batch,
-            host_extend_lens=[q] * batch, is_decode=False, max_seq_len=context + q)
+        self.verify_extend = fixed_extend_batch(tokens.flatten(), positions, locs[:, context:context + q].flatten(),
+                                                slots, q, table.table, context + q)
 
     def run(self, fb: ForwardBatch) -> torch.Tensor:
         model, engine = self.engine.model, self.engine

@@ -7,6 +7,12 @@ captured work is the proposal (n-gram over the device history), the inputs, posi
 locations, the forward and the logits; the slots reserved this step are written into the
 table before the replay, and sampling and the verdict run after it, as for decode graphs.
 Padding rows use request slot 0, k_row 0: they read the padding row and write slot 0.
+
+Two layouts of the same queries: buckets up to `extend_max_rows` run each row's k + 1 queries
+as new tokens after its cache (`fixed_extend_batch`: one extend attention launch a layer),
+larger ones as one decode row per query (`query_rows_batch`). On the H200 at one row, 512
+cached tokens, the extend layout's forward took 0.89x the other's at k 4 and 0.85-0.89x at
+k 7-15 (docs/benchmarks.md, session 34); at more rows it lost in session 7 (older kernels).
 """
 from __future__ import annotations
 
@@ -15,7 +21,7 @@ import logging
 import torch
 
 from tandem.cuda_graph import capture_all, warm_and_capture
-from tandem.forward_batch import query_rows_batch
+from tandem.forward_batch import fixed_extend_batch, query_rows_batch
 from tandem.speculative.state import SpecState, SpecStep
 from tandem.speculative.verify import Verdict
 
@@ -37,11 +43,12 @@ VERIFY_FIELDS = ("req_slots", "k_rows")
 
 class VerifyGraphs:
     def __init__(self, model, kv, table, backend, future_map, streams, stager, spec: SpecState,
-                 buckets: list[int], max_seq_len: int, capture: bool = True):
+                 buckets: list[int], max_seq_len: int, capture: bool = True, extend_max_rows: int = 1):
         self.model, self.kv, self.table, self.backend = model, kv, table, backend
         self.future_map, self.streams, self.stager, self.spec = future_map, streams, stager, spec
         self.buckets, self.max_seq_len, self.k = buckets, max_seq_len, spec.k
         self.use_graphs = capture  # False: the same fixed-shape work, run eagerly (CPU tests)
+        self.extend_max_rows = extend_max_rows  # Experiments.verify_extend_max_rows
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[int, int], tuple[torch.Tensor, SpecStep]] = {}
         self.tails: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -82,7 +89,10 @@ class VerifyGraphs:
         width = self.table.table.shape[1]
         locs = torch.where(live, self.table.table[slots[r], positions.clamp(max=width - 1)].to(torch.int64), 0)
         # Dead queries' lengths are clamped into the table; what they read is never used.
-        fb = query_rows_batch(input_ids, positions, locs, slots[r], self.table.table, self.max_seq_len)
+        if bucket <= self.extend_max_rows:
+            fb = fixed_extend_batch(input_ids, positions, locs, slots, self.k + 1, self.table.table, self.max_seq_len)
+        else:
+            fb = query_rows_batch(input_ids, positions, locs, slots[r], self.table.table, self.max_seq_len)
         hidden = self.model(fb, self.kv, self.backend)
         logits = self.model.compute_logits(hidden, out=self.logits[:bucket * (self.k + 1)])
         return logits, step
