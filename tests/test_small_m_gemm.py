@@ -68,10 +68,11 @@ def test_small_m_gemm_per_lane_matches_matmul(dtype, m, cfg, silu_mul):
 
 def test_tuner_offers_per_lane_tiles_for_a_few_rows():
     from tandem.kernels.gemm_tuner import candidates
-    for m in (2, 4, 8):
+    for m in (2, 4, 8, 16):
         lanes = [c for c in candidates(960, 576, m, 132) if c.per_lane]
         assert lanes and all(m * c.block_n * c.block_k <= 8192 for c in lanes)
-    assert not any(c.per_lane for m in (1, 16) for c in candidates(960, 576, m, 132))
+        assert any(not c.per_lane for c in candidates(960, 576, m, 132))  # and the tl.dot tiles
+    assert not any(c.per_lane for c in candidates(960, 576, 1, 132))
 
 
 @pytest.mark.parametrize("m", [1, 5])
