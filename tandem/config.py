@@ -155,6 +155,13 @@ class Experiments:
     # time (0.6 tokens on average), about what the verify step costs over a decode step; after a
     # two-token match, 38-58 % (docs/benchmarks.md, session 28). 1: any match (before session 28).
     spec_verify_min_match: int = 2
+    # A running request whose every sample is launched leaves its running place to an
+    # admission before its finish is processed (a spare request slot holds the newcomer until
+    # the leaving one's steps complete): at the running limit, the next prefill can then be
+    # planned in the wait (`Scheduler.plan_ahead`). Off: admissions wait for the finish. On the
+    # CPU replay of the host tier's workload, 26 of 34 prefills found the running set full in
+    # the wait (docs/benchmarks.md, session 34).
+    admit_beside_leaving: bool = True
     # Graphed verify steps of at most this many rows (bucket) score each row's k + 1 queries
     # in the extend layout (one extend attention launch a layer), larger ones as one decode
     # row per query. H200, built-in shape, one row, 512 cached tokens (`tandem bench

@@ -55,7 +55,7 @@ from tandem.sampling import Sampler, SamplingParams
 from tandem.sampling.prompt_logprobs import PromptLogprobs
 from tandem.sampling.bias import BAN, BadWordsMask, min_tokens_bias, static_bias
 from tandem.sampling.params import check_unicode
-from tandem.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from tandem.scheduler import ScheduledBatch, Scheduler, SchedulerConfig, request_slot_count
 from tandem.scheduler.cascade import CascadeRule
 from tandem.speculative.config import SpeculativeConfig
 from tandem.speculative.draft import DraftProposer, check_draft
@@ -100,6 +100,8 @@ class Engine:
         self.token_pieces = token_pieces(self.tokenizer)  # ids' texts, learned once for every request
         self.max_model_len = min(cfg.max_model_len or self.model_config.max_position_embeddings,
                                  self.model_config.max_position_embeddings)
+        # Request slots: the running requests' plus spares (admissions beside leaving requests).
+        self.num_request_slots = request_slot_count(cfg.max_running_requests)
         started = time.monotonic()
         self.model = load_model(ckpt, self.model_config, self.dtype, self.device,
                                 self.max_model_len, cfg.dummy_weights, self.parallel.tp)
@@ -246,8 +248,8 @@ class Engine:
                 if self.kv_tier is not None else None)
         self.prefix_cache = PrefixCache(self.kv_slots, enabled=cfg.enable_prefix_caching,
                                         debug=self.debug.prefix_cache, host=host)
-        self.req_slots = SlotAllocator(cfg.max_running_requests)  # row 0 is the padding row
-        self.table = ReqToTokenTable(cfg.max_running_requests, self.max_model_len, self.device)
+        self.req_slots = SlotAllocator(self.num_request_slots)  # row 0 is the padding row
+        self.table = ReqToTokenTable(self.num_request_slots, self.max_model_len, self.device)
         log.info("KV pool: %d tokens (%.1f MiB)", num_tokens, num_tokens * per_token / 2**20)
 
     def _build_host_tier(self) -> KVTierCopier | None:
@@ -280,7 +282,7 @@ class Engine:
         weights = sum(t.nbytes for m in models for t in itertools.chain(m.parameters(), m.buffers()))
         graphs = graph_reserve(self._graph_max_batch(), mc.vocab_size, activations, tokens,
                                self._prefill_graph_tokens())
-        buffers = request_buffers(cfg.max_running_requests, self.max_model_len, mc.vocab_size)
+        buffers = request_buffers(self.num_request_slots, self.max_model_len, mc.vocab_size)
         return plan_kv_pool(total, cfg.gpu_memory_utilization, total - free, weights, activations, buffers,
                             graphs, per_token, min_tokens=self._min_pool_tokens())
 
@@ -328,10 +330,11 @@ class Engine:
                                   coarse=cfg.experiments.coarse_war_barrier)
         # A verify row's result: accepted, proposed, then its k + 1 samples.
         self.copier = ResultCopier(self.streams, max_rows=rows * (k + 3) if spec is not None else rows)
-        self.sampler = Sampler(self.model_config.vocab_size, rows + 1, self.device)
+        slots = self.num_request_slots  # per-request state: request slots (rows: a step's batch rows)
+        self.sampler = Sampler(self.model_config.vocab_size, slots + 1, self.device)
         self.spec_state = self._spec_state(k) if spec is not None else None
         self.spec_counters = SpecCounters(k)
-        self.future_map = FutureMap(rows, self.device, debug=self.debug.future_map)
+        self.future_map = FutureMap(slots, self.device, debug=self.debug.future_map)
         # Constraints are refused under tensor parallelism: no grammar pool to prepare there.
         self.grammar = GrammarManager(self.tokenizer, self.model_config.vocab_size, sorted(self.eos_token_ids),
                                       self.streams, rows, cfg.grammar_threads, cfg.grammar_compile_timeout,
@@ -346,7 +349,8 @@ class Engine:
         self.scheduler = Scheduler(
             SchedulerConfig(rows, cfg.max_prefill_tokens, cfg.chunked_prefill_size, cfg.enable_mixed_batch,
                             cfg.schedule_policy, max_reused_tokens_per_step=reused,
-                            mixed_prefill_budget=cfg.mixed_prefill_budget),
+                            mixed_prefill_budget=cfg.mixed_prefill_budget,
+                            admit_beside_leaving=cfg.experiments.admit_beside_leaving),
             self.prefix_cache, self.req_slots, on_admit=self.runner.admit,
             verify=VerifyPlanner(spec, cfg.experiments.spec_verify_min_match) if spec is not None else None)
 
@@ -371,7 +375,7 @@ class Engine:
         return CascadeRule.for_model(rows, items, kv_bytes)
 
     def _spec_state(self, k: int) -> SpecState:
-        spec, rows = self.speculative, self.cfg.max_running_requests
+        spec, rows = self.speculative, self.num_request_slots  # per request slot
         if spec.method == "ngram":
             return SpecState.ngram(rows, self.max_model_len, k, spec.prompt_lookup_min, spec.prompt_lookup_max,
                                    self.device, fused=self.device.type == "cuda" and self.backend.name == "triton")

@@ -1009,6 +1009,27 @@ def test_a_match_along_a_kept_walk_does_what_a_walked_match_does():
     assert not trees[1][0].evict(1)
 
 
+def test_admissions_beside_leaving_requests_change_no_output(tiny_text_model):
+    """Multi-turn chats at a running limit of 3 through a small pool and a host tier, with
+    aborts: admitting a prompt in place of a request whose last sample is launched (the
+    default) plans more prefill steps in the wait than admitting after its finish, gives the
+    same tokens, and every request slot, GPU and host slot comes back."""
+    from tandem.config import Experiments
+    rounds = chat_specs(conversations=8, turns=3, seed=7)
+    runs, ahead = {}, {}
+    for beside in (True, False):
+        engine = _small_tiered_engine(tiny_text_model, max_running_requests=3,
+                                      experiments=Experiments(admit_beside_leaving=beside))
+        runs[beside] = run_chats(engine, rounds)
+        s = engine.stats()
+        ahead[beside] = s["steps_planned_ahead"]
+        assert_tiers_conserved(engine, s)
+        assert engine.req_slots.num_free == engine.num_request_slots
+        engine.close()
+    assert runs[True] == runs[False]
+    assert ahead[True] > ahead[False], ahead
+
+
 @pytest.mark.parametrize("overlap", [True, False])
 def test_prefill_steps_planned_ahead_change_no_output(tiny_text_model, overlap):
     """Multi-turn chats through a small pool and a host tier, with aborts: planning each

@@ -410,6 +410,43 @@ def test_finishing_a_request_undoes_the_plan_made_ahead_with_it():
     assert [r.req.rid for r in again.rows] == [r.req.rid for r in planned.rows if r.req is not victim][:len(again.rows)]
 
 
+@pytest.mark.parametrize("beside", [True, False], ids=["beside_leaving", "after_finish"])
+def test_a_request_whose_samples_are_all_launched_leaves_its_place_to_an_admission(beside):
+    """At the running limit, a request whose last sample is launched but not yet processed
+    gives its place to a waiting prompt planned ahead (a spare request slot, while its own is
+    still read by the step in flight), as SchedulerConfig.admit_beside_leaving says; off, the
+    prompt waits for the finish. No step ever has more rows than max_running_requests."""
+    from tandem.scheduler import request_slot_count
+    cfg = SchedulerConfig(max_running_requests=2, max_prefill_tokens=PREFILL_BUDGET, chunked_prefill_size=None,
+                          enable_mixed_batch=False, admit_beside_leaving=beside)
+    sched = Scheduler(cfg, PrefixCache(SlotAllocator(1 << 12), enabled=True, debug=True),
+                      SlotAllocator(request_slot_count(2)), on_admit=lambda req: None)
+    leaving, staying = _request("leaving", 8, 0, max_samples=3), _request("staying", 8, 50, max_samples=100)
+    for req in (leaving, staying):
+        sched.add(req)
+    step = 0
+    while leaving.num_scheduled_samples < leaving.max_samples - 1:
+        _run_step(sched, step)
+        step += 1
+    last = sched.schedule(step, process_in_flight=lambda: None)  # leaving's last sample, in flight
+    assert last.is_decode and leaving in [r.req for r in last.sample_rows]
+    newcomer = _request("newcomer", PROMPT_LEN, 100, max_samples=4)
+    sched.add(newcomer)
+    planned = sched.plan_ahead(step + 1)
+    if not beside:
+        assert planned is None and newcomer in sched.waiting
+        return
+    assert planned is not None and [r.req for r in planned.rows] == [newcomer]
+    assert newcomer.slot not in (0, leaving.slot, staying.slot) and len(sched.running) == 3
+    _complete(sched, last, step)  # leaving finishes; its slot comes back once its step completed
+    assert leaving.finished and leaving.slot == 0
+    for s in range(step + 1, step + 12):
+        batch = _run_step(sched, s)
+        assert batch is None or len(batch.rows) <= cfg.max_running_requests
+        assert s != step + 1 or batch.planned_ahead_ms is not None
+    assert newcomer.finished and sched.req_slots.num_free == request_slot_count(2) - 1  # staying's
+
+
 def test_a_rollback_undoes_the_plan_made_ahead_first():
     sched = _scheduler(False)
     step, _ = _decoding_with_burst(sched)

@@ -40,6 +40,22 @@ class SchedulerConfig:
     # Separate batches: while requests decode, a prefill step is sized (from the measured
     # pace) to take about this long: the longest a running stream waits for a token.
     prefill_step_target_s: float = 0.5
+    # A running request whose every sample is launched leaves its running place to an
+    # admission before its finish is processed (`Scheduler._free_places`). Off: admissions wait
+    # for the finish (Experiments.admit_beside_leaving).
+    admit_beside_leaving: bool = True
+
+
+# Request slots beyond max_running_requests: an admission beside a leaving request takes one
+# while the leaving one still holds its own (the steps in flight read its table row, relay
+# and penalty state until they complete).
+MAX_SPARE_REQUEST_SLOTS = 8
+
+
+def request_slot_count(max_running_requests: int) -> int:
+    """Request slots (rows of the request->token table, the relay, the sampler's per-request
+    state) an engine of `max_running_requests` keeps."""
+    return max_running_requests + min(max_running_requests, MAX_SPARE_REQUEST_SLOTS)
 
 
 @dataclass
@@ -481,8 +497,9 @@ class Scheduler:
         pending = self._pending_prefixes(prefilling)
         reused = sum(len(r.cached_prefix) for r in rows if r.cached_prefix is not None)
         prefetched = set(map(id, itertools.islice(self.waiting, self.cache.prefetch_requests)))  # its loads
+        places = self._free_places()
         for req in self._admission_order():
-            if budget <= 0 or len(self.running) >= self.cfg.max_running_requests:
+            if budget <= 0 or places <= 0:
                 break
             if self.req_slots.num_free == 0:
                 break
@@ -506,11 +523,28 @@ class Scheduler:
                 break
             reused += matched
             self._admit(req, matched)
+            places -= 1
             pending |= self._pending_prefixes([req])
             row = self._chunk(req, budget, reserve)
             rows.append(row)
             budget -= row.num_new
         return rows
+
+    def _free_places(self) -> int:
+        """Running places an admission may take: max_running_requests less the running
+        requests, not counting those whose every sample is launched (`admit_beside_leaving`).
+        They finish, by length at the latest, when the steps in flight are processed, and get no
+        row meanwhile (`_prune_running` leaves them out of the decoding), so no step has more than
+        max_running_requests rows. Their request slots stay theirs until those steps complete:
+        the admission takes a spare one (`request_slot_count`), or waits if none is free.
+        A closed-loop workload at its running limit otherwise plans each next prefill only after
+        the result that finishes a request (docs/benchmarks.md, session 34)."""
+        taken = len(self.running)
+        if self.cfg.admit_beside_leaving:
+            live = Status.RUNNING
+            taken -= sum(1 for r in self.running if r.status is live and r.num_computed >= r.prefill_target
+                         and r.num_scheduled_samples >= r.max_samples)
+        return self.cfg.max_running_requests - taken
 
     def _admission_order(self) -> list[Request]:
         """FCFS; with `lpm`, longest cached prefix first (stable), while the queue is short."""
