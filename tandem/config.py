@@ -169,6 +169,11 @@ class Experiments:
     # at k 7, 1.097 / 1.239 at k 8, 1.107 / 1.240 at k 15 (docs/benchmarks.md, session 34).
     # 0: never (the layout before session 34). More rows are the next measurement.
     verify_extend_max_rows: int = 1
+    # Graphed verify steps where no row proposes (after a verify, when the host's guess finds
+    # no match) replay a second graph set of one query a row, at a plain step's cost, instead
+    # of the k + 1 queries' graphs (H100, k 15, batch 1: 1.35 against 0.68 ms of GPU; 10 of the
+    # copy task's 59 steps, session 34). Off: the k + 1 queries' graphs.
+    verify_single_query_graphs: bool = True
     # Draft-model proposals for sampled rows drawn with the noise plain sampling uses at the same
     # output index (Gumbel-max coupling) and verified as point masses, as n-gram's are: the
     # emitted tokens are plain decoding's, whichever steps speculate. Off: drawn with their own

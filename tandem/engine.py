@@ -344,7 +344,8 @@ class Engine:
         self.runner = ModelRunner(self.model, self.kv, self.table, self.backend, self.sampler,
                                   self.future_map, self.streams, self.stager, self.copier, graphs,
                                   mirror=self.parallel.sender, spec=self.spec_state,
-                                  verify_graphs=self._capture_verify_graphs(), cascade=cascade,
+                                  verify_graphs=self._capture_verify_graphs(),
+                                  single_query_graphs=self._capture_verify_graphs(single_query=True), cascade=cascade,
                                   prefill_graphs=self._capture_prefill_graphs(graphs))
         self.scheduler = Scheduler(
             SchedulerConfig(rows, cfg.max_prefill_tokens, cfg.chunked_prefill_size, cfg.enable_mixed_batch,
@@ -406,17 +407,22 @@ class Engine:
         graphs.capture(decode.pool)
         return graphs
 
-    def _capture_verify_graphs(self) -> VerifyGraphs | None:
-        """Verify steps of up to disable_by_batch_size rows, graphed like decode steps."""
+    def _capture_verify_graphs(self, single_query: bool = False) -> VerifyGraphs | None:
+        """Verify steps of up to disable_by_batch_size rows, graphed like decode steps; with
+        `single_query`, the set for the verify steps where no row proposes (one query a row;
+        `Experiments.verify_single_query_graphs`)."""
         spec = self.speculative
         if spec is None or not self._graphs_usable():
+            return None
+        if single_query and not self.cfg.experiments.verify_single_query_graphs:
             return None
         buckets = [b for b in self._graph_buckets() if b <= spec.disable_by_batch_size]
         if not buckets or buckets[-1] < min(spec.disable_by_batch_size, self.cfg.max_running_requests):
             buckets.append(min(spec.disable_by_batch_size, self.cfg.max_running_requests))
         graphs = VerifyGraphs(self.model, self.kv, self.table, self.backend, self.future_map, self.streams,
                               self.stager, self.spec_state, buckets, self.max_model_len,
-                              extend_max_rows=self.cfg.experiments.verify_extend_max_rows)
+                              extend_max_rows=self.cfg.experiments.verify_extend_max_rows,
+                              queries=1 if single_query else None)
         graphs.capture()
         return graphs
 
@@ -439,8 +445,9 @@ class Engine:
             self.kv_tier.close()  # the pinned pool itself goes with _DEVICE_STATE below
         if self.runner.graphs is not None:
             self.runner.graphs.close()
-        if self.runner.verify_graphs is not None:
-            self.runner.verify_graphs.close()
+        for verify in (self.runner.verify_graphs, self.runner.single_query_graphs):
+            if verify is not None:
+                verify.close()
         if self.runner.prefill_graphs is not None:
             self.runner.prefill_graphs.close()
         self.grammar.shutdown()  # its compile threads end; queued compilations are cancelled
@@ -1082,6 +1089,7 @@ class Engine:
                 "prefix_cache_queried_tokens": self.prefix_cache.queried_tokens,
                 **self._host_tier_stats(),
                 "cuda_graph_memory_mib": sum(g.memory_bytes for g in (self.runner.graphs, self.runner.verify_graphs,
+                                                                      self.runner.single_query_graphs,
                                                                       self.runner.prefill_graphs) if g is not None) / 2**20,
                 "prefill_graph_steps": self.runner.prefill_graphs.replays if self.runner.prefill_graphs else 0,
                 "num_preemptions": self.scheduler.num_preemptions,

@@ -79,12 +79,15 @@ class ModelRunner:
                  sampler: Sampler, future_map: FutureMap, streams: StreamSet,
                  stager: InputStager, copier: ResultCopier, graphs: DecodeGraphs | None = None,
                  timing: bool = False, mirror=None, spec: SpecState | None = None,
-                 verify_graphs: VerifyGraphs | None = None, cascade: CascadeRule | None = None,
+                 verify_graphs: VerifyGraphs | None = None, single_query_graphs: VerifyGraphs | None = None,
+                 cascade: CascadeRule | None = None,
                  prefill_graphs: PrefillGraphs | None = None):
         self.model, self.kv, self.table, self.backend = model, kv, table, backend
         self.prefill_graphs = prefill_graphs  # small prefill-only steps replay these; None: eager
         self.spec = spec  # speculative decoding's device state; None: off
         self.verify_graphs = verify_graphs
+        # Verify steps where no row proposes: one query a row (same buckets as verify_graphs).
+        self.single_query_graphs = single_query_graphs
         self.sampler, self.future_map, self.streams = sampler, future_map, streams
         self.stager, self.copier, self.graphs, self.timing = stager, copier, graphs, timing
         # Tensor parallelism, rank 0: the same admits and steps go to the workers (StepSender).
@@ -240,7 +243,8 @@ class ModelRunner:
         `bucket`: the fixed-shape layout (k + 1 queries a row, a graph replay); None: ragged
         (k_row + 1 queries a row, eager)."""
         rows, spec = batch.rows, self.spec
-        q = [spec.k + 1 if bucket is not None else row.spec_k + 1 for row in rows]
+        graphs = self._verify_graphs_for(rows) if bucket is not None else None
+        q = [graphs.q if graphs is not None else row.spec_k + 1 for row in rows]
         per_token = [i for i, n in enumerate(q) for _ in range(n)]
         sampling = SamplingInputs.from_rows(
             [rows[i].req.sampling_row for i in per_token], [0] * len(per_token),
@@ -260,12 +264,12 @@ class ModelRunner:
             if fields["reserved_locs"]:  # slots reserved for this and later steps: into the table first
                 self.table.write_on_device(dev["reserved_req_slots"], dev["reserved_positions"],
                                            dev["reserved_locs"])
-            if bucket is not None:
+            if graphs is not None:
                 ring = batch.step % self.stager.depth
-                logits, step = self.verify_graphs.replay(bucket, ring)
+                logits, step = graphs.replay(bucket, ring)
                 if greedy:
-                    pending.verify_tail = (bucket, ring, logits, step)
-                logits, step = self.verify_graphs.trimmed(bucket, ring, len(rows), logits, step)
+                    pending.verify_tail = (graphs, bucket, ring, logits, step)
+                logits, step = graphs.trimmed(bucket, ring, len(rows), logits, step)
                 slots = dev["req_slots"][:len(rows)]
             else:
                 logits, step = self._eager_verify(batch, fields, dev)
@@ -294,6 +298,12 @@ class ModelRunner:
         fb = query_rows_batch(input_ids, positions, locs, slots[r], self.table.table, bound)
         return self.model.compute_logits(self.model(fb, self.kv, self.backend)), step
 
+    def _verify_graphs_for(self, rows: list) -> VerifyGraphs:
+        """The graph set of a fixed-shape verify step: one query a row when no row proposes."""
+        if self.single_query_graphs is not None and not any(row.spec_k for row in rows):
+            return self.single_query_graphs
+        return self.verify_graphs
+
     def _verify_bucket(self, batch: ScheduledBatch, defer_sampling: bool) -> int | None:
         """The fixed-shape (graphed) layout within the captured sizes. Also for a step whose
         rows all have k_row = 0 (the one after a verify when nothing speculates): a replay costs
@@ -312,8 +322,8 @@ class ModelRunner:
         step, pending.verify = pending.verify, None
         tail, pending.verify_tail = pending.verify_tail, None
         if tail is not None and bitmask is None:
-            bucket, ring, full_logits, full_step = tail
-            packed = self.verify_graphs.replay_tail(bucket, ring, len(pending.batch.rows), full_logits, full_step)
+            graphs, bucket, ring, full_logits, full_step = tail
+            packed = graphs.replay_tail(bucket, ring, len(pending.batch.rows), full_logits, full_step)
             return packed, None, None, None
         # Penalties position by position: query j counts the row's proposals before it.
         extra = self.spec.proposal_counts(step, self.sampler.vocab_size) if sampling.need_penalties else None

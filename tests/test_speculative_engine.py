@@ -323,15 +323,21 @@ def test_the_timeline_shows_verify_steps(cycling_model):
     engine.close()
 
 
-def _eager_verify_graphs(engine, extend_max_rows: int = 1):
+def _eager_verify_graphs(engine, extend_max_rows: int = 1, single_query: bool = False):
     """Verify graphs for buckets 1..8 run eagerly (capture=False: what a captured graph runs,
     here on any device), installed in the engine's runner; buckets up to `extend_max_rows`
-    in the extend layout, the others a decode row per query."""
+    in the extend layout, the others a decode row per query. `single_query`: also the set of
+    one query a row for the steps where no row proposes."""
     from tandem.speculative.graphs import VerifyGraphs
     e = engine
-    graphs = VerifyGraphs(e.model, e.kv, e.table, e.backend, e.future_map, e.streams, e.stager, e.spec_state,
-                          [1, 2, 4, 8], e.max_model_len, capture=False, extend_max_rows=extend_max_rows)
+
+    def graph_set(queries):
+        return VerifyGraphs(e.model, e.kv, e.table, e.backend, e.future_map, e.streams, e.stager, e.spec_state,
+                            [1, 2, 4, 8], e.max_model_len, capture=False, extend_max_rows=extend_max_rows,
+                            queries=queries)
+    graphs = graph_set(None)
     engine.runner.verify_graphs = graphs
+    engine.runner.single_query_graphs = graph_set(1) if single_query else None
     return graphs
 
 
@@ -339,8 +345,12 @@ def _eager_verify_graphs(engine, extend_max_rows: int = 1):
 LAYOUTS = pytest.mark.parametrize("extend_max_rows", [0, 8], ids=["query_rows", "extend"])
 
 
+SINGLE_QUERY = pytest.mark.parametrize("single_query", [False, True], ids=["k_plus_1_queries", "single_query"])
+
+
+@SINGLE_QUERY
 @LAYOUTS
-def test_the_fixed_shape_layout_of_graphed_verify_steps(cycling_model, extend_max_rows):
+def test_the_fixed_shape_layout_of_graphed_verify_steps(cycling_model, extend_max_rows, single_query):
     """What a captured verify graph runs (k + 1 queries every row, those past a row's k_row
     writing the dummy slot, padding rows), here eagerly on the CPU, in either query layout:
     outputs are plain's."""
@@ -350,10 +360,13 @@ def test_the_fixed_shape_layout_of_graphed_verify_steps(cycling_model, extend_ma
                              **extra.get(i, {})) for i in range(7)]
     plain, _ = _generate(cycling_model, prompts, params)
     engine = _engine(cycling_model, NGRAM)
-    graphs = _eager_verify_graphs(engine, extend_max_rows)
-    calls = []
+    graphs = _eager_verify_graphs(engine, extend_max_rows, single_query)
+    calls, single = [], engine.runner.single_query_graphs
     replay = graphs.replay
     graphs.replay = lambda bucket, ring: calls.append(bucket) or replay(bucket, ring)
+    if single is not None:  # steps where no row proposes replay the one-query set
+        replay_single = single.replay
+        single.replay = lambda bucket, ring: calls.append(-bucket) or replay_single(bucket, ring)
     rids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
     while engine.has_unfinished():
         engine.step()
@@ -362,12 +375,14 @@ def test_the_fixed_shape_layout_of_graphed_verify_steps(cycling_model, extend_ma
     assert [lp.token_id for lp in got] == [lp.token_id for lp in want]
     assert [lp.logprob for lp in got] == pytest.approx([lp.logprob for lp in want], abs=1e-4)
     assert {8, 4, 2, 1} & set(calls) and engine.stats()["spec_decode_num_accepted_tokens"] > 50
+    assert any(b < 0 for b in calls) == single_query
     assert_kv_conserved(engine)
     engine.close()
 
 
+@SINGLE_QUERY
 @LAYOUTS
-def test_greedy_verify_steps_settle_in_the_graphed_tail(cycling_model, extend_max_rows):
+def test_greedy_verify_steps_settle_in_the_graphed_tail(cycling_model, extend_max_rows, single_query):
     """A greedy-only graphed verify step samples and settles in its second graph (argmax,
     verdict, lengths, history, the relay): here eagerly on the CPU, the same fixed-shape
     work. Outputs are plain's; a step with a sampled row settles eagerly instead."""
@@ -375,10 +390,10 @@ def test_greedy_verify_steps_settle_in_the_graphed_tail(cycling_model, extend_ma
     greedy = [SamplingParams(max_tokens=24 + 7 * i, temperature=0, ignore_eos=True) for i in range(5)]
     plain, _ = _generate(cycling_model, prompts, greedy)
     engine = _engine(cycling_model, NGRAM)
-    graphs = _eager_verify_graphs(engine, extend_max_rows)
+    graphs = _eager_verify_graphs(engine, extend_max_rows, single_query)
     tails = []
-    replay_tail = graphs.replay_tail
-    graphs.replay_tail = lambda *a: tails.append(a[2]) or replay_tail(*a)
+    for g in filter(None, (graphs, engine.runner.single_query_graphs)):
+        g.replay_tail = (lambda real: lambda *a: tails.append(a[2]) or real(*a))(g.replay_tail)
     rids = [engine.add_request(p, sp) for p, sp in zip(prompts, greedy)]
     while engine.has_unfinished():
         engine.step()

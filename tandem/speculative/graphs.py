@@ -13,6 +13,12 @@ as new tokens after its cache (`fixed_extend_batch`: one extend attention launch
 larger ones as one decode row per query (`query_rows_batch`). On the H200 at one row, 512
 cached tokens, the extend layout's forward took 0.89x the other's at k 4 and 0.85-0.89x at
 k 7-15 (docs/benchmarks.md, session 34); at more rows it lost in session 7 (older kernels).
+
+A second set (`queries=1`) runs the verify steps where no row proposes (the step after a
+verify, when the host's guess finds no match: the lengths are still on the device only):
+one query a row, the cost of a plain decode step instead of k + 1 queries' (on an H100 a
+k 15 step with no proposal took 1.35 ms of GPU against 0.68 for a plain step, 10 of 59 steps
+of the copy task). Its result has the same packed rows (k + 3 ints: no proposal, no acceptance).
 """
 from __future__ import annotations
 
@@ -43,12 +49,15 @@ VERIFY_FIELDS = ("req_slots", "k_rows")
 
 class VerifyGraphs:
     def __init__(self, model, kv, table, backend, future_map, streams, stager, spec: SpecState,
-                 buckets: list[int], max_seq_len: int, capture: bool = True, extend_max_rows: int = 1):
+                 buckets: list[int], max_seq_len: int, capture: bool = True, extend_max_rows: int = 1,
+                 queries: int | None = None):
         self.model, self.kv, self.table, self.backend = model, kv, table, backend
         self.future_map, self.streams, self.stager, self.spec = future_map, streams, stager, spec
         self.buckets, self.max_seq_len, self.k = buckets, max_seq_len, spec.k
         self.use_graphs = capture  # False: the same fixed-shape work, run eagerly (CPU tests)
         self.extend_max_rows = extend_max_rows  # Experiments.verify_extend_max_rows
+        # Query tokens a row: k + 1, or 1 for the steps where no row proposes (`queries=1`).
+        self.q = self.k + 1 if queries is None else queries
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[int, int], tuple[torch.Tensor, SpecStep]] = {}
         self.tails: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -58,7 +67,7 @@ class VerifyGraphs:
         self._views: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
         self._trimmed: dict[tuple[int, int, int], tuple[torch.Tensor, SpecStep]] = {}
         self.memory_bytes = 0
-        dev, q = streams.device, self.k + 1
+        dev, q = streams.device, self.q
         # The debug FutureMap's device assert cannot be captured: its gather runs eagerly.
         self.resolve_in_graph = not future_map.debug
         self.last_tokens = {b: torch.zeros(b, dtype=torch.int64, device=dev) for b in buckets}
@@ -89,12 +98,12 @@ class VerifyGraphs:
         width = self.table.table.shape[1]
         locs = torch.where(live, self.table.table[slots[r], positions.clamp(max=width - 1)].to(torch.int64), 0)
         # Dead queries' lengths are clamped into the table; what they read is never used.
-        if bucket <= self.extend_max_rows:
-            fb = fixed_extend_batch(input_ids, positions, locs, slots, self.k + 1, self.table.table, self.max_seq_len)
+        if bucket <= self.extend_max_rows and self.q > 1:
+            fb = fixed_extend_batch(input_ids, positions, locs, slots, self.q, self.table.table, self.max_seq_len)
         else:
             fb = query_rows_batch(input_ids, positions, locs, slots[r], self.table.table, self.max_seq_len)
         hidden = self.model(fb, self.kv, self.backend)
-        logits = self.model.compute_logits(hidden, out=self.logits[:bucket * (self.k + 1)])
+        logits = self.model.compute_logits(hidden, out=self.logits[:bucket * self.q])
         return logits, step
 
     @torch.no_grad()
@@ -114,8 +123,8 @@ class VerifyGraphs:
             self.tails[(bucket, ring)] = warm_and_capture(
                 lambda: self.greedy_tail(logits, step, views["req_slots"]), pool, forward)
         self.memory_bytes = capture_all(self.streams, self.buckets, self.stager.depth, self.views, one)
-        log.info("captured %d verify graphs and their greedy tails (buckets up to %d, k=%d) using %.0f MiB",
-                 len(self.graphs), self.max_batch, self.k, self.memory_bytes / 2**20)
+        log.info("captured %d verify graphs and their greedy tails (buckets up to %d, k=%d, %d queries a row) "
+                 "using %.0f MiB", len(self.graphs), self.max_batch, self.k, self.q, self.memory_bytes / 2**20)
 
     def views(self, ring: int, bucket: int) -> dict[str, torch.Tensor]:
         """The graph's inputs in staging ring slot `ring` (the stager's device buffers live as
@@ -143,7 +152,7 @@ class VerifyGraphs:
         key = (bucket, ring, rows)
         out = self._trimmed.get(key) if self.use_graphs else None
         if out is None:
-            t = rows * (self.k + 1)
+            t = rows * self.q
             out = logits[:t], SpecStep(step.lengths[:rows], step.proposal.rows(rows), step.token_row[:t],
                                        step.token_offset[:t])
             if self.use_graphs:
