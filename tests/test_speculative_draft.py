@@ -206,21 +206,27 @@ def test_a_truncated_draft_is_the_targets_first_layers(tiny_text_model, tmp_path
         main(["--model", str(tiny_text_model), "--layers", "3", "--out", str(tmp_path / "x")])
 
 
+@pytest.mark.parametrize("single_query", [False, True], ids=["k_plus_1_queries", "single_query"])
 @pytest.mark.parametrize("coupled", [False, True])
-def test_the_fixed_shape_layout_with_a_draft(target, other_draft, coupled):
+def test_the_fixed_shape_layout_with_a_draft(target, other_draft, coupled, single_query):
     """What a captured verify graph runs, eagerly on the CPU (every row k + 1 draft forwards
     and queries, padding rows), greedy and sampled rows together: greedy outputs are plain's,
-    the greedy-only steps settle in the tail, sampled rows finish (coupled: as plain's too)."""
+    the greedy-only steps settle in the tail, sampled rows finish (coupled: as plain's too).
+    `single_query`: the steps where no row proposes run the one-query set (the draft's
+    forwards still run in it: its KV follows every token)."""
     from test_speculative_engine import _eager_verify_graphs
     prompts = _prompts(5, seed=12)
     params = [SamplingParams(max_tokens=20 + 7 * i, temperature=0.8 * (i % 2), seed=i, ignore_eos=True)
               for i in range(5)]
     plain, _ = _generate(target, prompts, params)
     engine = _engine(target, _draft(other_draft), experiments=Experiments(spec_coupled_draft=coupled))
-    graphs = _eager_verify_graphs(engine)
-    calls = []
+    graphs = _eager_verify_graphs(engine, single_query=single_query)
+    calls, single = [], engine.runner.single_query_graphs
     replay = graphs.replay
     graphs.replay = lambda bucket, ring: calls.append(bucket) or replay(bucket, ring)
+    if single is not None:
+        replay_single = single.replay
+        single.replay = lambda bucket, ring: calls.append(-bucket) or replay_single(bucket, ring)
     rids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
     while engine.has_unfinished():
         engine.step()
@@ -231,6 +237,7 @@ def test_the_fixed_shape_layout_with_a_draft(target, other_draft, coupled):
     if coupled:
         assert outs == [o.token_ids for o in plain]
     assert {8, 4, 2, 1} & set(calls) and engine.stats()["spec_decode_num_accepted_tokens"] > 20
+    assert any(b < 0 for b in calls) == single_query  # rows near max_tokens propose nothing
     assert int(engine.spec_state.length[0]) == 0
     assert_kv_conserved(engine)
     engine.close()
