@@ -214,19 +214,14 @@ def test_the_fixed_shape_layout_with_a_draft(target, other_draft, coupled, singl
     the greedy-only steps settle in the tail, sampled rows finish (coupled: as plain's too).
     `single_query`: the steps where no row proposes run the one-query set (the draft's
     forwards still run in it: its KV follows every token)."""
-    from test_speculative_engine import _eager_verify_graphs
+    from test_speculative_engine import _eager_verify_graphs, _record_replays
     prompts = _prompts(5, seed=12)
     params = [SamplingParams(max_tokens=20 + 7 * i, temperature=0.8 * (i % 2), seed=i, ignore_eos=True)
               for i in range(5)]
     plain, _ = _generate(target, prompts, params)
     engine = _engine(target, _draft(other_draft), experiments=Experiments(spec_coupled_draft=coupled))
-    graphs = _eager_verify_graphs(engine, single_query=single_query)
-    calls, single = [], engine.runner.single_query_graphs
-    replay = graphs.replay
-    graphs.replay = lambda bucket, ring: calls.append(bucket) or replay(bucket, ring)
-    if single is not None:
-        replay_single = single.replay
-        single.replay = lambda bucket, ring: calls.append(-bucket) or replay_single(bucket, ring)
+    _eager_verify_graphs(engine, single_query=single_query)
+    calls = _record_replays(engine)
     rids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
     while engine.has_unfinished():
         engine.step()

@@ -341,6 +341,17 @@ def _eager_verify_graphs(engine, extend_max_rows: int = 1, single_query: bool = 
     return graphs
 
 
+def _record_replays(engine) -> list[int]:
+    """The bucket of every verify-graph replay from now on, negative for the one-query set."""
+    calls = []
+    for graphs, sign in ((engine.runner.verify_graphs, 1), (engine.runner.single_query_graphs, -1)):
+        if graphs is not None:
+            real = graphs.replay
+            graphs.replay = (lambda real, sign: lambda bucket, ring: calls.append(sign * bucket)
+                             or real(bucket, ring))(real, sign)
+    return calls
+
+
 # Experiments.verify_extend_max_rows: every bucket a decode row per query, or every one extend.
 LAYOUTS = pytest.mark.parametrize("extend_max_rows", [0, 8], ids=["query_rows", "extend"])
 
@@ -360,13 +371,8 @@ def test_the_fixed_shape_layout_of_graphed_verify_steps(cycling_model, extend_ma
                              **extra.get(i, {})) for i in range(7)]
     plain, _ = _generate(cycling_model, prompts, params)
     engine = _engine(cycling_model, NGRAM)
-    graphs = _eager_verify_graphs(engine, extend_max_rows, single_query)
-    calls, single = [], engine.runner.single_query_graphs
-    replay = graphs.replay
-    graphs.replay = lambda bucket, ring: calls.append(bucket) or replay(bucket, ring)
-    if single is not None:  # steps where no row proposes replay the one-query set
-        replay_single = single.replay
-        single.replay = lambda bucket, ring: calls.append(-bucket) or replay_single(bucket, ring)
+    _eager_verify_graphs(engine, extend_max_rows, single_query)
+    calls = _record_replays(engine)  # steps where no row proposes replay the one-query set
     rids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
     while engine.has_unfinished():
         engine.step()
