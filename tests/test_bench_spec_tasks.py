@@ -12,7 +12,7 @@ from tandem.bench import spec_tasks
 def test_rows_have_both_sides(tiny_text_model, tmp_path, same_process):
     out = tmp_path / "spec.json"
     argv = ["--model", str(tiny_text_model), "--tasks", "copy,chat", "--batch-sizes", "1,2", "--max-tokens", "10",
-            "--repeat", "1", "--device", "cpu", "--dtype", "float32", "--json", str(out)]
+            "--repeat", "1", "--prompts", "2", "--device", "cpu", "--dtype", "float32", "--json", str(out)]
     spec_tasks.main(argv + (["--same-process"] if same_process else []))
     report = json.loads(out.read_text())
     assert report["same_process"] is same_process
@@ -20,10 +20,32 @@ def test_rows_have_both_sides(tiny_text_model, tmp_path, same_process):
     assert [(r["task"], r["batch"]) for r in rows] == [("copy", 1), ("copy", 2), ("chat", 1), ("chat", 2)]
     for r in rows:
         assert r["plain_tok_s"] > 0 and r["spec_tok_s"] > 0 and r["identical"]
-        assert r["output_tokens"] == 10 * r["batch"]
+        assert r["output_tokens"] == 10 * r["batch"] * 2  # two prompts
         assert len(r["plain_runs_ms"]) == len(r["spec_runs_ms"]) == 1  # --repeat 1
-        # The reported rate is the median run's: here the one run.
+        # The reported rate is over both prompts' median runs: here the one run of each.
         assert r["plain_tok_s"] == pytest.approx(r["output_tokens"] / (r["plain_runs_ms"][0] / 1e3), rel=1e-3)
+        assert len(r["prompt_speedups"]) == 2 and all(x > 0 for x in r["prompt_speedups"])
+        assert r["first_difference"] == [None, None]
+
+
+def test_each_task_has_several_distinct_prompts():
+    """A task's figure averages over texts: its prompts differ, and the first ones are the
+    prompts of the one-prompt benchmark (before session 35), so `--prompts 1` reruns it."""
+    for task, prompts in spec_tasks.TASKS.items():
+        assert len(prompts) >= 4 and len(set(prompts)) == len(prompts), task
+    assert spec_tasks.TASKS["copy"][0].endswith("that the lighthouse needed nothing at all.")
+    assert "moving_average to rolling_mean" in spec_tasks.TASKS["edit_code"][0]
+    for prompt in spec_tasks.TASKS["edit_code"]:
+        old = prompt.split("Rename the function ")[1].split(" ")[0]
+        assert f"def {old}(" in prompt  # the function to rename is in the code
+
+
+def test_first_difference():
+    assert spec_tasks.first_difference([1, 2, 3], [1, 2, 3]) is None
+    assert spec_tasks.first_difference([1, 2, 3], [1, 5, 3]) == 1
+    assert spec_tasks.first_difference([1, 2], [1, 2, 3]) == 2
+    assert spec_tasks._earliest_difference([[1, 2], [1, 2]], [[1, 2], [9, 2]]) == 0
+    assert spec_tasks._earliest_difference([[1, 2]], [[1, 2]]) is None
 
 
 def test_experiments_reach_both_sides_engines(tiny_text_model, tmp_path, monkeypatch):
@@ -39,7 +61,7 @@ def test_experiments_reach_both_sides_engines(tiny_text_model, tmp_path, monkeyp
     monkeypatch.setattr(spec_tasks, "LLM", Recording)
     out = tmp_path / "spec.json"
     spec_tasks.main(["--model", str(tiny_text_model), "--tasks", "copy", "--batch-sizes", "1", "--max-tokens", "4",
-                     "--repeat", "1", "--device", "cpu", "--dtype", "float32", "--same-process",
+                     "--prompts", "1", "--repeat", "1", "--device", "cpu", "--dtype", "float32", "--same-process",
                      "--experiment", "spec_verify_min_match=1", "--json", str(out)])
     assert seen == [1, 1]
     assert json.loads(out.read_text())["experiments"] == ["spec_verify_min_match=1"]
@@ -54,7 +76,8 @@ def test_sampled_rows_with_a_draft_are_plain_decodings_when_coupled(tiny_text_mo
     rejection sampling other ones, and the row says which ('identical')."""
     out = tmp_path / "spec.json"
     spec_tasks.main(["--model", str(tiny_text_model), "--tasks", "chat", "--batch-sizes", "2", "--max-tokens", "24",
-                     "--repeat", "1", "--device", "cpu", "--dtype", "float32", "--same-process", "--temperature", "1.0",
+                     "--prompts", "1", "--repeat", "1", "--device", "cpu", "--dtype", "float32", "--same-process",
+                     "--temperature", "1.0",
                      "--speculative-config", json.dumps({"model": str(tiny_text_model), "num_speculative_tokens": 3}),
                      "--experiment", f"spec_coupled_draft={str(coupled).lower()}", "--json", str(out)])
     report = json.loads(out.read_text())

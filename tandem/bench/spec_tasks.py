@@ -3,11 +3,15 @@ users run it (`LLM()` with default options, then the same with `speculative_conf
 
 Tasks (the issue's figures): three prompt-grounded ones, where the answer repeats text the
 prompt holds (copy a passage, summarize it, edit code given in full), and free-form chat,
-where it does not. Each runs at batch sizes B (B copies of the task's prompt, greedy, or
-sampled at `--temperature` with a seed a row, `--max-tokens` each) after an untimed warm-up of the same shape; tok/s is output tokens over
-the median wall time of `--repeat` timed runs. Reported: plain and speculative tok/s and their ratio, the mean acceptance length
-(tokens a verify row emits), verify steps, and GPU busy from the step timeline (CUDA). Real
-weights are what make acceptance meaningful: the default model is the built-in one.
+where it does not; four prompts each (`--prompts N`: the first N). Each prompt runs at batch
+sizes B (B copies of it, greedy, or sampled at `--temperature` with a seed a row,
+`--max-tokens` each) after an untimed warm-up of the same shape. A task's tok/s is its prompts'
+output tokens over the sum of their median wall times (of `--repeat` timed runs). Reported:
+plain and speculative tok/s and their ratio, each prompt's ratio and the first position where
+the two sides' texts differ (bf16 on the GPU: the verify forward rounds differently from the
+decode forward, and from there on the texts and their step counts differ), the mean acceptance
+length (tokens a verify row emits), verify steps, and GPU busy from the step timeline (CUDA).
+Real weights are what make acceptance meaningful: the default model is the built-in one.
 """
 from __future__ import annotations
 
@@ -23,7 +27,12 @@ from tandem.config import Experiments
 from tandem.entrypoints.llm import LLM
 from tandem.sampling import SamplingParams
 
-PASSAGE = (
+# Several prompts a task: in bf16 on the GPU the speculative side's text departs from plain
+# decoding's after a few dozen tokens (the verify forward rounds differently), and from there
+# the step count follows the text it happens to write: with one prompt, summarize at k 7 took
+# 64 to 116 steps across three configurations of the same code (H100, session 35). A task's
+# figure is the tok/s over all its prompts; the spread is reported beside it.
+PASSAGES = [
     "The lighthouse stood at the end of a narrow spit of rock, and for forty years the same "
     "keeper had climbed its iron stairs every evening to light the lamp. Ships passing in the "
     "night saw its beam sweep across the water every twelve seconds, steady as a heartbeat. "
@@ -36,8 +45,43 @@ PASSAGE = (
     "week he retired, but beneath it, in the same careful handwriting, someone had added a "
     "single line for every storm since: the date, the wind, and the words all ships safe. The "
     "engineer closed the book, put it back where she had found it, and wrote in her report "
-    "that the lighthouse needed nothing at all.")
-CODE = '''def moving_average(values, window):
+    "that the lighthouse needed nothing at all.",
+    "Every spring the river that runs through the valley floods its banks for about three "
+    "weeks. The farmers who live there plant late on purpose, because the water leaves behind "
+    "a layer of dark silt that feeds their fields for the rest of the year. Long ago the town "
+    "council voted to build a dam upstream so that the floods would stop, and for a few years "
+    "the valley stayed dry. The harvests grew smaller each season, and the soil turned pale "
+    "and hard.\n\n"
+    "An old farmer named Tomas kept records of every harvest in a blue notebook. He brought the "
+    "notebook to a council meeting and read the numbers aloud, year by year, before and after "
+    "the dam. Nobody argued with him. The next winter the council opened the gates of the dam "
+    "again, and in spring the river came back over its banks. The farmers stood on the hills "
+    "and watched the brown water spread across their fields, and some of them cheered.",
+    "The library on Elm Street was the smallest in the city, with only four rooms and a single "
+    "librarian, Mrs. Okafor, who had worked there for twenty-six years. She knew which children "
+    "liked stories about dragons, which ones liked books about trains, and which ones came in "
+    "only because it was warm. When the city announced that the library would close to save "
+    "money, she did not protest. Instead she started a list of every person who came through "
+    "the door, with the date and the book they borrowed.\n\n"
+    "After three months the list filled two binders. She carried them to the city hall and "
+    "left them on the mayor's desk with a short note that said: these are your readers. The "
+    "mayor read the binders over a weekend. On Monday the decision to close the library was "
+    "withdrawn, and a month later the city paid to repair its leaking roof and to buy new "
+    "shelves for the children's room.",
+    "Mount Arden is not the highest mountain in the range, but it is the one most climbers "
+    "remember. Its north face is a wall of grey granite, smooth enough that for a long time "
+    "people believed it could not be climbed at all. In the summer of 1961 two friends, Ada "
+    "and Rhys, spent eleven days on the wall. They slept on narrow ledges, hauled their water "
+    "up on ropes, and counted every piece of chocolate they had left.\n\n"
+    "On the twelfth morning they reached the summit in thick fog and could see nothing at "
+    "all, not even each other from a few metres apart. They left a small tin box under a pile "
+    "of stones with their names and the date written inside, and began the long walk down the "
+    "easier southern ridge. Forty years later a young climber found the tin box, still dry, "
+    "and added her own name beneath theirs.",
+]
+# (code, the function to rename, its new name)
+CODE_EDITS = [
+    ('''def moving_average(values, window):
     """Return the moving averages of `values` over `window` items."""
     averages = []
     for i in range(len(values) - window + 1):
@@ -60,13 +104,87 @@ def main():
     data = [3, 5, 7, 2, 8, 10, 11, 65, 72, 81, 99, 100, 150]
     print(moving_average(data, 3))
     print(moving_average_spread(data, 3))
-'''
+''', "moving_average", "rolling_mean"),
+    ('''def count_words(text):
+    """Return a dictionary from each word of `text` to how often it occurs."""
+    counts = {}
+    for word in text.lower().split():
+        word = word.strip(".,;:!?")
+        if word:
+            counts[word] = counts.get(word, 0) + 1
+    return counts
+
+
+def most_common_words(text, n):
+    """Return the `n` most frequent words of `text`, most frequent first."""
+    counts = count_words(text)
+    ranked = sorted(counts.items(), key=lambda item: item[1], reverse=True)
+    return [word for word, _ in ranked[:n]]
+
+
+def main():
+    text = "the cat sat on the mat and the dog sat on the cat"
+    print(count_words(text))
+    print(most_common_words(text, 3))
+''', "count_words", "word_frequencies"),
+    ('''class Account:
+    def __init__(self, owner, balance=0):
+        self.owner = owner
+        self.balance = balance
+
+    def deposit(self, amount):
+        if amount <= 0:
+            raise ValueError("the amount must be positive")
+        self.balance += amount
+        return self.balance
+
+    def withdraw(self, amount):
+        if amount > self.balance:
+            raise ValueError("not enough money in the account")
+        self.balance -= amount
+        return self.balance
+
+
+def transfer(source, target, amount):
+    source.withdraw(amount)
+    target.deposit(amount)
+    return source.balance, target.balance
+''', "withdraw", "take_out"),
+    ('''def is_prime(n):
+    """Return True if `n` is a prime number."""
+    if n < 2:
+        return False
+    i = 2
+    while i * i <= n:
+        if n % i == 0:
+            return False
+        i += 1
+    return True
+
+
+def primes_below(limit):
+    """Return every prime number below `limit`."""
+    return [n for n in range(limit) if is_prime(n)]
+
+
+def main():
+    print(primes_below(50))
+    print(is_prime(97), is_prime(91))
+''', "is_prime", "check_prime"),
+]
+CHATS = [
+    "Write a short story about a robot who learns to paint. Be creative.",
+    "Describe your ideal weekend in a small town by the sea.",
+    "Invent a new board game and explain how to play it.",
+    "Write a letter from a cat to its owner about the new dog in the house.",
+]
 TASKS = {
-    "copy": f"Repeat the following passage exactly, word for word:\n\n{PASSAGE}",
-    "summarize": f"Summarize the following passage in a few sentences, reusing its wording:\n\n{PASSAGE}",
-    "edit_code": f"Rename the function moving_average to rolling_mean everywhere in this code and "
-                 f"return the whole code:\n\n```python\n{CODE}```",
-    "chat": "Write a short story about a robot who learns to paint. Be creative.",
+    "copy": [f"Repeat the following passage exactly, word for word:\n\n{p}" for p in PASSAGES],
+    "summarize": [f"Summarize the following passage in a few sentences, reusing its wording:\n\n{p}"
+                  for p in PASSAGES],
+    "edit_code": [f"Rename the function {old} to {new} everywhere in this code and return the whole code:"
+                  f"\n\n```python\n{code}```" for code, old, new in CODE_EDITS],
+    "chat": CHATS,
 }
 GROUNDED = ("copy", "summarize", "edit_code")
 # The answer's first words, given as the start of the assistant's turn (continue_final_message).
@@ -76,9 +194,9 @@ GROUNDED = ("copy", "summarize", "edit_code")
 ANSWER_STARTS = {"edit_code": "```python\n"}
 
 
-def task_chat(task: str) -> tuple[list[dict], dict]:
-    """The task's messages and LLM.chat keywords."""
-    messages = [{"role": "user", "content": TASKS[task]}]
+def task_chat(task: str, prompt: int = 0) -> tuple[list[dict], dict]:
+    """The messages of the task's prompt number `prompt`, and LLM.chat keywords."""
+    messages = [{"role": "user", "content": TASKS[task][prompt]}]
     if task not in ANSWER_STARTS:
         return messages, {}
     messages.append({"role": "assistant", "content": ANSWER_STARTS[task]})
@@ -89,21 +207,25 @@ def task_chat(task: str) -> tuple[list[dict], dict]:
 class TaskRow:
     task: str
     batch: int
-    plain_tok_s: float
+    plain_tok_s: float  # over all the task's prompts: their tokens over the sum of their median runs
     spec_tok_s: float
     speedup: float
     mean_acceptance_length: float | None
-    verify_steps: int
+    verify_steps: int  # a run's, all its prompts together
     steps: int
     output_tokens: int
     spec_gpu_busy: float | None
-    identical: bool  # outputs equal plain decoding's (greedy; sampled: n-gram and coupled draws)
-    # Each timed run's wall ms, and the plain side's GPU busy: on the H200 (session 19) one plain
+    identical: bool  # every prompt's outputs equal plain decoding's (greedy; sampled: n-gram and coupled draws)
+    # Each timed run's wall ms (all prompts), and the plain side's GPU busy: on the H200 (session 19) one plain
     # engine ran two tasks at half its speed on the others; these say whether a side's figure is
     # one slow run or a slow engine, and whether its GPU or its host was the slow part.
     plain_runs_ms: list[float] = field(default_factory=list)
     spec_runs_ms: list[float] = field(default_factory=list)
     plain_gpu_busy: float | None = None
+    # Per prompt: plain median ms over speculative median ms, and the first output position where the
+    # two sides' texts differ (None: identical). After it each side writes another text.
+    prompt_speedups: list[float] = field(default_factory=list)
+    first_difference: list[int | None] = field(default_factory=list)
 
 
 def add_model_args(ap: argparse.ArgumentParser) -> None:
@@ -114,13 +236,13 @@ def add_model_args(ap: argparse.ArgumentParser) -> None:
 
 
 def timed_chat(llm: LLM, task: str, batch: int, max_tokens: int, warm: bool = True,
-               temperature: float = 0.0) -> tuple[float, list, int]:
-    """`batch` copies of the task's chat, greedy (or sampled at `temperature`, row i seeded i),
-    after an untimed warm-up of the same shape (`warm`): (wall seconds, the outputs, the index
-    of the timed run's first timeline record)."""
+               temperature: float = 0.0, prompt: int = 0) -> tuple[float, list, int]:
+    """`batch` copies of the task's chat number `prompt`, greedy (or sampled at `temperature`, row i
+    seeded i), after an untimed warm-up of the same shape (`warm`): (wall seconds, the outputs,
+    the index of the timed run's first timeline record)."""
     params = [SamplingParams(max_tokens=max_tokens, temperature=temperature, ignore_eos=True,
                              seed=i if temperature > 0 else None) for i in range(batch)]
-    one, chat_kw = task_chat(task)
+    one, chat_kw = task_chat(task, prompt)
     messages = [one] * batch
     if warm:
         llm.chat(messages, params, use_tqdm=False, **chat_kw)
@@ -131,67 +253,95 @@ def timed_chat(llm: LLM, task: str, batch: int, max_tokens: int, warm: bool = Tr
     return time.perf_counter() - start, outs, first
 
 
-def _timed(llm: LLM, task: str, batch: int, max_tokens: int, repeat: int,
-           temperature: float = 0.0) -> tuple[float, list[list[int]], dict]:
-    """The median wall time of `repeat` timed runs (these runs last ~0.3 s at batch 8: one run's
-    figure moved 15 % between device calls), the outputs, and per-run step counters."""
+def _timed(llm: LLM, task: str, batch: int, max_tokens: int, repeat: int, prompts: int,
+           temperature: float = 0.0) -> tuple[list[float], list[list[list[int]]], dict]:
+    """Per prompt, the median wall time of `repeat` timed runs (these runs last ~0.3 s at batch 8:
+    one run's figure moved 15 % between device calls) and the outputs; per-run step counters."""
     engine = llm.engine
     before = engine.stats()
-    walls, first = [], None
+    walls = [[] for _ in range(prompts)]
+    outputs, firsts = [], []
     for i in range(repeat):
-        wall, outs, start = timed_chat(llm, task, batch, max_tokens, warm=i == 0, temperature=temperature)
-        walls.append(wall)
-        first = start if first is None else first
+        for prompt in range(prompts):
+            wall, outs, start = timed_chat(llm, task, batch, max_tokens, warm=i == 0, temperature=temperature,
+                                           prompt=prompt)
+            walls[prompt].append(wall)
+            if i == 0:
+                outputs.append([o.outputs[0].token_ids for o in outs])
+                firsts.append(start)
     after = engine.stats()
     delta = {k: after[k] - before[k] for k in after if k.startswith("spec_decode_num") and
              isinstance(after[k], int)}
-    delta["runs_ms"] = [round(w * 1e3, 2) for w in walls]
-    delta["steps"] = (after["steps"] - before["steps"]) // (repeat + 1)  # the warm-up ran too
+    delta["runs_ms"] = [round(sum(w[i] for w in walls) * 1e3, 2) for i in range(repeat)]
+    delta["steps"] = (after["steps"] - before["steps"]) // (repeat + 1)  # the warm-ups ran too
     delta["verify_steps"] = (after.get("spec_decode_verify_steps", 0)
                              - before.get("spec_decode_verify_steps", 0)) // (repeat + 1)
-    if engine.timeline is not None:
-        delta["gpu_busy"] = engine.timeline.summary(skip=first).get("gpu_busy_fraction")
-    return statistics.median(walls), [o.outputs[0].token_ids for o in outs], delta
+    if engine.timeline is not None:  # from the first timed run on (every prompt's runs after it)
+        delta["gpu_busy"] = engine.timeline.summary(skip=firsts[0]).get("gpu_busy_fraction")
+    return [statistics.median(w) for w in walls], outputs, delta
 
 
 def _side(kw: dict, config: dict | None, tasks: list[str], batches: list[int], max_tokens: int,
-          repeat: int, temperature: float = 0.0) -> dict[tuple[str, int], tuple]:
+          repeat: int, prompts: int, temperature: float = 0.0) -> dict[tuple[str, int], tuple]:
     """One side of the comparison (plain or speculative): every task and batch size, one engine."""
     llm = LLM(**kw, speculative_config=config)
     try:
-        return {(task, b): _timed(llm, task, b, max_tokens, repeat, temperature) for task in tasks for b in batches}
+        return {(task, b): _timed(llm, task, b, max_tokens, repeat, _prompt_count(task, prompts), temperature)
+                for task in tasks for b in batches}
     finally:
         llm.close()
 
 
+def _prompt_count(task: str, prompts: int | None) -> int:
+    return len(TASKS[task]) if prompts is None else min(prompts, len(TASKS[task]))
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    """The first position where two token lists differ (the shorter one's length if one is a
+    prefix of the other); None if equal."""
+    if a == b:
+        return None
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def _earliest_difference(plain_rows: list[list[int]], spec_rows: list[list[int]]) -> int | None:
+    """A prompt's first difference: the earliest over its rows."""
+    found = [i for i in map(first_difference, plain_rows, spec_rows) if i is not None]
+    return min(found) if found else None
+
+
 def run(model: str | None, spec: dict, tasks: list[str], batches: list[int], max_tokens: int,
         device: str, dtype: str, repeat: int = 3, same_process: bool = False,
-        experiments: Experiments | None = None, temperature: float = 0.0) -> list[TaskRow]:
+        experiments: Experiments | None = None, temperature: float = 0.0,
+        prompts: int | None = None) -> list[TaskRow]:
     """Each side runs in a fresh process (`same_process`: one after the other in this one, plain
     first, as before session 15: the A/B). On the H200 a speculating engine created second in
     its process launched its plain decode steps in 0.93 ms against the first (plain) engine's
     0.66 ms, its whole host path uniformly slower; whether the order or the engine did it is
-    what the A/B tells."""
+    what the A/B tells. `prompts`: the first this many of each task's prompts (None: all)."""
     kw = {"device": device, "dtype": dtype, "timeline": device != "cpu"}
     if experiments is not None:  # both sides (a speculation-only switch leaves the plain side as it is)
         kw["experiments"] = experiments
     if model is not None:
         kw["model"] = model
-    sides = [(kw, config, tasks, batches, max_tokens, repeat, temperature) for config in (None, spec)]
+    sides = [(kw, config, tasks, batches, max_tokens, repeat, prompts, temperature) for config in (None, spec)]
     if same_process:
         plain, speculative = (_side(*args) for args in sides)
     else:
         plain, speculative = (_in_fresh_process(_side, args) for args in sides)
-    results = {key: [plain[key], speculative[key]] for key in plain}
-    rows = []
-    for (task, b), ((plain_s, plain_ids, p), (spec_s, spec_ids, d)) in results.items():
-        tokens = sum(len(t) for t in spec_ids)
-        drafts, accepted = d.get("spec_decode_num_drafts", 0), d.get("spec_decode_num_accepted_tokens", 0)
-        rows.append(TaskRow(task, b, sum(len(t) for t in plain_ids) / plain_s, tokens / spec_s,
-                            plain_s / spec_s, 1 + accepted / drafts if drafts else None, d["verify_steps"],
-                            d["steps"], tokens, d.get("gpu_busy"), plain_ids == spec_ids,
-                            p["runs_ms"], d["runs_ms"], p.get("gpu_busy")))
-    return rows
+    return [_row(task, b, plain[(task, b)], speculative[(task, b)]) for (task, b) in plain]
+
+
+def _row(task: str, batch: int, plain: tuple, speculative: tuple) -> TaskRow:
+    (plain_s, plain_ids, p), (spec_s, spec_ids, d) = plain, speculative
+    plain_tokens = sum(len(t) for rows in plain_ids for t in rows)
+    tokens = sum(len(t) for rows in spec_ids for t in rows)
+    drafts, accepted = d.get("spec_decode_num_drafts", 0), d.get("spec_decode_num_accepted_tokens", 0)
+    differences = [_earliest_difference(a, b) for a, b in zip(plain_ids, spec_ids)]
+    return TaskRow(task, batch, plain_tokens / sum(plain_s), tokens / sum(spec_s), sum(plain_s) / sum(spec_s),
+                   1 + accepted / drafts if drafts else None, d["verify_steps"], d["steps"], tokens,
+                   d.get("gpu_busy"), plain_ids == spec_ids, p["runs_ms"], d["runs_ms"], p.get("gpu_busy"),
+                   [round(a / b, 3) for a, b in zip(plain_s, spec_s)], differences)
 
 
 def _in_fresh_process(fn, args: tuple):
@@ -210,6 +360,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--repeat", type=int, default=3, help="timed runs per row (the median is reported)")
+    ap.add_argument("--prompts", type=int, default=None,
+                    help=f"the first N of each task's prompts (default all, {len(TASKS['copy'])} a task)")
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="sample at this temperature, row i with seed i (default greedy); 'same' then says "
                          "whether the sampled tokens are plain decoding's (coupled draws, n-gram)")
@@ -225,19 +377,24 @@ def main(argv: list[str] | None = None) -> None:
         ap.error(f"unknown task(s) {unknown}; known: {', '.join(TASKS)}")
     rows = run(args.model, json.loads(args.speculative_config), tasks,
                [int(b) for b in args.batch_sizes.split(",")], args.max_tokens, args.device, args.dtype, args.repeat,
-               args.same_process, Experiments.from_overrides(args.experiment), args.temperature)
+               args.same_process, Experiments.from_overrides(args.experiment), args.temperature, args.prompts)
     print(f"{'task':10} {'batch':>5} {'plain tok/s':>12} {'spec tok/s':>11} {'x':>6} {'accept len':>10} "
-          f"{'verify/steps':>13} {'gpu busy (plain / spec)':>23} same  runs ms (plain / spec)")
+          f"{'verify/steps':>13} {'gpu busy (plain / spec)':>23} same  {'x by prompt':>23}  first difference  "
+          f"runs ms (plain / spec)")
     for r in rows:
         acc = f"{r.mean_acceptance_length:.2f}" if r.mean_acceptance_length else "-"
         busy = " / ".join(f"{b:.3f}" if b is not None else "-" for b in (r.plain_gpu_busy, r.spec_gpu_busy))
         runs = " / ".join(",".join(f"{w:.0f}" for w in side) for side in (r.plain_runs_ms, r.spec_runs_ms))
+        by_prompt = ",".join(f"{x:.2f}" for x in r.prompt_speedups)
+        differences = ",".join("-" if i is None else str(i) for i in r.first_difference)
         print(f"{r.task:10} {r.batch:5d} {r.plain_tok_s:12,.0f} {r.spec_tok_s:11,.0f} {r.speedup:6.2f} {acc:>10} "
-              f"{r.verify_steps:6d}/{r.steps:<6d} {busy:>23} {r.identical!s:5} {runs}")
+              f"{r.verify_steps:6d}/{r.steps:<6d} {busy:>23} {r.identical!s:5} {by_prompt:>23}  {differences:16}  "
+              f"{runs}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"speculative_config": json.loads(args.speculative_config), "max_tokens": args.max_tokens,
-                       "repeat": args.repeat, "same_process": args.same_process, "experiments": args.experiment,
+                       "repeat": args.repeat, "prompts": args.prompts, "same_process": args.same_process,
+                       "experiments": args.experiment,
                        "temperature": args.temperature,
                        "rows": [asdict(r) for r in rows]}, f, indent=1)
 
