@@ -8,6 +8,9 @@ JSON schema. Then the same requests unconstrained, each with max_tokens = its co
 output length and EOS ignored, so both runs produce the same number of tokens. Both with
 overlap on and off, and with the overlap on but the masks filled before the forward is
 queued (`Experiments(grammar_overlap=False)`): what hiding the mask work under the forward buys.
+Each configuration runs `--repeat` times (default 3), the configurations interleaved (c, u, c,
+u, ...), and its median run (by tok/s) is reported with every run's tok/s: one run lasts 0.5-0.8
+s on the H100, and the one-run ratio moved 0.78-0.91 between device calls (session 35).
 
 Per run: output tok/s, host ms per step (engine step time minus the one sanctioned wait)
 split into grammar (mask fill + copy, matcher advance) and other, GPU busy (forward and
@@ -19,7 +22,7 @@ import json
 import random
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -61,6 +64,7 @@ class GrammarRow:
     accept_ms_per_step: float  # of grammar: advancing matchers (the rest fills and copies masks)
     gpu_busy: float | None
     valid: int | None  # constrained outputs that parse and validate
+    runs_tok_s: list[float] = field(default_factory=list)  # every repeat's, this row the median's
 
     @property
     def output_tok_s(self) -> float:
@@ -109,6 +113,14 @@ def run(engine: Engine, prompts: list[list[int]], params: list[SamplingParams], 
     return row, [o.token_ids for o in outs]
 
 
+def median_row(runs: list[GrammarRow]) -> GrammarRow:
+    """The run of median tok/s (the lower middle one of an even count), with every run's tok/s."""
+    ordered = sorted(runs, key=lambda r: r.output_tok_s)
+    middle = ordered[(len(ordered) - 1) // 2]
+    middle.runs_tok_s = [round(r.output_tok_s, 1) for r in runs]
+    return middle
+
+
 def _valid(text: str) -> bool:
     try:
         import jsonschema
@@ -120,8 +132,8 @@ def _valid(text: str) -> bool:
 
 def format_table(rows: list[GrammarRow]) -> str:
     lines = ["| requests | overlap | output tok | wall s | output tok/s | host ms/step | grammar ms/step | "
-             "of which accept | other ms/step | GPU busy | steps | valid |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "of which accept | other ms/step | GPU busy | steps | valid | runs tok/s |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
         busy = "n/a" if r.gpu_busy is None else f"{r.gpu_busy:.1%}"
         valid = "n/a" if r.valid is None else f"{r.valid}/{r.requests}"
@@ -129,7 +141,7 @@ def format_table(rows: list[GrammarRow]) -> str:
         lines.append(f"| {'json_schema' if r.constrained else 'unconstrained'} | {mode} | "
                      f"{r.output_tokens:,} | {r.wall_s:.2f} | {r.output_tok_s:,.0f} | {r.host_ms_per_step:.2f} | "
                      f"{r.grammar_ms_per_step:.2f} | {r.accept_ms_per_step:.2f} | {r.other_ms_per_step:.2f} | "
-                     f"{busy} | {r.steps} | {valid} |")
+                     f"{busy} | {r.steps} | {valid} | {', '.join(f'{t:,.0f}' for t in r.runs_tok_s)} |")
     out = ["\n".join(lines)]
     by = {(r.constrained, r.overlap): r for r in rows if r.mask_overlap}
     for overlap in (True, False):
@@ -155,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--grammar-threads", type=int, default=EngineConfig.grammar_threads,
                     help="the engine's grammar threads (default: EngineConfig's, as users run it)")
     ap.add_argument("--no-overlap-off", action="store_true", help="skip the overlap-off runs")
+    ap.add_argument("--repeat", type=int, default=3, help="timed runs a configuration (the median is reported)")
     ap.add_argument("--experiment", action="append", default=[], metavar="NAME=VALUE",
                     help="an Experiments switch for every run (A/B of the engine's internals)")
     ap.add_argument("--json", help="write results here")
@@ -178,16 +191,21 @@ def main(argv: list[str] | None = None) -> int:
         run(engine, prompts[:warm], [p.clone(max_tokens=16) for p in constrained[:warm]], overlap, f"warm-{overlap}")
     rows, tokens = [], {}
     for overlap in (True,) if args.no_overlap_off else (True, False):
-        row, tokens[overlap] = run(engine, prompts, constrained, overlap, f"c-{overlap}")
-        rows.append(row)
-        lens = [len(t) for t in tokens[overlap]]
-        plain = [SamplingParams(max_tokens=n, temperature=1.0, seed=args.seed + i, ignore_eos=True)
-                 for i, n in enumerate(lens)]
-        rows.append(run(engine, prompts, plain, overlap, f"u-{overlap}")[0])
-        _log(f"overlap {'on' if overlap else 'off'}: constrained {rows[-2].output_tok_s:,.0f} tok/s, "
-             f"unconstrained {rows[-1].output_tok_s:,.0f} tok/s")
+        runs: dict[str, list[GrammarRow]] = {"c": [], "u": [], "m": []}
+        for _ in range(args.repeat):  # interleaved: drift on the machine reaches every configuration alike
+            row, tokens[overlap] = run(engine, prompts, constrained, overlap, f"c-{overlap}")
+            runs["c"].append(row)
+            plain = [SamplingParams(max_tokens=len(t), temperature=1.0, seed=args.seed + i, ignore_eos=True)
+                     for i, t in enumerate(tokens[overlap])]
+            runs["u"].append(run(engine, prompts, plain, overlap, f"u-{overlap}")[0])
+            if overlap:
+                runs["m"].append(run(engine, prompts, constrained, True, "m-off", mask_overlap=False)[0])
+        c, u = median_row(runs["c"]), median_row(runs["u"])
+        rows += [c, u]
+        _log(f"overlap {'on' if overlap else 'off'}: constrained {c.output_tok_s:,.0f} tok/s, "
+             f"unconstrained {u.output_tok_s:,.0f} tok/s")
         if overlap:
-            rows.append(run(engine, prompts, constrained, True, "m-off", mask_overlap=False)[0])
+            rows.append(median_row(runs["m"]))
             _log(f"masks before forward: constrained {rows[-1].output_tok_s:,.0f} tok/s")
     report = {"args": vars(args), "device_name": torch.cuda.get_device_name(engine.device)
               if engine.device.type == "cuda" else "cpu", "rows": [r.to_dict() for r in rows]}
