@@ -56,6 +56,10 @@ def test_phase_timers_split_each_iterations_host_time_by_phase(capsys):
     assert prefill["iteration"][1] >= prefill["Scheduler.schedule"][1] + prefill["ModelRunner.launch"][1]
     assert "KVTierCopier._copy" in prefill or "KVTierCopier._copy" in phases["before_prefill"]
     assert decode["ModelRunner.launch"][1] > 0 and decode["iteration"][0] < prefill["iteration"][0]
+    # The staging's pieces: inside the launch's (or the wait's, when staged ahead) `_stage`.
+    assert prefill["ModelRunner._stage"][1] >= prefill["InputStager.stage"][1] > 0
+    assert prefill["ModelRunner.launch"][1] >= prefill["ModelRunner._stage"][1]
+    assert any(p.get("Engine._move_between_tiers", [0, 0])[1] > 0 for p in (prefill, decode))
     assert any("Engine.add_request" in p for p in (prefill, decode, phases["before_prefill"]))  # the next turns
     assert any(p.get("Scheduler.prepare_waiting", [0, 0])[1] > 0 for p in (prefill, decode, phases["before_prefill"]))
     assert _row(capsys, "--host-kv-cache-gb", "0.05")["phases"] is None  # off by default
