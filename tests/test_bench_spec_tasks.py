@@ -26,6 +26,9 @@ def test_rows_have_both_sides(tiny_text_model, tmp_path, same_process):
         assert r["plain_tok_s"] == pytest.approx(r["output_tokens"] / (r["plain_runs_ms"][0] / 1e3), rel=1e-3)
         assert len(r["prompt_speedups"]) == 2 and all(x > 0 for x in r["prompt_speedups"])
         assert r["first_difference"] == [None, None]
+        # Per prompt, one run's steps: together the run's (a row's first step is its prefill's).
+        assert [sum(c) for c in zip(*r["prompt_steps"])] == [r["steps"], r["verify_steps"]]
+        assert all(steps > verify >= 0 for steps, verify in r["prompt_steps"])
 
 
 def test_each_task_has_several_distinct_prompts():

@@ -226,6 +226,7 @@ class TaskRow:
     # two sides' texts differ (None: identical). After it each side writes another text.
     prompt_speedups: list[float] = field(default_factory=list)
     first_difference: list[int | None] = field(default_factory=list)
+    prompt_steps: list[list[int]] = field(default_factory=list)  # per prompt: [steps, verify steps] (speculative)
 
 
 def add_model_args(ap: argparse.ArgumentParser) -> None:
@@ -260,15 +261,17 @@ def _timed(llm: LLM, task: str, batch: int, max_tokens: int, repeat: int, prompt
     engine = llm.engine
     before = engine.stats()
     walls = [[] for _ in range(prompts)]
-    outputs, firsts = [], []
+    outputs, firsts, prompt_steps = [], [], []
     for i in range(repeat):
         for prompt in range(prompts):
+            steps = _step_counts(engine)
             wall, outs, start = timed_chat(llm, task, batch, max_tokens, warm=i == 0, temperature=temperature,
                                            prompt=prompt)
             walls[prompt].append(wall)
-            if i == 0:
+            if i == 0:  # its warm-up and its first timed run: the same tokens (greedy, or seeded)
                 outputs.append([o.outputs[0].token_ids for o in outs])
                 firsts.append(start)
+                prompt_steps.append([(b - a) // 2 for a, b in zip(steps, _step_counts(engine))])
     after = engine.stats()
     delta = {k: after[k] - before[k] for k in after if k.startswith("spec_decode_num") and
              isinstance(after[k], int)}
@@ -276,9 +279,15 @@ def _timed(llm: LLM, task: str, batch: int, max_tokens: int, repeat: int, prompt
     delta["steps"] = (after["steps"] - before["steps"]) // (repeat + 1)  # the warm-ups ran too
     delta["verify_steps"] = (after.get("spec_decode_verify_steps", 0)
                              - before.get("spec_decode_verify_steps", 0)) // (repeat + 1)
+    delta["prompt_steps"] = prompt_steps  # per prompt: [steps, verify steps] of one run
     if engine.timeline is not None:  # from the first timed run on (every prompt's runs after it)
         delta["gpu_busy"] = engine.timeline.summary(skip=firsts[0]).get("gpu_busy_fraction")
     return [statistics.median(w) for w in walls], outputs, delta
+
+
+def _step_counts(engine) -> tuple[int, int]:
+    stats = engine.stats()
+    return stats["steps"], stats.get("spec_decode_verify_steps", 0)
 
 
 def _side(kw: dict, config: dict | None, tasks: list[str], batches: list[int], max_tokens: int,
@@ -341,7 +350,7 @@ def _row(task: str, batch: int, plain: tuple, speculative: tuple) -> TaskRow:
     return TaskRow(task, batch, plain_tokens / sum(plain_s), tokens / sum(spec_s), sum(plain_s) / sum(spec_s),
                    1 + accepted / drafts if drafts else None, d["verify_steps"], d["steps"], tokens,
                    d.get("gpu_busy"), plain_ids == spec_ids, p["runs_ms"], d["runs_ms"], p.get("gpu_busy"),
-                   [round(a / b, 3) for a, b in zip(plain_s, spec_s)], differences)
+                   [round(a / b, 3) for a, b in zip(plain_s, spec_s)], differences, d["prompt_steps"])
 
 
 def _in_fresh_process(fn, args: tuple):
