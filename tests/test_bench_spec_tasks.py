@@ -87,3 +87,33 @@ def test_sampled_rows_with_a_draft_are_plain_decodings_when_coupled(tiny_text_mo
     assert report["temperature"] == 1.0
     (row,) = report["rows"]
     assert row["identical"] is coupled and row["output_tokens"] == 48
+
+
+def test_rows_can_stop_at_eos(tiny_text_model, tmp_path):
+    """`--stop-at-eos`: rows end at the end-of-sequence token (the tiny model's texts may end
+    early), the rates are tokens over time on each side, and the report says so."""
+    out = tmp_path / "spec.json"
+    spec_tasks.main(["--model", str(tiny_text_model), "--tasks", "copy", "--batch-sizes", "1", "--max-tokens", "12",
+                     "--prompts", "2", "--repeat", "1", "--device", "cpu", "--dtype", "float32", "--same-process",
+                     "--stop-at-eos", "--json", str(out)])
+    report = json.loads(out.read_text())
+    (row,) = report["rows"]
+    assert report["stop_at_eos"] is True and row["identical"] and 0 < row["output_tokens"] <= 24
+    assert row["speedup"] == pytest.approx(row["spec_tok_s"] / row["plain_tok_s"])
+
+
+@pytest.mark.parametrize("stop_at_eos", [False, True])
+def test_timed_chat_ignores_eos_unless_told(stop_at_eos):
+    import types
+    seen = []
+
+    class Stub:
+        engine = types.SimpleNamespace(timeline=None)
+
+        def chat(self, messages, params, **kw):
+            seen.append(params)
+            return []
+
+    spec_tasks.timed_chat(Stub(), "copy", 2, 5, warm=False, prompt=3, stop_at_eos=stop_at_eos)
+    (params,) = seen
+    assert len(params) == 2 and all(p.ignore_eos is not stop_at_eos and p.max_tokens == 5 for p in params)

@@ -237,11 +237,11 @@ def add_model_args(ap: argparse.ArgumentParser) -> None:
 
 
 def timed_chat(llm: LLM, task: str, batch: int, max_tokens: int, warm: bool = True,
-               temperature: float = 0.0, prompt: int = 0) -> tuple[float, list, int]:
+               temperature: float = 0.0, prompt: int = 0, stop_at_eos: bool = False) -> tuple[float, list, int]:
     """`batch` copies of the task's chat number `prompt`, greedy (or sampled at `temperature`, row i
     seeded i), after an untimed warm-up of the same shape (`warm`): (wall seconds, the outputs,
     the index of the timed run's first timeline record)."""
-    params = [SamplingParams(max_tokens=max_tokens, temperature=temperature, ignore_eos=True,
+    params = [SamplingParams(max_tokens=max_tokens, temperature=temperature, ignore_eos=not stop_at_eos,
                              seed=i if temperature > 0 else None) for i in range(batch)]
     one, chat_kw = task_chat(task, prompt)
     messages = [one] * batch
@@ -255,7 +255,7 @@ def timed_chat(llm: LLM, task: str, batch: int, max_tokens: int, warm: bool = Tr
 
 
 def _timed(llm: LLM, task: str, batch: int, max_tokens: int, repeat: int, prompts: int,
-           temperature: float = 0.0) -> tuple[list[float], list[list[list[int]]], dict]:
+           temperature: float = 0.0, stop_at_eos: bool = False) -> tuple[list[float], list[list[list[int]]], dict]:
     """Per prompt, the median wall time of `repeat` timed runs (these runs last ~0.3 s at batch 8:
     one run's figure moved 15 % between device calls) and the outputs; per-run step counters."""
     engine = llm.engine
@@ -266,7 +266,7 @@ def _timed(llm: LLM, task: str, batch: int, max_tokens: int, repeat: int, prompt
         for prompt in range(prompts):
             steps = _step_counts(engine)
             wall, outs, start = timed_chat(llm, task, batch, max_tokens, warm=i == 0, temperature=temperature,
-                                           prompt=prompt)
+                                           prompt=prompt, stop_at_eos=stop_at_eos)
             walls[prompt].append(wall)
             if i == 0:  # its warm-up and its first timed run: the same tokens (greedy, or seeded)
                 outputs.append([o.outputs[0].token_ids for o in outs])
@@ -291,11 +291,13 @@ def _step_counts(engine) -> tuple[int, int]:
 
 
 def _side(kw: dict, config: dict | None, tasks: list[str], batches: list[int], max_tokens: int,
-          repeat: int, prompts: int, temperature: float = 0.0) -> dict[tuple[str, int], tuple]:
+          repeat: int, prompts: int, temperature: float = 0.0,
+          stop_at_eos: bool = False) -> dict[tuple[str, int], tuple]:
     """One side of the comparison (plain or speculative): every task and batch size, one engine."""
     llm = LLM(**kw, speculative_config=config)
     try:
-        return {(task, b): _timed(llm, task, b, max_tokens, repeat, _prompt_count(task, prompts), temperature)
+        return {(task, b): _timed(llm, task, b, max_tokens, repeat, _prompt_count(task, prompts), temperature,
+                                  stop_at_eos)
                 for task in tasks for b in batches}
     finally:
         llm.close()
@@ -322,7 +324,7 @@ def _earliest_difference(plain_rows: list[list[int]], spec_rows: list[list[int]]
 def run(model: str | None, spec: dict, tasks: list[str], batches: list[int], max_tokens: int,
         device: str, dtype: str, repeat: int = 3, same_process: bool = False,
         experiments: Experiments | None = None, temperature: float = 0.0,
-        prompts: int | None = None) -> list[TaskRow]:
+        prompts: int | None = None, stop_at_eos: bool = False) -> list[TaskRow]:
     """Each side runs in a fresh process (`same_process`: one after the other in this one, plain
     first, as before session 15: the A/B). On the H200 a speculating engine created second in
     its process launched its plain decode steps in 0.93 ms against the first (plain) engine's
@@ -333,7 +335,8 @@ def run(model: str | None, spec: dict, tasks: list[str], batches: list[int], max
         kw["experiments"] = experiments
     if model is not None:
         kw["model"] = model
-    sides = [(kw, config, tasks, batches, max_tokens, repeat, prompts, temperature) for config in (None, spec)]
+    sides = [(kw, config, tasks, batches, max_tokens, repeat, prompts, temperature, stop_at_eos)
+             for config in (None, spec)]
     if same_process:
         plain, speculative = (_side(*args) for args in sides)
     else:
@@ -342,15 +345,19 @@ def run(model: str | None, spec: dict, tasks: list[str], batches: list[int], max
 
 
 def _row(task: str, batch: int, plain: tuple, speculative: tuple) -> TaskRow:
+    """Rates are tokens over time: with `--stop-at-eos` the two sides' texts (bf16) may end at
+    different lengths."""
     (plain_s, plain_ids, p), (spec_s, spec_ids, d) = plain, speculative
-    plain_tokens = sum(len(t) for rows in plain_ids for t in rows)
-    tokens = sum(len(t) for rows in spec_ids for t in rows)
+    plain_counts = [sum(map(len, rows)) for rows in plain_ids]  # per prompt
+    spec_counts = [sum(map(len, rows)) for rows in spec_ids]
+    plain_rate, spec_rate = sum(plain_counts) / sum(plain_s), sum(spec_counts) / sum(spec_s)
     drafts, accepted = d.get("spec_decode_num_drafts", 0), d.get("spec_decode_num_accepted_tokens", 0)
     differences = [_earliest_difference(a, b) for a, b in zip(plain_ids, spec_ids)]
-    return TaskRow(task, batch, plain_tokens / sum(plain_s), tokens / sum(spec_s), sum(plain_s) / sum(spec_s),
-                   1 + accepted / drafts if drafts else None, d["verify_steps"], d["steps"], tokens,
+    by_prompt = [round((n / t) / (m / u), 3) for n, t, m, u in zip(spec_counts, spec_s, plain_counts, plain_s)]
+    return TaskRow(task, batch, plain_rate, spec_rate, spec_rate / plain_rate,
+                   1 + accepted / drafts if drafts else None, d["verify_steps"], d["steps"], sum(spec_counts),
                    d.get("gpu_busy"), plain_ids == spec_ids, p["runs_ms"], d["runs_ms"], p.get("gpu_busy"),
-                   [round(a / b, 3) for a, b in zip(plain_s, spec_s)], differences, d["prompt_steps"])
+                   by_prompt, differences, d["prompt_steps"])
 
 
 def _in_fresh_process(fn, args: tuple):
@@ -374,6 +381,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="sample at this temperature, row i with seed i (default greedy); 'same' then says "
                          "whether the sampled tokens are plain decoding's (coupled draws, n-gram)")
+    ap.add_argument("--stop-at-eos", action="store_true",
+                    help="rows end at the end-of-sequence token (default: it is ignored and every row writes "
+                         "--max-tokens: past its answer the built-in model writes new, made-up turns, which the "
+                         "prompt does not hold)")
     ap.add_argument("--same-process", action="store_true",
                     help="the A/B: both sides in this process, plain first (before session 15)")
     ap.add_argument("--experiment", action="append", default=[], metavar="NAME=VALUE",
@@ -386,7 +397,8 @@ def main(argv: list[str] | None = None) -> None:
         ap.error(f"unknown task(s) {unknown}; known: {', '.join(TASKS)}")
     rows = run(args.model, json.loads(args.speculative_config), tasks,
                [int(b) for b in args.batch_sizes.split(",")], args.max_tokens, args.device, args.dtype, args.repeat,
-               args.same_process, Experiments.from_overrides(args.experiment), args.temperature, args.prompts)
+               args.same_process, Experiments.from_overrides(args.experiment), args.temperature, args.prompts,
+               args.stop_at_eos)
     print(f"{'task':10} {'batch':>5} {'plain tok/s':>12} {'spec tok/s':>11} {'x':>6} {'accept len':>10} "
           f"{'verify/steps':>13} {'gpu busy (plain / spec)':>23} same  {'x by prompt':>23}  first difference  "
           f"runs ms (plain / spec)")
@@ -404,7 +416,7 @@ def main(argv: list[str] | None = None) -> None:
             json.dump({"speculative_config": json.loads(args.speculative_config), "max_tokens": args.max_tokens,
                        "repeat": args.repeat, "prompts": args.prompts, "same_process": args.same_process,
                        "experiments": args.experiment,
-                       "temperature": args.temperature,
+                       "temperature": args.temperature, "stop_at_eos": args.stop_at_eos,
                        "rows": [asdict(r) for r in rows]}, f, indent=1)
 
 
