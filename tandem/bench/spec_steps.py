@@ -15,7 +15,8 @@ import argparse
 import json
 import statistics
 
-from tandem.bench.spec_tasks import TASKS, add_model_args, timed_chat
+from tandem.bench.spec_prompts import TASKS
+from tandem.bench.spec_tasks import add_model_args, timed_chat
 from tandem.diagnostics.profile import host_profile
 from tandem.entrypoints.llm import LLM
 
