@@ -92,21 +92,26 @@ def timed_chat(llm: LLM, task: str, batch: int, max_tokens: int, warm: bool = Tr
 def _timed(llm: LLM, task: str, batch: int, max_tokens: int, repeat: int, prompts: int,
            temperature: float = 0.0, stop_at_eos: bool = False) -> tuple[list[float], list[list[list[int]]], dict]:
     """Per prompt, the median wall time of `repeat` timed runs (these runs last ~0.3 s at batch 8:
-    one run's figure moved 15 % between device calls) and the outputs; per-run step counters."""
+    one run's figure moved 15 % between device calls) and the outputs; per-run step counters.
+    Every prompt's warm-up runs first, so the GPU busy covers the timed runs only."""
     engine = llm.engine
     before = engine.stats()
+    prompt_steps = []
+    for prompt in range(prompts):  # each prompt's untimed warm-up, and its step counts (a run's)
+        counts = _step_counts(engine)
+        timed_chat(llm, task, batch, max_tokens, warm=False, temperature=temperature, prompt=prompt,
+                   stop_at_eos=stop_at_eos)
+        prompt_steps.append([b - a for a, b in zip(counts, _step_counts(engine))])
+    first = len(engine.timeline.records) if engine.timeline is not None else 0  # the timed runs' records
     walls = [[] for _ in range(prompts)]
-    outputs, firsts, prompt_steps = [], [], []
+    outputs = []
     for i in range(repeat):
         for prompt in range(prompts):
-            steps = _step_counts(engine)
-            wall, outs, start = timed_chat(llm, task, batch, max_tokens, warm=i == 0, temperature=temperature,
-                                           prompt=prompt, stop_at_eos=stop_at_eos)
+            wall, outs, _ = timed_chat(llm, task, batch, max_tokens, warm=False, temperature=temperature,
+                                       prompt=prompt, stop_at_eos=stop_at_eos)
             walls[prompt].append(wall)
-            if i == 0:  # its warm-up and its first timed run: the same tokens (greedy, or seeded)
+            if i == 0:
                 outputs.append([o.outputs[0].token_ids for o in outs])
-                firsts.append(start)
-                prompt_steps.append([(b - a) // 2 for a, b in zip(steps, _step_counts(engine))])
     after = engine.stats()
     delta = {k: after[k] - before[k] for k in after if k.startswith("spec_decode_num") and
              isinstance(after[k], int)}
@@ -115,8 +120,8 @@ def _timed(llm: LLM, task: str, batch: int, max_tokens: int, repeat: int, prompt
     delta["verify_steps"] = (after.get("spec_decode_verify_steps", 0)
                              - before.get("spec_decode_verify_steps", 0)) // (repeat + 1)
     delta["prompt_steps"] = prompt_steps  # per prompt: [steps, verify steps] of one run
-    if engine.timeline is not None:  # from the first timed run on (every prompt's runs after it)
-        delta["gpu_busy"] = engine.timeline.summary(skip=firsts[0]).get("gpu_busy_fraction")
+    if engine.timeline is not None:
+        delta["gpu_busy"] = engine.timeline.summary(skip=first).get("gpu_busy_fraction")
     return [statistics.median(w) for w in walls], outputs, delta
 
 
