@@ -20,19 +20,10 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, loc: torch.Tensor,
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      req_to_token: torch.Tensor, req_slots: torch.Tensor, seq_lens: torch.Tensor,
                      scale: float, max_seq_len: int) -> torch.Tensor:
-    """One query token per request: q [B, H, D] -> [B, H, D].
-
-    All requests are padded to `max_seq_len` (a host int) and masked, so there is no
-    per-request Python loop and no device value is read.
-    """
-    token_idx = req_to_token[req_slots, :max_seq_len].long()  # [B, L]
-    k = k_cache[token_idx].transpose(1, 2)  # [B, KVH, L, D]
-    v = v_cache[token_idx].transpose(1, 2)
-    positions = torch.arange(max_seq_len, device=q.device)
-    mask = (positions[None, :] < seq_lens[:, None])[:, None, None, :]  # [B, 1, 1, L]
-    out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask, scale=scale,
-                                         enable_gqa=True)
-    return out.squeeze(2)
+    """One query token per request, at position seq_lens - 1: q [B, H, D] -> [B, H, D]
+    (`fixed_extend_attention` with one query a row)."""
+    return fixed_extend_attention(q, k_cache, v_cache, req_to_token, req_slots, seq_lens - 1, seq_lens,
+                                  scale, max_seq_len)
 
 
 def cascade_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -102,8 +93,8 @@ def fixed_extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            seq_lens: torch.Tensor, scale: float, max_seq_len: int) -> torch.Tensor:
     """`extend_attention` for rows of the same number of new tokens (q [B * Q, H, D], request-
     major) with the lengths on the device: query j of row b sits at prefix_lens[b] + j and
-    sees keys up to its own position, below seq_lens[b]. Padded to `max_seq_len` and masked
-    as `decode_attention` is: no host loop, no device value read."""
+    sees keys up to its own position, below seq_lens[b]. All rows are padded to `max_seq_len`
+    (a host int) and masked: no per-request Python loop, no device value read."""
     b = req_slots.shape[0]
     queries = q.shape[0] // b
     token_idx = req_to_token[req_slots, :max_seq_len].long()  # [B, L]
