@@ -51,9 +51,10 @@ class Request:
     # Speculative decoding: proposals of launched verify rows not processed yet. Each may add
     # up to this many outputs beyond num_scheduled_samples; while > 0 the length is unknown.
     spec_extra: int = 0
-    # Verify rows in a row that emitted no proposal (none found, or the first rejected), and
-    # the decode steps it proposes nothing for (tandem.speculative.planner.note_verified).
-    spec_misses: int = 0
+    # Accepted proposals of its last verify rows, the pauses in a row they caused, and the
+    # decode steps it proposes nothing for (tandem.speculative.planner.note_verified).
+    spec_accepted_window: list[int] = field(default_factory=list)
+    spec_pauses: int = 0
     spec_pause: int = 0
     # Read when a request arrives, is admitted or ends:
     prompt: str | None = None  # the prompt text, when it came as text

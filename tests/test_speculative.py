@@ -188,3 +188,37 @@ def test_a_row_verifies_after_a_match_of_min_match_tokens(min_match, lookup, ver
     assert (VerifyPlanner(cfg, min_match).k_for(req) > 0) == verifies
     req.output_token_ids = [5]  # now [9, 5] recurs: two tokens
     assert VerifyPlanner(cfg, min_match).k_for(req) > 0
+
+
+def test_a_request_pauses_when_its_verify_rows_do_not_pay_for_themselves():
+    """Four verify rows accepting 1 token between them (k 15: a verify costs ~1.8 plain steps,
+    so it must average ~0.77): paused, though one accepted (the rule before session 36 reset on
+    any accepted token); one long run among misses pays; the pause doubles while probes keep
+    failing and a paying window resets it; plain steps count the pause down."""
+    from tandem.request import Request
+    from tandem.sampling import SamplingParams
+    from tandem.speculative.planner import FIRST_PAUSE, break_even_accepted, note_plain, note_verified
+    assert 0.5 < break_even_accepted(7) < break_even_accepted(15) < 0.9
+
+    def request_after(accepted: list[int], k: int = 15) -> Request:
+        req = Request("r", [1, 2, 3], SamplingParams(max_tokens=50), seed=0, max_samples=50)
+        for a in accepted:
+            note_verified(req, k, a)
+        return req
+
+    assert request_after([0, 0, 1]).spec_pause == 0  # three rows: too few to judge
+    assert request_after([0, 0, 1, 0]).spec_pause == FIRST_PAUSE
+    assert request_after([0, 0, 0, 8]).spec_pause == 0
+    assert request_after([1, 1, 1, 0], k=7).spec_pause == 0  # 0.75 a row pays at k 7 (0.56)...
+    assert request_after([1, 1, 1, 0], k=15).spec_pause == FIRST_PAUSE  # ...not at k 15 (0.77)
+    req = request_after([0, 0, 0, 0])
+    for _ in range(FIRST_PAUSE):
+        note_plain(req)
+    assert req.spec_pause == 0
+    note_verified(req, 15, 0)  # the probe fails: twice as long
+    assert req.spec_pause == 2 * FIRST_PAUSE
+    req.spec_pause = 0
+    note_verified(req, 15, 12)  # a probe that accepts a long run: the window pays again
+    assert req.spec_pause == 0 and req.spec_pauses == 0
+    note_verified(req, 0, 0)  # a row without proposal slots is a plain step
+    assert req.spec_accepted_window == [0, 0, 0, 12]

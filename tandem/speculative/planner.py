@@ -15,26 +15,45 @@ from tandem.speculative.config import SpeculativeConfig
 from tandem.speculative.ngram import HostNgramIndex
 
 
-# A request whose verify rows emit nothing MISSES_BEFORE_PAUSE times in a row (its text does
-# not repeat: chat, not copying) stops proposing for FIRST_PAUSE steps, twice as long after
-# each further miss up to MAX_PAUSE; an accepted proposal resets it. A verify row with no
-# proposal costs k + 1 query tokens for one: the pause keeps such requests on plain decode
-# steps (and their CUDA graphs) but for an occasional probe.
-MISSES_BEFORE_PAUSE = 4
+# A verify row of k proposals costs about VERIFY_BASE_COST + VERIFY_COST_PER_PROPOSAL * k plain
+# decode steps (H100, built-in model, batch 1, at 54acab2: 0.97 ms at k 7 and 1.10 at k 15 against
+# 0.62 for a plain step) and emits its accepted proposals plus one sampled token: it pays for
+# itself once it accepts that cost less one on average (0.56 at k 7, 0.77 at k 15). A request whose
+# last VERIFY_WINDOW verify rows accepted less (its text does not repeat its context: chat, not
+# copying; or it repeats in short runs) stops proposing for FIRST_PAUSE steps, twice as long after
+# each further such row up to MAX_PAUSE; a window that pays resets it. A paused request decodes on
+# plain steps (and their CUDA graphs) but for an occasional probe, whose row joins the window; the
+# step planned while a probe is in flight (the overlap's lag) proposes nothing, so a failed probe
+# costs one verify row, not two. The window of four: a single long accepted run (a copied line)
+# pays for three misses around it.
+VERIFY_BASE_COST = 1.38
+VERIFY_COST_PER_PROPOSAL = 0.026
+VERIFY_WINDOW = 4
 FIRST_PAUSE = 2
 MAX_PAUSE = 64
+
+
+def break_even_accepted(k: int) -> float:
+    """Accepted proposals a verify row of k must average to cost no more a token than plain steps."""
+    return VERIFY_BASE_COST - 1 + VERIFY_COST_PER_PROPOSAL * k
 
 
 def note_verified(req: Request, k: int, accepted: int) -> None:
     """A processed verify row of `req` that carried `k` proposal slots."""
     if not k:
         note_plain(req)
-    elif accepted:
-        req.spec_misses = 0
+        return
+    window = req.spec_accepted_window
+    window.append(accepted)
+    if len(window) > VERIFY_WINDOW:
+        del window[0]
+    if len(window) < VERIFY_WINDOW:
+        return
+    if sum(window) >= break_even_accepted(k) * VERIFY_WINDOW:
+        req.spec_pauses = 0
     else:
-        req.spec_misses += 1
-        if req.spec_misses >= MISSES_BEFORE_PAUSE:
-            req.spec_pause = min(MAX_PAUSE, FIRST_PAUSE << (req.spec_misses - MISSES_BEFORE_PAUSE))
+        req.spec_pause = min(MAX_PAUSE, FIRST_PAUSE << min(req.spec_pauses, 8))
+        req.spec_pauses += 1
 
 
 def note_plain(req: Request) -> None:
@@ -68,6 +87,8 @@ class VerifyPlanner:
         """Proposals for the request's row: k, fewer near max_tokens (every emitted token is
         then within max_samples, so no position passes the context), 0 if it cannot speculate."""
         if req.spec_pause or not speculates(req):
+            return 0
+        if req.spec_pauses and req.spec_extra:  # a probe in flight: its result decides the next
             return 0
         if self.cfg.method == "ngram" and not self._match_likely(req):
             return 0
