@@ -117,3 +117,17 @@ def test_timed_chat_ignores_eos_unless_told(stop_at_eos):
     spec_tasks.timed_chat(Stub(), "copy", 2, 5, warm=False, prompt=3, stop_at_eos=stop_at_eos)
     (params,) = seen
     assert len(params) == 2 and all(p.ignore_eos is not stop_at_eos and p.max_tokens == 5 for p in params)
+
+
+def test_forward_ms_by_kind_splits_plain_verify_and_empty_verify_steps():
+    from tandem.bench.spec_tasks import forward_ms_by_kind
+    from tandem.diagnostics.timeline import StepRecord
+
+    def record(is_decode, ms, verify_k=None):
+        return StepRecord(0, 1, 1, is_decode, 10, 10, 0.0, 0.1, 0.1, gpu_forward_ms=ms, verify_k=verify_k)
+
+    records = [record(False, 5.0), record(True, 0.6), record(True, 0.7), record(True, 1.1, 15),
+               record(True, 1.3, 15), record(True, 1.2, 15), record(True, 0.8, 0), record(True, None)]
+    assert forward_ms_by_kind(records) == {"prefill": [1, 5.0], "decode": [3, 0.65], "verify": [3, 1.2],
+                                           "verify_empty": [1, 0.8]}
+    assert forward_ms_by_kind([record(True, None)]) == {"decode": [1, None]}  # the CPU: no device times

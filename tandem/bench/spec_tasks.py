@@ -62,6 +62,11 @@ class TaskRow:
     prompt_speedups: list[float] = field(default_factory=list)
     first_difference: list[int | None] = field(default_factory=list)
     prompt_steps: list[list[int]] = field(default_factory=list)  # per prompt: [steps, verify steps] (speculative)
+    # Per side and step kind of the timed runs (CUDA): [steps, median device forward ms]. The pause
+    # rule's cost model (speculative/planner.py) in the engine's own figures: a plain step on each
+    # side, a verify step with proposal slots, and one without (planned while a verify was in flight).
+    plain_step_ms: dict = field(default_factory=dict)
+    spec_step_ms: dict = field(default_factory=dict)
 
 
 def add_model_args(ap: argparse.ArgumentParser) -> None:
@@ -122,7 +127,25 @@ def _timed(llm: LLM, task: str, batch: int, max_tokens: int, repeat: int, prompt
     delta["prompt_steps"] = prompt_steps  # per prompt: [steps, verify steps] of one run
     if engine.timeline is not None:
         delta["gpu_busy"] = engine.timeline.summary(skip=first).get("gpu_busy_fraction")
+        delta["step_ms"] = forward_ms_by_kind(engine.timeline.records[first:])
     return [statistics.median(w) for w in walls], outputs, delta
+
+
+def forward_ms_by_kind(records: list) -> dict[str, list]:
+    """{kind: [steps, median device forward ms or None]} over step records, by kind: prefill,
+    decode (plain), verify (with proposal slots), verify_empty (verify-shaped, no proposal)."""
+    kinds: dict[str, list[float | None]] = {}
+    for r in records:
+        if r.verify_k is not None:
+            kind = "verify" if r.verify_k else "verify_empty"
+        else:
+            kind = "decode" if r.is_decode else "prefill"
+        kinds.setdefault(kind, []).append(r.gpu_forward_ms)
+    return {kind: [len(ms), _median_or_none([m for m in ms if m is not None])] for kind, ms in kinds.items()}
+
+
+def _median_or_none(values: list[float]) -> float | None:
+    return round(statistics.median(values), 4) if values else None
 
 
 def _step_counts(engine) -> tuple[int, int]:
@@ -197,7 +220,7 @@ def _row(task: str, batch: int, plain: tuple, speculative: tuple) -> TaskRow:
     return TaskRow(task, batch, plain_rate, spec_rate, spec_rate / plain_rate,
                    1 + accepted / drafts if drafts else None, d["verify_steps"], d["steps"], sum(spec_counts),
                    d.get("gpu_busy"), plain_ids == spec_ids, p["runs_ms"], d["runs_ms"], p.get("gpu_busy"),
-                   by_prompt, differences, d["prompt_steps"])
+                   by_prompt, differences, d["prompt_steps"], p.get("step_ms", {}), d.get("step_ms", {}))
 
 
 def _in_fresh_process(fn, args: tuple):
@@ -251,6 +274,11 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{r.task:10} {r.batch:5d} {r.plain_tok_s:12,.0f} {r.spec_tok_s:11,.0f} {r.speedup:6.2f} {acc:>10} "
               f"{r.verify_steps:6d}/{r.steps:<6d} {busy:>23} {r.identical!s:5} {by_prompt:>23}  {differences:16}  "
               f"{runs}")
+    for r in rows:
+        if r.spec_step_ms:
+            kinds = "; ".join(f"{side} {kind} {n} x {ms} ms" for side, by_kind in (("plain", r.plain_step_ms),
+                              ("spec", r.spec_step_ms)) for kind, (n, ms) in by_kind.items())
+            print(f"{r.task:10} {r.batch:5d} device ms a step: {kinds}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"speculative_config": json.loads(args.speculative_config), "max_tokens": args.max_tokens,
