@@ -25,7 +25,8 @@ from tandem.speculative.ngram import HostNgramIndex
 # plain steps (and their CUDA graphs) but for an occasional probe, whose row joins the window; the
 # step planned while a probe is in flight (the overlap's lag) proposes nothing, so a failed probe
 # costs one verify row, not two. The window of four: a single long accepted run (a copied line)
-# pays for three misses around it.
+# pays for three misses around it. A draft model's proposals cost its k forwards besides: for them
+# the rule errs towards speculating.
 VERIFY_BASE_COST = 1.38
 VERIFY_COST_PER_PROPOSAL = 0.026
 VERIFY_WINDOW = 4
