@@ -188,6 +188,12 @@ class Experiments:
     # that result is processed, where it delays the next plan: H200 at a8a74e0, the window
     # before a small prefill step took 1.6 ms of the ~4.3 ms the GPU idled there).
     host_kv_window_before_wait: bool = True
+    # Host KV tier: a forward waits on the device only for the copies it depends on (the loads
+    # it reads, the copies of evicted slots its plan reuses: `KVTierCopier.fence`); off, for
+    # every copy queued before it, the window's prefetch and write-ahead included (the fence
+    # before session 37: on the H100 at 26a6bf8, 26 decode steps waited 15 ms in all for
+    # copies none of them read).
+    host_kv_precise_fence: bool = True
     # Host KV tier: after write-ahead, the window also evicts the written-ahead prefixes the next
     # plan would evict (no copy: their host copies exist), so a prefill step's plan allocates
     # from free slots (off: the plan evicts, on the host's path between two forwards).

@@ -120,8 +120,7 @@ class Engine:
         self.parallel.connect(self.device)
         self._build_loop()
         # A worker's steps are rank 0's plan: the same step loop, fed by the step channel.
-        self.scheduler = self.parallel.plan_source(self.scheduler, self.runner.admit,
-                                                   self.kv_tier.replay if self.kv_tier is not None else None)
+        self.scheduler = self.parallel.plan_source(self.scheduler, self.runner.admit, self.kv_tier)
         self.parallel.ready()
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
@@ -240,6 +239,7 @@ class Engine:
         self.tier_pace = (CopyPace(self.kv_tier.host.token_bytes, most_tokens=cfg.max_prefill_tokens)
                           if self.kv_tier is not None else None)
         host = (HostTier(self.kv_tier.host.host_slots, self.kv_tier.write_back, self.kv_tier.load,
+                         self.kv_tier.require,
                          load_tokens_per_step=cfg.max_prefill_tokens,
                          admit_after_prefetch=cfg.experiments.host_kv_prefetch
                          and cfg.experiments.host_kv_admit_after_prefetch,
@@ -268,7 +268,9 @@ class Engine:
         host = HostKVPool(caches, num, pin=self.device.type == "cuda")
         log.info("host KV tier: %d tokens (%.1f GiB pinned%s)", num, num * per_token / 2**30,
                  ", target and draft KV" if len(caches) > 1 else "")
-        return KVTierCopier(caches, host, self.streams)
+        copier = KVTierCopier(caches, host, self.streams)
+        copier.precise = cfg.experiments.host_kv_precise_fence
+        return copier
 
     def _plan_device_memory(self, per_token: int) -> MemoryBudget:
         """Profile the largest step, then give the pool what is left of total x utilization."""
@@ -632,10 +634,11 @@ class Engine:
         if self.pending is not None and (self._process_first(batch) or masks_first):
             self._process_in_flight(outputs)
         t1 = perf_counter()
-        if self.kv_tier is not None:  # the forward waits on the device for this plan's tier copies
+        if self.kv_tier is not None:  # the forward waits on the device for the tier copies it needs
+            self.kv_tier.require(self.kv_slots.copy_needed)  # cooling slots this plan took
             copies = self.kv_tier.fence(self.streams.forward, timed=self.timeline is not None)
             if self.runner.mirror is not None:
-                self.runner.mirror.tier_copies(copies)  # each rank copies its own shard
+                self.runner.mirror.tier_copies(copies, self.kv_tier.fenced)  # each rank copies its own shard
         try:
             launched = self.runner.launch(batch, defer_sampling=masked)
         except BaseException as exc:
@@ -1113,6 +1116,7 @@ class Engine:
                 "host_load_bytes": copies.load_bytes, "host_load_seconds": copies.load_seconds,
                 "host_write_back_bytes": copies.write_back_bytes,
                 "host_write_back_seconds": copies.write_back_seconds,
+                "host_copy_waits": copies.fence_waits,
                 "host_prefetch_tokens": cache.tier_moves.prefetched,
                 "host_admission_load_tokens": cache.tier_moves.admission_loaded,
                 "host_write_ahead_tokens": cache.tier_moves.written_ahead,

@@ -119,7 +119,7 @@ def test_forward_waits_for_the_load_on_the_device(cycling_model):
     def held_back_load(host_slots, gpu_slots):
         with torch.cuda.stream(tier.stream):
             torch.cuda._sleep(int(sleep_s * 2e9))
-        load(host_slots, gpu_slots)
+        return load(host_slots, gpu_slots)
 
     engine.prefix_cache.host.load = held_back_load
     engine.add_request(follow_up, greedy, request_id="again")
@@ -134,6 +134,44 @@ def test_forward_waits_for_the_load_on_the_device(cycling_model):
     assert queued < sleep_s / 2 < sleep_s <= total, (queued, total)
     stalls = [r.gpu_tier_stall_ms for r in engine.timeline.records if r.gpu_tier_stall_ms is not None]
     assert max(stalls) >= 0.8 * sleep_s * 1e3, stalls
+
+
+def test_reused_slots_wait_for_their_write_back_and_other_steps_do_not(cycling_model):
+    """An eviction's write-back is held back on the copy stream (torch.cuda._sleep) while the
+    evicted GPU slots are free for reuse. A request that takes none of them runs start to end
+    without waiting for it (the fence waits only for what a forward depends on); a prefill that
+    takes them waits on the device, or it would overwrite the KV before the write-back read it
+    and the history loaded back afterwards would be another prompt's."""
+    prompt = list(range(10, 210))
+    follow_up = prompt + list(range(220, 240))
+    greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    reference = _engine(cycling_model, max_total_tokens=4000)
+    want = run_workload(reference, [_spec("ref", follow_up, greedy)])["ref"]
+    reference.close()
+    engine = _engine(cycling_model, max_total_tokens=1000, host_kv_cache_gb=0.05, timeline=True)
+    run_workload(engine, [_spec("first", prompt, greedy)])
+    run_workload(engine, [_spec("warm", list(range(240, 250)), greedy)])  # the short request's shapes
+    tier, tree = engine.kv_tier, engine.prefix_cache.tree
+    torch.cuda.synchronize()
+    sleep_s = 0.5  # at least: _sleep counts cycles, and the H200 clocks at most 1.98 GHz
+    with torch.cuda.stream(tier.stream):
+        torch.cuda._sleep(int(sleep_s * 2e9))
+    started = time.perf_counter()
+    tree.evict(tree.evictable_tokens)  # the write-backs queue behind the sleep; their slots cool
+    assert tree.host_tokens >= 200 and engine.kv_slots.copy_needed == 0
+    run_workload(engine, [_spec("short", list(range(230, 240)), greedy)])
+    short_s = time.perf_counter() - started
+    assert short_s < sleep_s / 2 and engine.kv_slots.copy_needed == 0, short_s
+    first_long = len(engine.timeline.records)
+    # Two 450-token prompts: more than the free list holds, so they take cooling slots.
+    run_workload(engine, [_spec(f"long{j}", [7 + (i + j) % 200 for i in range(450)], greedy) for j in range(2)])
+    assert engine.kv_slots.copy_needed > 0
+    stalls = [r.gpu_tier_stall_ms or 0.0 for r in engine.timeline.records[first_long:]]
+    assert max(stalls) >= 0.2 * sleep_s * 1e3, stalls
+    assert run_workload(engine, [_spec("again", follow_up, greedy)])["again"] == want
+    assert engine.stats()["host_cache_hit_tokens"] >= 199
+    assert_kv_conserved(engine)
+    engine.close()
 
 
 def _spec(rid, prompt, params):

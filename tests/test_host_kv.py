@@ -25,7 +25,7 @@ from workload import Spec, assert_kv_conserved, assert_same_tokens, run_workload
 # ---- the tree across tiers ----
 def _tiered_tree(gpu: int = 100, host: int = 50):
     kv, host_pool, copies = SlotAllocator(gpu), SlotAllocator(host, first=0), []
-    tree = RadixCache(kv.free, HostTierHooks(host_pool, lambda g, h: copies.append((list(g), list(h)))))
+    tree = RadixCache(kv.free, HostTierHooks(host_pool, lambda g, h: copies.append((list(g), list(h))) or len(copies)))
     return tree, kv, host_pool, copies
 
 
@@ -43,7 +43,7 @@ def test_eviction_writes_back_and_a_match_continues_on_the_host():
     path = tree.host_continuation(node, [1, 2, 3, 4, 5], 3)  # ends inside [4, 5, 6]: split
     assert [n.key for n in path] == [[4, 5]] and path[0].host_slots == [0, 1]
     loaded = kv.alloc(2)
-    tree.mark_loaded(path[0], loaded)
+    tree.mark_loaded(path[0], loaded, copy_seq=2)
     assert tree.match([1, 2, 3, 4, 5])[0] == a[:3] + loaded and tree.host_tokens == 3  # in both tiers
     tree.check({})
     before = kv.num_free
@@ -83,7 +83,7 @@ def test_evicting_what_was_written_ahead_copies_nothing_and_keeps_lru_order():
 
 def test_evict_ahead_frees_the_next_plans_need_only_while_it_is_short():
     kv, host_pool = SlotAllocator(100), SlotAllocator(100, first=0)
-    cache = PrefixCache(kv, host=HostTier(host_pool, write_back=lambda g, h: None, load=lambda h, g: None))
+    cache = PrefixCache(kv, host=HostTier(host_pool, require=lambda seq: None, write_back=lambda g, h: 0, load=lambda h, g: 0))
     for first in range(10, 90, 10):
         cache.tree.insert(list(range(first, first + 10)), kv.alloc(10))  # 80 of 100 cached
     assert cache.evict_ahead(15) == 0  # 20 free already
@@ -122,8 +122,8 @@ def _waiting(prompt: list[int]) -> Request:
 
 def test_a_load_budget_smaller_than_a_host_node_loads_its_head():
     kv, host_pool, loads = SlotAllocator(100), SlotAllocator(200, first=0), []
-    cache = PrefixCache(kv, host=HostTier(host_pool, write_back=lambda g, h: None,
-                                          load=lambda h, g: loads.append((list(h), list(g)))))
+    cache = PrefixCache(kv, host=HostTier(host_pool, require=lambda seq: None, write_back=lambda g, h: 0,
+                                          load=lambda h, g: loads.append((list(h), list(g))) or len(loads)))
     tokens = list(range(100, 200))
     cache.tree.insert(tokens, kv.alloc(100))
     cache.tree.evict(100)  # all on the host
@@ -139,8 +139,8 @@ def test_a_load_budget_smaller_than_a_host_node_loads_its_head():
 
 def test_prefetch_without_evicting_takes_free_slots_only_and_counts_a_host_hit_at_first_admission():
     kv, host_pool, loads = SlotAllocator(400), SlotAllocator(400, first=0), []
-    cache = PrefixCache(kv, host=HostTier(host_pool, write_back=lambda g, h: None,
-                                          load=lambda h, g: loads.append(len(g))))
+    cache = PrefixCache(kv, host=HostTier(host_pool, require=lambda seq: None, write_back=lambda g, h: 0,
+                                          load=lambda h, g: loads.append(len(g)) or len(loads)))
     tokens, cold = list(range(1000, 1200)), list(range(2000, 2100))
     cache.tree.insert(tokens, kv.alloc(200))
     cache.tree.evict(200)  # all on the host
@@ -163,8 +163,8 @@ def test_prefetch_without_evicting_takes_free_slots_only_and_counts_a_host_hit_a
 
 def test_prefetch_evicts_colder_prefixes_beyond_what_the_next_plan_keeps():
     kv, host_pool, copies = SlotAllocator(400), SlotAllocator(400, first=0), []
-    cache = PrefixCache(kv, host=HostTier(host_pool, write_back=lambda g, h: copies.append(("back", len(g))),
-                                          load=lambda h, g: copies.append(("load", len(g)))))
+    cache = PrefixCache(kv, host=HostTier(host_pool, require=lambda seq: None, write_back=lambda g, h: copies.append(("back", len(g))) or len(copies),
+                                          load=lambda h, g: copies.append(("load", len(g))) or len(copies)))
     tokens, cold = list(range(1000, 1200)), list(range(2000, 2100))
     cache.tree.insert(tokens, kv.alloc(200))
     cache.tree.evict(200)  # all on the host
@@ -184,7 +184,7 @@ def test_the_queue_head_waits_for_prefetch_at_most_a_few_plans():
     """(With the FIFO experiment on: a request prefetch has not reached is STOPped, uncounted.)"""
     from tandem.memory.prefix_cache import MAX_PREFETCH_WAITS, Hold
     kv, host_pool = SlotAllocator(400), SlotAllocator(400, first=0)
-    cache = PrefixCache(kv, host=HostTier(host_pool, write_back=lambda g, h: None, load=lambda h, g: None,
+    cache = PrefixCache(kv, host=HostTier(host_pool, require=lambda seq: None, write_back=lambda g, h: 0, load=lambda h, g: 0,
                                           admit_after_prefetch=True, fifo_beyond_prefetch=True))
     tokens, slots = list(range(1000, 1200)), kv.alloc(200)
     cache.tree.insert(tokens[:80], slots[:80])
@@ -214,7 +214,7 @@ def test_prefetch_loads_for_the_queue_head_only_and_skips_what_is_on_the_gpu(win
     match (no LRU touch)."""
     kv, host_pool = SlotAllocator(4000), SlotAllocator(4000, first=0)
     loads = []
-    tier = HostTier(host_pool, write_back=lambda g, h: None, load=lambda h, g: loads.append(len(g)),
+    tier = HostTier(host_pool, require=lambda seq: None, write_back=lambda g, h: 0, load=lambda h, g: loads.append(len(g)) or len(loads),
                     admit_after_prefetch=True)
     if window is not None:
         tier.prefetch_requests = window
@@ -241,7 +241,7 @@ def test_prefetch_loads_for_the_queue_head_only_and_skips_what_is_on_the_gpu(win
 
 def test_a_load_evicted_unread_is_no_host_hit_later():
     kv, host_pool = SlotAllocator(300), SlotAllocator(400, first=0)
-    cache = PrefixCache(kv, host=HostTier(host_pool, write_back=lambda g, h: None, load=lambda h, g: None))
+    cache = PrefixCache(kv, host=HostTier(host_pool, require=lambda seq: None, write_back=lambda g, h: 0, load=lambda h, g: 0))
     tokens = list(range(1000, 1200))
     cache.tree.insert(tokens, kv.alloc(200))
     cache.tree.evict(200)
@@ -259,7 +259,7 @@ def test_an_undone_admission_takes_its_host_hit_back():
     back to the host and was loaded again meanwhile (the CPU's multi-turn run had host hits above
     all hits: 0.83 against 0.51)."""
     kv, host_pool = SlotAllocator(300), SlotAllocator(400, first=0)
-    cache = PrefixCache(kv, host=HostTier(host_pool, write_back=lambda g, h: None, load=lambda h, g: None))
+    cache = PrefixCache(kv, host=HostTier(host_pool, require=lambda seq: None, write_back=lambda g, h: 0, load=lambda h, g: 0))
     tokens = list(range(1000, 1200))
     cache.tree.insert(tokens, kv.alloc(200))
     cache.tree.evict(200)
@@ -277,6 +277,106 @@ def test_an_undone_admission_takes_its_host_hit_back():
     assert cache.admit(req) == 200 and (cache.host_hit_tokens, cache.hit_tokens) == (200, 200)  # loaded once, read once
     cache.cache_and_free(req)
     cache.check([])
+
+
+# ---- which copies a forward waits for ----
+def test_slots_freed_behind_a_copy_cool_and_their_taker_waits_for_it():
+    """Slots freed while a copy may still touch them are handed out after the free list, oldest
+    first; whoever takes one records that copy (`copy_needed`), unless its own writes run on the
+    copy stream (a load); a double free is still caught."""
+    kv = SlotAllocator(10)
+    a, b = kv.alloc(3), kv.alloc(3)
+    kv.free(a, after_copy=5)
+    kv.free(b, after_copy=7)
+    assert kv.num_free == 10 and kv.copy_needed == 0
+    assert sorted(kv.alloc(4)) == [7, 8, 9, 10] and kv.copy_needed == 0  # the free list first
+    assert kv.alloc(2) == a[:2] and kv.copy_needed == 5  # then the oldest cooling slots
+    assert kv.alloc(2, by_copy=True) == [a[2], b[0]] and kv.copy_needed == 5  # a load: ordered on its stream
+    assert kv.alloc(2) == b[1:] and kv.copy_needed == 7 and kv.num_free == 0
+    with pytest.raises(MemoryError):
+        kv.alloc(1)
+    kv.free([a[0]])
+    with pytest.raises(AssertionError, match="freed twice"):
+        kv.free([a[0]], after_copy=9)
+
+
+def _numbered_tier(host_pool, copies: list) -> HostTier:
+    """A host tier whose copies are numbered in order, as the copier numbers them."""
+    def copy(kind):
+        return lambda x, y: copies.append((kind, len(x))) or len(copies)
+    required = []
+    tier = HostTier(host_pool, write_back=copy("back"), load=copy("load"), require=required.append)
+    tier.required = required
+    return tier
+
+
+def test_a_plan_waits_only_for_the_copies_it_reads_or_whose_slots_it_takes():
+    kv, host_pool, copies = SlotAllocator(400), SlotAllocator(400, first=0), []
+    tier = _numbered_tier(host_pool, copies)
+    cache = PrefixCache(kv, host=tier)
+    history, cold = list(range(1000, 1200)), list(range(2000, 2100))
+    cache.tree.insert(history, kv.alloc(200))
+    assert cache.tree.evict(200) == 200 and copies == [("back", 200)]  # copy 1 reads those slots
+    assert kv.copy_needed == 0 and kv.num_free == 400  # they cool: nobody has taken them yet
+    mine = cache.alloc(100)  # a decode or prefill plan: the free list covers it
+    assert kv.copy_needed == 0
+    cache.tree.insert(cold, mine)
+    loaded = cache.prefetch([_waiting(history + [7])], keep=0, most=150, evict=False)
+    assert loaded == 150 and copies[-1] == ("load", 150)  # copy 2, into cooling slots of copy 1
+    assert kv.copy_needed == 0 and tier.required == []  # 50 cooling slots: ordered after copy 1 on its stream
+    req = Request("r", history + [7], SamplingParams(max_tokens=1), seed=0, max_samples=1)
+    cache.new_step()
+    assert cache.admit(req) == 200  # 150 prefetched, 50 loaded now (copy 3)
+    assert copies[-1] == ("load", 50) and max(tier.required) == 3  # its forward waits for both loads
+    cache.cache_and_free(req)
+    again = Request("s", history + [9], SamplingParams(max_tokens=1), seed=0, max_samples=1)
+    tier.required.clear()
+    assert cache.admit(again) == 200 and max(tier.required, default=0) == 0  # ordered after r's forward
+    cache.cache_and_free(again)
+    assert kv.num_free == 100
+    taken = cache.alloc(100)  # the last cooling slots of copy 1: the forward that writes them waits for it
+    assert kv.copy_needed == 1
+    kv.free(taken)
+    cache.check([])
+
+
+def test_the_fence_waits_for_the_copy_required_and_not_again():
+    """KVTierCopier.fence: one device wait, on the end event of the latest copy the forward
+    depends on; none when it depends on none or waited for it already; with `precise` off (the
+    old fence), on the last copy queued."""
+    cpu = torch.device("cpu")
+    kv = KVCache(2, 20, 1, 4, torch.float32, cpu)
+    copier = KVTierCopier([kv], HostKVPool([kv], 10, pin=False), StreamSet.create(cpu))
+
+    class Forward:
+        def __init__(self):
+            self.waited = []
+
+        def wait_event(self, event):
+            self.waited.append(event)
+
+    forward = Forward()
+    first, second = copier.write_back([1, 2], [0, 1]), copier.load([0, 1], [5, 6])
+    ends = {r.seq: r.end for r in copier._in_flight}
+    assert (first, second) == (1, 2) and copier.fence(forward) == [("write_back", [1, 2], [0, 1]),
+                                                                   ("load", [5, 6], [0, 1])]
+    assert forward.waited == [] and copier.stats.fence_waits == 0  # a forward that needs neither
+    copier.require(first)
+    copier.fence(forward)
+    assert forward.waited == [ends[1]] and copier.fenced == 1
+    copier.require(first)
+    copier.fence(forward)  # waited for it already
+    assert forward.waited == [ends[1]] and copier.stats.fence_waits == 1
+    copier.precise = False
+    copier.fence(forward)
+    assert forward.waited == [ends[1], ends[2]] and copier.fenced == 2
+    copier.collect()  # complete: a later requirement finds nothing to wait for
+    third = copier.load([2], [7])
+    copier.collect()
+    copier.require(third)
+    copier.precise = True
+    copier.fence(forward)
+    assert len(forward.waited) == 2 and copier.fenced == third
 
 
 def test_copy_pace_budget_is_a_steps_worth_at_the_measured_rate():
@@ -806,13 +906,15 @@ def test_the_workload_needs_the_drafts_copy(tiny_text_model):
     def load_the_targets_only(host_slots, gpu_slots):
         """What the draft's slots held before is whatever last used them, often the same
         prefix's own KV (acceptance then stayed at 90% on CUDA): make it another's, on the
-        copy stream where the load runs (the forward waits for that stream)."""
-        load(host_slots, gpu_slots)
+        copy stream after the load."""
+        copy_seq = load(host_slots, gpu_slots)
         with engine.streams.use(tier.stream):
             idx = torch.tensor(gpu_slots, device=draft.k[0].device)
             for pool in draft.k + draft.v:
                 pool.index_copy_(0, idx, torch.randn(pool[idx].shape, generator=noise, device=pool.device,
                                                      dtype=pool.dtype))
+        tier.stream.synchronize()  # the reader waits for the load's end event, which precedes this noise
+        return copy_seq
 
     engine.prefix_cache.host.load = load_the_targets_only
     want = run_chats(_engine(tiny_text_model, max_total_tokens=20000), rounds)
@@ -923,7 +1025,7 @@ def test_a_kept_match_walk_equals_a_fresh_one_whatever_the_tree_did():
             slots, node = tree.match(tokens)
             path = tree.host_continuation(node, tokens, len(slots))
             if path and kv.num_free >= len(path[0].key):
-                tree.mark_loaded(path[0], kv.alloc(len(path[0].key)))
+                tree.mark_loaded(path[0], kv.alloc(len(path[0].key)), copy_seq=1)
         else:
             tree.write_ahead(rng.randint(1, 20))
         for i, prompt in enumerate(prompts):
@@ -939,7 +1041,7 @@ def test_prefetch_hold_sees_a_prefix_evicted_to_the_host_after_it_asked():
     """The kept walk of a waiting prompt notices eviction to the host (none of its tokens
     changed, only their tier), and a load back."""
     kv, host_pool = SlotAllocator(400), SlotAllocator(400, first=0)
-    cache = PrefixCache(kv, host=HostTier(host_pool, write_back=lambda g, h: None, load=lambda h, g: None,
+    cache = PrefixCache(kv, host=HostTier(host_pool, require=lambda seq: None, write_back=lambda g, h: 0, load=lambda h, g: 0,
                                           admit_after_prefetch=True))
     tokens, slots = list(range(1000, 1200)), kv.alloc(200)
     cache.tree.insert(tokens, slots)
@@ -996,7 +1098,7 @@ def test_a_match_along_a_kept_walk_does_what_a_walked_match_does():
                     slots, node = tree.match(prefix)
                 path = tree.host_continuation(node, prefix, len(slots))
                 if path and kv.num_free >= len(path[0].key):
-                    tree.mark_loaded(path[0], kv.alloc(len(path[0].key)))
+                    tree.mark_loaded(path[0], kv.alloc(len(path[0].key)), copy_seq=1)
                 if side == 0:
                     got = (slots, [n.key for n in _path(tree, node)])
                 else:

@@ -52,6 +52,7 @@ class StepSender:
         self.conns: dict[int, Connection] = {}  # by rank
         self.admits: list[Admit] = []
         self.copies: list[TierCopy] = []  # host-tier copies of the next step
+        self.wait_copy = 0  # the copy the next step's forward waits for (KVTierCopier.fence)
         self.encoder = msgspec.msgpack.Encoder()
 
     def accept(self, ranks: set[int], timeout_s: float, watch: Callable[[], None] = lambda: None) -> None:
@@ -87,14 +88,15 @@ class StepSender:
         send_prompt = params.uses_penalties or params.prompt_logprobs is not None or self.speculative
         self.admits.append(Admit(slot, prompt_ids if send_prompt else [], params, list(outputs), seed))
 
-    def tier_copies(self, copies: list[tuple[str, list[int], list[int]]]) -> None:
-        """The host-tier copies the next step's plan queued (sent with that step)."""
-        self.copies = [TierCopy(*c) for c in copies]
+    def tier_copies(self, copies: list[tuple[str, list[int], list[int]]], wait_copy: int) -> None:
+        """The host-tier copies the next step's plan queued, and the copy its forward waits for
+        (sent with that step)."""
+        self.copies, self.wait_copy = [TierCopy(*c) for c in copies], wait_copy
 
     def launch(self, batch: ScheduledBatch) -> None:
         admits, self.admits = self.admits, []
         copies, self.copies = self.copies, []
-        self._send(Step(batch.step, admits, [_row_tuple(r) for r in batch.rows], copies))
+        self._send(Step(batch.step, admits, [_row_tuple(r) for r in batch.rows], copies, self.wait_copy))
 
     def stop(self) -> None:
         self._send(Stop())

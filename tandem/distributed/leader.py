@@ -75,7 +75,7 @@ class Leader:
         threading.Thread(target=self._watchdog, name="tandem-tp-watchdog", daemon=True).start()
         self._ready = True
 
-    def plan_source(self, scheduler, on_admit, on_tier_copy=None):
+    def plan_source(self, scheduler, on_admit, tier=None):
         return scheduler  # rank 0 plans every rank's steps
 
     def _watch_startup(self) -> None:

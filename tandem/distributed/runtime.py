@@ -55,7 +55,7 @@ class SingleProcess:
     def ready(self) -> None:
         pass
 
-    def plan_source(self, scheduler, on_admit, on_tier_copy=None):
+    def plan_source(self, scheduler, on_admit, tier=None):
         """Who plans this rank's steps: its own scheduler (a worker's runtime says otherwise)."""
         return scheduler
 

@@ -49,6 +49,7 @@ class Step(msgspec.Struct, tag=True):
     admits: list[Admit]  # requests admitted since the previous step, in order
     rows: list[WireRow]  # rank 0 puts tuples in WireRow's field order here (array-like: same bytes)
     copies: list[TierCopy] = []  # host-tier copies the plan queued, in order, before its forward
+    wait_copy: int = 0  # the copy (by number, KVTierCopier.seq) rank 0's forward waits for
 
 
 class Stop(msgspec.Struct, tag=True):

@@ -69,9 +69,9 @@ class WorkerRuntime:
         host, _, port = self.store.get("steps").decode().rpartition(":")
         self.receiver = StepReceiver.connect(host, int(port), self.info.rank, self.secret.encode(), self.timeout_s)
 
-    def plan_source(self, scheduler, on_admit, on_tier_copy=None) -> StepFollower:
+    def plan_source(self, scheduler, on_admit, tier=None) -> StepFollower:
         """A worker plans nothing: its engine steps rank 0's plan as it arrives."""
-        return StepFollower(self, on_admit, on_tier_copy)
+        return StepFollower(self, on_admit, tier)
 
     def check(self, grace_s: float = 0.0) -> None:
         pass
@@ -95,9 +95,9 @@ class StepFollower:
     running = waiting = ()  # Engine.stats(): a worker holds no requests of its own
     num_preemptions = steps_planned_ahead = 0
 
-    def __init__(self, runtime: WorkerRuntime, on_admit, on_tier_copy=None):
+    def __init__(self, runtime: WorkerRuntime, on_admit, tier=None):
         self.runtime, self.on_admit = runtime, on_admit
-        self.on_tier_copy = on_tier_copy  # queues rank 0's host-tier copies on this rank's shard
+        self.tier = tier  # this rank's KVTierCopier: rank 0's host-tier copies, on this rank's shard
         self.ended: str | None = None  # "stop" (rank 0 said so) or "gone" (rank 0 vanished)
 
     def schedule(self, step: int, process_in_flight) -> ScheduledBatch | None:
@@ -113,8 +113,10 @@ class StepFollower:
         receiver = self.runtime.receiver
         for a in msg.admits:
             self.on_admit(receiver.admit(a))
-        for c in msg.copies:  # before this step's forward, which waits for them (the engine's fence)
-            self.on_tier_copy(c.kind, c.gpu_slots, c.host_slots)
+        for c in msg.copies:  # before this step's forward (the engine's fence)
+            self.tier.replay(c.kind, c.gpu_slots, c.host_slots)  # numbered as on rank 0: same order
+        if msg.wait_copy:
+            self.tier.require(msg.wait_copy)  # the forward waits where rank 0's does
         return receiver.batch(msg)
 
     def _receive(self):

@@ -50,8 +50,9 @@ class HostTier:
     """The host tier as the prefix cache sees it: host slots and the two copy directions."""
 
     host_slots: SlotAllocator
-    write_back: Callable[[list[int], list[int]], None]  # (gpu_slots, host_slots)
-    load: Callable[[list[int], list[int]], None]  # (host_slots, gpu_slots)
+    write_back: Callable[[list[int], list[int]], int]  # (gpu_slots, host_slots) -> the copy's number
+    load: Callable[[list[int], list[int]], int]  # (host_slots, gpu_slots) -> the copy's number
+    require: Callable[[int], None]  # the next forward waits for this copy (it reads what the copy loads)
     load_tokens_per_step: int = 16384
     admit_after_prefetch: bool = False  # `PrefixCache.prefetch_hold`
     fifo_beyond_prefetch: bool = False  # `PrefixCache.prefetch_hold`
@@ -91,12 +92,14 @@ class PrefixCache:
         """Slots a request could get now: free ones plus what eviction can free."""
         return self.kv_slots.num_free + self.tree.evictable_tokens
 
-    def alloc(self, n: int) -> list[int]:
-        """n free slots, evicting unreferenced cached prefixes (LRU) first if needed."""
+    def alloc(self, n: int, by_copy: bool = False) -> list[int]:
+        """n free slots, evicting unreferenced cached prefixes (LRU) first if needed. `by_copy`:
+        for a load, which the copy stream orders after earlier copies of the same slots (else
+        the next forward waits for them: `SlotAllocator.copy_needed`)."""
         short = n - self.kv_slots.num_free
         if short > 0:
             self.tree.evict(short)
-        return self.kv_slots.alloc(n)
+        return self.kv_slots.alloc(n, by_copy)
 
     def new_step(self) -> None:
         """A step is being planned: its loads from the host tier start a fresh budget."""
@@ -158,6 +161,9 @@ class PrefixCache:
             self.hit_tokens += len(slots)
             if self.host is not None:
                 req.host_hit_nodes = self.tree.take_loaded(node)  # now or prefetched, first use
+                # Its first forward reads them: it waits for their loads (a later reader is
+                # ordered after that forward on the forward stream).
+                self.host.require(max((n.copy_seq for n in req.host_hit_nodes), default=0))
                 self.host_hit_tokens += sum(len(n.key) for n in req.host_hit_nodes)
         return len(slots)
 
@@ -219,11 +225,11 @@ class PrefixCache:
         tiers afterwards (evicting them again costs no copy)."""
         total = sum(len(n.key) for n in nodes)
         self.tree.lock(nodes[-1])  # eviction's write-backs must not drop what is being loaded
-        gpu_slots = self.alloc(total)
-        self.host.load([h for n in nodes for h in n.host_slots], gpu_slots)
+        gpu_slots = self.alloc(total, by_copy=True)
+        copy_seq = self.host.load([h for n in nodes for h in n.host_slots], gpu_slots)
         at = 0
         for host_node in nodes:
-            self.tree.mark_loaded(host_node, gpu_slots[at:at + len(host_node.key)])
+            self.tree.mark_loaded(host_node, gpu_slots[at:at + len(host_node.key)], copy_seq)
             at += len(host_node.key)
         self.tree.unlock(nodes[-1])
         return gpu_slots

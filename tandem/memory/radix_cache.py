@@ -30,7 +30,8 @@ _clock = itertools.count()  # access order for LRU; a counter, so ties cannot ha
 
 
 class Node:
-    __slots__ = ("key", "slots", "host_slots", "children", "parent", "lock_ref", "last_access", "loaded")
+    __slots__ = ("key", "slots", "host_slots", "children", "parent", "lock_ref", "last_access", "loaded",
+                 "copy_seq")
 
     def __init__(self, key: list[int], slots: list[int], parent: "Node | None"):
         self.key, self.slots, self.parent = key, slots, parent
@@ -39,6 +40,9 @@ class Node:
         self.lock_ref = 0
         self.last_access = next(_clock)
         self.loaded = False  # loaded back from the host and not yet read by an admission (a host hit then)
+        # The last host-tier copy that reads or writes its GPU slots (its number on the copy
+        # stream; 0: none): a reader of a load, or a writer of the slots once evicted, waits for it.
+        self.copy_seq = 0
 
 
 @dataclass(frozen=True)
@@ -55,8 +59,8 @@ class MatchWalk:
 
 
 class RadixCache:
-    def __init__(self, free_slots: Callable[[list[int]], None], host: HostTierHooks | None = None):
-        self.free_slots = free_slots  # gives evicted slots back to the KV allocator
+    def __init__(self, free_slots: Callable[[list[int], int], None], host: HostTierHooks | None = None):
+        self.free_slots = free_slots  # gives evicted slots back to the KV allocator (slots, after_copy)
         self.root = Node([], [], None)
         self.root.lock_ref = 1  # never evicted
         self.evictable_tokens = 0  # GPU tokens in nodes no request references
@@ -207,6 +211,7 @@ class RadixCache:
         """Cut `child`'s edge after n tokens; returns the new upper node (same locks)."""
         upper = Node(child.key[:n], child.slots[:n], child.parent)
         upper.lock_ref, upper.last_access, upper.loaded = child.lock_ref, child.last_access, child.loaded
+        upper.copy_seq = child.copy_seq
         if child.host_slots is not None:
             upper.host_slots, child.host_slots = child.host_slots[:n], child.host_slots[n:]
         child.parent.children[upper.key[0]] = upper
@@ -221,6 +226,7 @@ class RadixCache:
         the GPU part stays closed under parents."""
         self.host_tier.forget(node)
         node.slots, node.host_slots, node.loaded = slots, None, False  # the caller's own KV: no host hit
+        node.copy_seq = 0
         if node.lock_ref:
             self.locked_tokens += len(node.key)
         else:
@@ -299,7 +305,7 @@ class RadixCache:
             self._touch(node)  # host-only now: the host tier may drop it
             self._touch(node.parent)  # its last GPU child may be gone: evictable now
             self._evictions += 1
-            self.free_slots(gpu_slots)  # reuse is ordered after the write-back: KVTierCopier.fence
+            self.free_slots(gpu_slots, node.copy_seq)  # reuse waits for its last copy: SlotAllocator
             freed += len(gpu_slots)
         return freed
 
@@ -367,12 +373,12 @@ class RadixCache:
             node, i = child, i + n
         return path
 
-    def mark_loaded(self, node: Node, gpu_slots: list[int]) -> None:
-        """A host-only node's KV was queued for copying into `gpu_slots`: it lives in both
-        tiers from now on (readers wait for the copy on the device; evicting it again needs
-        no copy)."""
+    def mark_loaded(self, node: Node, gpu_slots: list[int], copy_seq: int) -> None:
+        """A host-only node's KV was queued for copying into `gpu_slots` (copy `copy_seq`): it
+        lives in both tiers from now on (its first reader waits for the copy on the device:
+        `take_loaded`; evicting it again needs no copy)."""
         assert node.host_slots is not None and not node.slots and len(gpu_slots) == len(node.key)
-        node.slots, node.loaded = gpu_slots, True
+        node.slots, node.loaded, node.copy_seq = gpu_slots, True, copy_seq
         self._touch(node)
         if node.lock_ref:
             self.locked_tokens += len(node.key)

@@ -21,10 +21,11 @@ from tandem.memory.lru_heap import LruHeap, attached
 @dataclass
 class HostTierHooks:
     """What the tree needs of a host tier: its slot allocator and a way to queue a copy of GPU
-    slots to host slots (the copy's ordering rules live with the copier)."""
+    slots to host slots, which returns the copy's number (the copy's ordering rules live with
+    the copier)."""
 
     host_slots: SlotAllocator
-    write_back: Callable[[list[int], list[int]], None]
+    write_back: Callable[[list[int], list[int]], int]
 
 
 class HostTierMoves:
@@ -52,7 +53,7 @@ class HostTierMoves:
         host_slots = self._room(len(node.key), colder_than)
         if host_slots is None:
             return False
-        self.hooks.write_back(node.slots, host_slots)
+        node.copy_seq = self.hooks.write_back(node.slots, host_slots)  # its slots' reuse waits for it
         node.host_slots = host_slots
         self.tokens += len(node.key)
         self.lru.touch(node)

@@ -7,14 +7,19 @@ and one indexed copy per cache between the device staging and the pool (every la
 rules below hold for each cache alike (a cache is only ever read or written at these slots by
 the same steps as the target's).
 
-Ordering and lifetime rules (docs/async-model.md, "Host KV tier"):
+Ordering and lifetime rules (docs/async-model.md, "Host KV tier"). Every copy has a number
+(`seq`, in queueing order); the copies run in that order on this one stream, so waiting for
+copy s on the device waits for every copy before it too.
 - Write-back (GPU -> host) reads GPU slots of unreferenced tree nodes. Every step that wrote
   or read them has completed (a node is unlocked only once its requests were released, after
   their last step completed), so the copy needs no wait on the forward stream.
-- Those GPU slots go back to the allocator at once; the next forward that could write them
-  waits on this stream's fence event (`fence`), so the reuse is ordered after the copy.
+- Those GPU slots, once evicted, cool in the allocator (`SlotAllocator.free(after_copy=s)`):
+  a plan that takes one makes the next forward wait for copy s (`fence`), so the reuse is
+  ordered after the copy that reads them. A forward that takes none does not wait for it.
 - Load-back (host -> GPU) writes freshly allocated GPU slots (no queued step reads them: same
-  argument) and the forward that reads them waits on the same fence, on the device.
+  argument; a cooling slot's earlier copy runs before it on this stream) and the forward of
+  the first admission that reads them waits for that load (`PrefixCache.admit` -> `require`).
+  A later reader's forward is ordered after that one on the forward stream.
 - Host buffers: every copy that reads or writes a host slot runs on this one stream, so a
   host slot freed and handed out again is overwritten only after earlier copies touched it.
 - Pinned index tensors and device staging stay alive until the copy's end event has passed
@@ -44,6 +49,7 @@ CHUNK_BYTES = 128 << 20  # device staging per transfer: large enough for full PC
 
 @dataclass
 class _InFlight:
+    seq: int  # its number: copies run in this order on the copy stream
     kind: str  # "load" or "write_back"
     start: object
     end: object
@@ -60,6 +66,7 @@ class TierCopyStats:
     write_back_tokens: int = 0
     write_back_bytes: int = 0
     write_back_seconds: float = 0.0
+    fence_waits: int = 0  # forwards made to wait for a copy (`KVTierCopier.fence`)
 
 
 PACE_PERIODS = 9  # the step period is the median of this many: one stalled step does not move it
@@ -140,28 +147,39 @@ class KVTierCopier:
         self.stats = TierCopyStats()
         self._in_flight: list[_InFlight] = []
         self._unfenced: list[tuple[str, list[int], list[int]]] = []  # (kind, gpu, host) since the last fence
+        self.seq = 0  # the last copy queued
+        self.required = 0  # the latest copy a forward queued from now on must wait for (`require`)
+        self.fenced = 0  # the latest copy the forward stream has waited for (or found complete)
+        self.precise = True  # False: every forward waits for every copy queued before it (the A/B)
         self.fenced_tokens = (0, 0)  # (loaded, written back) behind the last fence: the timeline's
         self.fence_wait: tuple | None = None  # timing events around the last fence's wait (timed fences)
         self._timed = {"load": [0, 0.0], "write_back": [0, 0.0]}  # completed bytes, copy seconds (CopyPace)
 
     # ---- the two directions ----
-    def write_back(self, gpu_slots: list[int], host_slots: list[int]) -> None:
-        """Queue GPU slots -> host slots (same order)."""
+    def write_back(self, gpu_slots: list[int], host_slots: list[int]) -> int:
+        """Queue GPU slots -> host slots (same order). Returns the copy's number."""
         queued = self._copy("write_back", gpu_slots, host_slots)
         self.stats.write_back_tokens += len(gpu_slots)
         self.stats.write_back_bytes += queued.num_bytes
         self._unfenced.append(("write_back", gpu_slots, host_slots))
+        return queued.seq
 
-    def load(self, host_slots: list[int], gpu_slots: list[int]) -> None:
-        """Queue host slots -> GPU slots (same order)."""
+    def load(self, host_slots: list[int], gpu_slots: list[int]) -> int:
+        """Queue host slots -> GPU slots (same order). Returns the copy's number."""
         queued = self._copy("load", gpu_slots, host_slots)
         self.stats.load_tokens += len(gpu_slots)
         self.stats.load_bytes += queued.num_bytes
         self._unfenced.append(("load", gpu_slots, host_slots))
+        return queued.seq
+
+    def require(self, seq: int) -> None:
+        """The next forward reads or writes what copy `seq` touches: it waits for it (`fence`)."""
+        self.required = max(self.required, seq)
 
     def _copy(self, kind: str, gpu_slots: list[int], host_slots: list[int]) -> _InFlight:
         assert len(gpu_slots) == len(host_slots)
-        record = _InFlight(kind, self.streams.event(timing=True), self.streams.event(timing=True),
+        self.seq += 1
+        record = _InFlight(self.seq, kind, self.streams.event(timing=True), self.streams.event(timing=True),
                            len(gpu_slots) * self.host.token_bytes)
         t0 = perf_counter()
         with self.streams.use(self.stream):
@@ -216,24 +234,33 @@ class KVTierCopier:
 
     # ---- ordering and bookkeeping ----
     def fence(self, forward_stream, timed: bool = False) -> list[tuple[str, list[int], list[int]]]:
-        """Before a step's forward is queued: it waits (on the device) for every copy queued so
-        far, the loads it reads and the write-backs of slots it may overwrite. Returns those
-        copies as (kind, gpu_slots, host_slots), in order (tensor-parallel ranks replay them).
-        `timed`: timing events around the wait go to `fence_wait` (the timeline's copy stall)."""
+        """Before a step's forward is queued: it waits (on the device) for the latest copy it
+        depends on (`required`: the loads it reads, the copies of slots it may overwrite; with
+        `precise` off, every copy queued so far), unless the forward stream waited for that one
+        already or it is complete. Returns the copies queued since the last fence as (kind,
+        gpu_slots, host_slots), in order (tensor-parallel ranks replay them, then `require`
+        this fence's `fenced`). `timed`: timing events around a wait go to `fence_wait` (the
+        timeline's copy stall)."""
         copies, self._unfenced = self._unfenced, []
         self.fenced_tokens = (sum(len(g) for k, g, _ in copies if k == "load"),
                               sum(len(g) for k, g, _ in copies if k == "write_back"))
         self.fence_wait = None
-        if copies:
-            done = self.streams.event()
-            done.record(self.stream)
-            before = self.streams.event(timing=True) if timed else None
-            if before is not None:
-                before.record(forward_stream)  # passes once the forward stream reaches the wait
-            forward_stream.wait_event(done)  # device-side order: no host wait
-            if before is not None:
-                self.fence_wait = (before, self.streams.event(timing=True))
-                self.fence_wait[1].record(forward_stream)  # passes once the copies are done too
+        if not self.precise:
+            self.required = self.seq
+        if self.required <= self.fenced:
+            return copies
+        self.fenced = self.required
+        self.stats.fence_waits += 1
+        copy = next((r for r in self._in_flight if r.seq == self.required), None)
+        if copy is None:  # collected: its end event had passed
+            return copies
+        before = self.streams.event(timing=True) if timed else None
+        if before is not None:
+            before.record(forward_stream)  # passes once the forward stream reaches the wait
+        forward_stream.wait_event(copy.end)  # device-side order: no host wait
+        if before is not None:
+            self.fence_wait = (before, self.streams.event(timing=True))
+            self.fence_wait[1].record(forward_stream)  # passes once the copies are done too
         return copies
 
     def queued_bytes(self) -> tuple[int, int]:
