@@ -6,7 +6,7 @@ import time
 import pytest
 import torch
 
-from tandem.config import EngineConfig
+from tandem.config import EngineConfig, Experiments
 from tandem.engine import Engine
 from tandem.memory.host_kv import HostKVPool
 from tandem.sampling import SamplingParams
@@ -148,7 +148,8 @@ def test_reused_slots_wait_for_their_write_back_and_other_steps_do_not(cycling_m
     reference = _engine(cycling_model, max_total_tokens=4000)
     want = run_workload(reference, [_spec("ref", follow_up, greedy)])["ref"]
     reference.close()
-    engine = _engine(cycling_model, max_total_tokens=1000, host_kv_cache_gb=0.05, timeline=True)
+    engine = _engine(cycling_model, max_total_tokens=1000, host_kv_cache_gb=0.05, timeline=True,
+                     experiments=Experiments(host_kv_write_ahead=False))  # eviction copies, after the sleep
     run_workload(engine, [_spec("first", prompt, greedy)])
     run_workload(engine, [_spec("warm", list(range(240, 250)), greedy)])  # the short request's shapes
     tier, tree = engine.kv_tier, engine.prefix_cache.tree
@@ -157,15 +158,16 @@ def test_reused_slots_wait_for_their_write_back_and_other_steps_do_not(cycling_m
     with torch.cuda.stream(tier.stream):
         torch.cuda._sleep(int(sleep_s * 2e9))
     started = time.perf_counter()
+    first_held = tier.seq + 1
     tree.evict(tree.evictable_tokens)  # the write-backs queue behind the sleep; their slots cool
-    assert tree.host_tokens >= 200 and engine.kv_slots.copy_needed == 0
+    assert tree.host_tokens >= 200 and tier.seq >= first_held
     run_workload(engine, [_spec("short", list(range(230, 240)), greedy)])
     short_s = time.perf_counter() - started
-    assert short_s < sleep_s / 2 and engine.kv_slots.copy_needed == 0, short_s
+    assert short_s < sleep_s / 2 and engine.kv_slots.copy_needed < first_held, short_s
     first_long = len(engine.timeline.records)
     # Two 450-token prompts: more than the free list holds, so they take cooling slots.
     run_workload(engine, [_spec(f"long{j}", [7 + (i + j) % 200 for i in range(450)], greedy) for j in range(2)])
-    assert engine.kv_slots.copy_needed > 0
+    assert engine.kv_slots.copy_needed >= first_held
     stalls = [r.gpu_tier_stall_ms or 0.0 for r in engine.timeline.records[first_long:]]
     assert max(stalls) >= 0.2 * sleep_s * 1e3, stalls
     assert run_workload(engine, [_spec("again", follow_up, greedy)])["again"] == want
