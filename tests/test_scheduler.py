@@ -227,7 +227,7 @@ def test_requests_behind_a_head_waiting_for_prefetch_are_admitted():
     from tandem.memory.prefix_cache import HostTier
     kv, host_pool = SlotAllocator(1 << 12), SlotAllocator(1 << 12, first=0)
     cache = PrefixCache(kv, enabled=True, debug=True,
-                        host=HostTier(host_pool, write_back=lambda g, h: None, load=lambda h, g: None,
+                        host=HostTier(host_pool, write_back=lambda g, h: 0, load=lambda h, g: 0, require=lambda seq: None,
                                       admit_after_prefetch=True))
     cfg = SchedulerConfig(max_running_requests=8, max_prefill_tokens=4096, chunked_prefill_size=None,
                           enable_mixed_batch=True)
@@ -256,7 +256,7 @@ def test_a_request_prefetch_has_not_reached_keeps_its_place(fifo):
     from tandem.memory.prefix_cache import PREFETCH_REQUESTS, HostTier
     kv, host_pool = SlotAllocator(1 << 13), SlotAllocator(1 << 13, first=0)
     cache = PrefixCache(kv, enabled=True, debug=True,
-                        host=HostTier(host_pool, write_back=lambda g, h: None, load=lambda h, g: None,
+                        host=HostTier(host_pool, write_back=lambda g, h: 0, load=lambda h, g: 0, require=lambda seq: None,
                                       admit_after_prefetch=True, fifo_beyond_prefetch=fifo))
     cfg = SchedulerConfig(max_running_requests=16, max_prefill_tokens=4096, chunked_prefill_size=None,
                           enable_mixed_batch=True)
