@@ -167,7 +167,9 @@ class Experiments:
     # row per query. H200, built-in shape, one row, 512 cached tokens (`tandem bench
     # spec-verify`): the extend layout's forward 1.065 against 1.187 ms at k 4, 1.071 / 1.263
     # at k 7, 1.097 / 1.239 at k 8, 1.107 / 1.240 at k 15 (docs/benchmarks.md, session 34).
-    # 0: never (the layout before session 34). More rows are the next measurement.
+    # 0: never (the layout before session 34). In the engine at 8 and 32 rows (H100, k 7, session
+    # 37) the extend layout's verify steps cost more: 1.245 -> 1.364 ms at 8 rows, 1.637 -> 1.870
+    # at 32 (copy task), though spec-verify's microbenchmark had it winning (session 35).
     verify_extend_max_rows: int = 1
     # Graphed verify steps where no row proposes (after a verify, when the host's guess finds
     # no match) replay a second graph set of one query a row, at a plain step's cost, instead
