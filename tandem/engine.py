@@ -268,9 +268,7 @@ class Engine:
         host = HostKVPool(caches, num, pin=self.device.type == "cuda")
         log.info("host KV tier: %d tokens (%.1f GiB pinned%s)", num, num * per_token / 2**30,
                  ", target and draft KV" if len(caches) > 1 else "")
-        copier = KVTierCopier(caches, host, self.streams)
-        copier.precise = cfg.experiments.host_kv_precise_fence
-        return copier
+        return KVTierCopier(caches, host, self.streams, precise=cfg.experiments.host_kv_precise_fence)
 
     def _plan_device_memory(self, per_token: int) -> MemoryBudget:
         """Profile the largest step, then give the pool what is left of total x utilization."""

@@ -837,11 +837,13 @@ def _target_and_draft_bytes(path) -> int:
 
 def test_the_engine_hands_the_tier_experiments_to_the_prefix_cache(tiny_text_model):
     from tandem.config import Experiments
-    exp = Experiments(host_kv_prefetch_requests=7, host_kv_fifo_beyond_prefetch=True)
+    exp = Experiments(host_kv_prefetch_requests=7, host_kv_fifo_beyond_prefetch=True, host_kv_precise_fence=False)
     engine = _engine(tiny_text_model, max_total_tokens=300, host_kv_cache_gb=0.001, experiments=exp)
     host = engine.prefix_cache.host
     assert (engine.prefix_cache.prefetch_requests, host.fifo_beyond_prefetch, host.admit_after_prefetch) == (7, True, True)
+    assert not engine.kv_tier.precise and host.require == engine.kv_tier.require
     engine.close()
+    assert _engine(tiny_text_model, max_total_tokens=300, host_kv_cache_gb=0.001).kv_tier.precise
 
 
 def test_host_tier_with_a_draft_holds_both_caches_per_token(tiny_text_model):

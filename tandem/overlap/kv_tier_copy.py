@@ -139,7 +139,7 @@ class WindowBudget:
 
 
 class KVTierCopier:
-    def __init__(self, caches: list[KVCache], host: HostKVPool, streams: StreamSet):
+    def __init__(self, caches: list[KVCache], host: HostKVPool, streams: StreamSet, precise: bool = True):
         assert len(caches) == len(host.shapes), "one host part per cache"
         self.caches, self.host, self.streams = list(caches), host, streams
         self.stream = torch.cuda.Stream(streams.device) if streams.is_cuda else NullStream()
@@ -150,7 +150,7 @@ class KVTierCopier:
         self.seq = 0  # the last copy queued
         self.required = 0  # the latest copy a forward queued from now on must wait for (`require`)
         self.fenced = 0  # the latest copy the forward stream has waited for (or found complete)
-        self.precise = True  # False: every forward waits for every copy queued before it (the A/B)
+        self.precise = precise  # False: every forward waits for every copy queued before it (the A/B)
         self.fenced_tokens = (0, 0)  # (loaded, written back) behind the last fence: the timeline's
         self.fence_wait: tuple | None = None  # timing events around the last fence's wait (timed fences)
         self._timed = {"load": [0, 0.0], "write_back": [0, 0.0]}  # completed bytes, copy seconds (CopyPace)
