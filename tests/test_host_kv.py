@@ -300,19 +300,18 @@ def test_slots_freed_behind_a_copy_cool_and_their_taker_waits_for_it():
         kv.free([a[0]], after_copy=9)
 
 
-def _numbered_tier(host_pool, copies: list) -> HostTier:
-    """A host tier whose copies are numbered in order, as the copier numbers them."""
+def _numbered_tier(host_pool, copies: list) -> tuple[HostTier, list[int]]:
+    """A host tier whose copies are numbered in order, as the copier numbers them, and the list
+    of copy numbers it was asked to require."""
     def copy(kind):
         return lambda x, y: copies.append((kind, len(x))) or len(copies)
     required = []
-    tier = HostTier(host_pool, write_back=copy("back"), load=copy("load"), require=required.append)
-    tier.required = required
-    return tier
+    return HostTier(host_pool, write_back=copy("back"), load=copy("load"), require=required.append), required
 
 
 def test_a_plan_waits_only_for_the_copies_it_reads_or_whose_slots_it_takes():
     kv, host_pool, copies = SlotAllocator(400), SlotAllocator(400, first=0), []
-    tier = _numbered_tier(host_pool, copies)
+    tier, required = _numbered_tier(host_pool, copies)
     cache = PrefixCache(kv, host=tier)
     history, cold = list(range(1000, 1200)), list(range(2000, 2100))
     cache.tree.insert(history, kv.alloc(200))
@@ -323,15 +322,15 @@ def test_a_plan_waits_only_for_the_copies_it_reads_or_whose_slots_it_takes():
     cache.tree.insert(cold, mine)
     loaded = cache.prefetch([_waiting(history + [7])], keep=0, most=150, evict=False)
     assert loaded == 150 and copies[-1] == ("load", 150)  # copy 2, into cooling slots of copy 1
-    assert kv.copy_needed == 0 and tier.required == []  # 50 cooling slots: ordered after copy 1 on its stream
+    assert kv.copy_needed == 0 and required == []  # 50 cooling slots: ordered after copy 1 on its stream
     req = Request("r", history + [7], SamplingParams(max_tokens=1), seed=0, max_samples=1)
     cache.new_step()
     assert cache.admit(req) == 200  # 150 prefetched, 50 loaded now (copy 3)
-    assert copies[-1] == ("load", 50) and max(tier.required) == 3  # its forward waits for both loads
+    assert copies[-1] == ("load", 50) and max(required) == 3  # its forward waits for both loads
     cache.cache_and_free(req)
     again = Request("s", history + [9], SamplingParams(max_tokens=1), seed=0, max_samples=1)
-    tier.required.clear()
-    assert cache.admit(again) == 200 and max(tier.required, default=0) == 0  # ordered after r's forward
+    required.clear()
+    assert cache.admit(again) == 200 and max(required, default=0) == 0  # ordered after r's forward
     cache.cache_and_free(again)
     assert kv.num_free == 100
     taken = cache.alloc(100)  # the last cooling slots of copy 1: the forward that writes them waits for it
@@ -376,7 +375,7 @@ def test_the_fence_waits_for_the_copy_required_and_not_again():
     copier.require(third)
     copier.precise = True
     copier.fence(forward)
-    assert len(forward.waited) == 2 and copier.fenced == third
+    assert len(forward.waited) == 2 and copier.fenced == third and copier.stats.fence_waits == 2
 
 
 def test_copy_pace_budget_is_a_steps_worth_at_the_measured_rate():

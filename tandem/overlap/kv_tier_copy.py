@@ -250,10 +250,10 @@ class KVTierCopier:
         if self.required <= self.fenced:
             return copies
         self.fenced = self.required
-        self.stats.fence_waits += 1
         copy = next((r for r in self._in_flight if r.seq == self.required), None)
         if copy is None:  # collected: its end event had passed
             return copies
+        self.stats.fence_waits += 1
         before = self.streams.event(timing=True) if timed else None
         if before is not None:
             before.record(forward_stream)  # passes once the forward stream reaches the wait
