@@ -239,7 +239,7 @@ class Engine:
         self.tier_pace = (CopyPace(self.kv_tier.host.token_bytes, most_tokens=cfg.max_prefill_tokens)
                           if self.kv_tier is not None else None)
         host = (HostTier(self.kv_tier.host.host_slots, self.kv_tier.write_back, self.kv_tier.load,
-                         self.kv_tier.require,
+                         self.kv_tier.require, self.kv_tier.done,
                          load_tokens_per_step=cfg.max_prefill_tokens,
                          admit_after_prefetch=cfg.experiments.host_kv_prefetch
                          and cfg.experiments.host_kv_admit_after_prefetch,

@@ -83,7 +83,7 @@ def test_evicting_what_was_written_ahead_copies_nothing_and_keeps_lru_order():
 
 def test_evict_ahead_frees_the_next_plans_need_only_while_it_is_short():
     kv, host_pool = SlotAllocator(100), SlotAllocator(100, first=0)
-    cache = PrefixCache(kv, host=HostTier(host_pool, require=lambda seq: None, write_back=lambda g, h: 0, load=lambda h, g: 0))
+    cache = PrefixCache(kv, host=HostTier(host_pool, require=lambda seq: None, copy_done=lambda seq: True, write_back=lambda g, h: 0, load=lambda h, g: 0))
     for first in range(10, 90, 10):
         cache.tree.insert(list(range(first, first + 10)), kv.alloc(10))  # 80 of 100 cached
     assert cache.evict_ahead(15) == 0  # 20 free already
@@ -122,7 +122,7 @@ def _waiting(prompt: list[int]) -> Request:
 
 def test_a_load_budget_smaller_than_a_host_node_loads_its_head():
     kv, host_pool, loads = SlotAllocator(100), SlotAllocator(200, first=0), []
-    cache = PrefixCache(kv, host=HostTier(host_pool, require=lambda seq: None, write_back=lambda g, h: 0,
+    cache = PrefixCache(kv, host=HostTier(host_pool, require=lambda seq: None, copy_done=lambda seq: True, write_back=lambda g, h: 0,
                                           load=lambda h, g: loads.append((list(h), list(g))) or len(loads)))
     tokens = list(range(100, 200))
     cache.tree.insert(tokens, kv.alloc(100))
@@ -139,7 +139,7 @@ def test_a_load_budget_smaller_than_a_host_node_loads_its_head():
 
 def test_prefetch_without_evicting_takes_free_slots_only_and_counts_a_host_hit_at_first_admission():
     kv, host_pool, loads = SlotAllocator(400), SlotAllocator(400, first=0), []
-    cache = PrefixCache(kv, host=HostTier(host_pool, require=lambda seq: None, write_back=lambda g, h: 0,
+    cache = PrefixCache(kv, host=HostTier(host_pool, require=lambda seq: None, copy_done=lambda seq: True, write_back=lambda g, h: 0,
                                           load=lambda h, g: loads.append(len(g)) or len(loads)))
     tokens, cold = list(range(1000, 1200)), list(range(2000, 2100))
     cache.tree.insert(tokens, kv.alloc(200))
@@ -163,7 +163,7 @@ def test_prefetch_without_evicting_takes_free_slots_only_and_counts_a_host_hit_a
 
 def test_prefetch_evicts_colder_prefixes_beyond_what_the_next_plan_keeps():
     kv, host_pool, copies = SlotAllocator(400), SlotAllocator(400, first=0), []
-    cache = PrefixCache(kv, host=HostTier(host_pool, require=lambda seq: None, write_back=lambda g, h: copies.append(("back", len(g))) or len(copies),
+    cache = PrefixCache(kv, host=HostTier(host_pool, require=lambda seq: None, copy_done=lambda seq: True, write_back=lambda g, h: copies.append(("back", len(g))) or len(copies),
                                           load=lambda h, g: copies.append(("load", len(g))) or len(copies)))
     tokens, cold = list(range(1000, 1200)), list(range(2000, 2100))
     cache.tree.insert(tokens, kv.alloc(200))
@@ -184,7 +184,7 @@ def test_the_queue_head_waits_for_prefetch_at_most_a_few_plans():
     """(With the FIFO experiment on: a request prefetch has not reached is STOPped, uncounted.)"""
     from tandem.memory.prefix_cache import MAX_PREFETCH_WAITS, Hold
     kv, host_pool = SlotAllocator(400), SlotAllocator(400, first=0)
-    cache = PrefixCache(kv, host=HostTier(host_pool, require=lambda seq: None, write_back=lambda g, h: 0, load=lambda h, g: 0,
+    cache = PrefixCache(kv, host=HostTier(host_pool, require=lambda seq: None, copy_done=lambda seq: True, write_back=lambda g, h: 0, load=lambda h, g: 0,
                                           admit_after_prefetch=True, fifo_beyond_prefetch=True))
     tokens, slots = list(range(1000, 1200)), kv.alloc(200)
     cache.tree.insert(tokens[:80], slots[:80])
@@ -207,6 +207,53 @@ def test_the_queue_head_waits_for_prefetch_at_most_a_few_plans():
     cache.check([])
 
 
+def test_a_request_waits_for_prefetch_only_once_prefetch_reaches_it():
+    """Passed while prefetch has not reached it (outside the queue's head), a request counts no
+    wait: its MAX_PREFETCH_WAITS start when its loads do (counted from the tail of a long
+    queue, late turns reached the head with none left, and admission loaded their histories
+    while the GPU waited)."""
+    from tandem.memory.prefix_cache import MAX_PREFETCH_WAITS, Hold
+    kv, host_pool = SlotAllocator(400), SlotAllocator(400, first=0)
+    cache = PrefixCache(kv, host=HostTier(host_pool, require=lambda seq: None, copy_done=lambda seq: True,
+                                          write_back=lambda g, h: 0, load=lambda h, g: 0, admit_after_prefetch=True))
+    tokens = list(range(1000, 1200))
+    cache.tree.insert(tokens, kv.alloc(200))
+    cache.tree.evict(200)
+    req = _waiting(tokens + [7])
+    assert [cache.prefetch_hold(req, prefetched=False) for _ in range(3 * MAX_PREFETCH_WAITS)] == \
+        [Hold.SKIP] * (3 * MAX_PREFETCH_WAITS)
+    assert req.prefetch_waits == 0
+    assert cache.prefetch_hold(req, prefetched=True) is Hold.SKIP and req.prefetch_waits == 1
+
+
+def test_a_request_is_held_while_the_load_it_would_read_runs():
+    """Prefetch queued the whole host part, so nothing is left on the host only; while that
+    load runs, admitting the request would make its forward wait on the device: it is held
+    (a counted wait). Once the load completed, or at the waits' bound, it is admitted."""
+    from tandem.memory.prefix_cache import MAX_PREFETCH_WAITS, Hold
+    kv, host_pool, copies, running = SlotAllocator(400), SlotAllocator(400, first=0), [], set()
+    tier, required = _numbered_tier(host_pool, copies, running, admit_after_prefetch=True)
+    cache = PrefixCache(kv, host=tier)
+    tokens = list(range(1000, 1200))
+    cache.tree.insert(tokens, kv.alloc(200))
+    cache.tree.evict(200)  # copy 1, the write-back
+    req = _waiting(tokens + [7])
+    assert cache.prefetch([req], keep=0, most=1000) == 200 and copies[-1] == ("load", 200)
+    running.add(2)  # the load, copy 2, still runs
+    assert cache.prefetch_hold(req, prefetched=True) is Hold.SKIP and req.prefetch_waits == 1
+    running.clear()
+    assert cache.prefetch_hold(req, prefetched=True) is None
+    running.add(2)
+    req.prefetch_waits = MAX_PREFETCH_WAITS
+    assert cache.prefetch_hold(req, prefetched=True) is None  # bounded: then its forward waits
+    cache.new_step()
+    assert cache.admit(req) == 200 and required == [2] and len(copies) == 2
+    cache.cache_and_free(req)
+    other = _waiting(tokens + [8])  # read already: the first reader's forward ordered it
+    assert cache.prefetch_hold(other, prefetched=True) is None and other.prefetch_waits == 0
+    cache.check([])
+
+
 @pytest.mark.parametrize("window", [None, 2])
 def test_prefetch_loads_for_the_queue_head_only_and_skips_what_is_on_the_gpu(window):
     """Prefetch reads the first PREFETCH_REQUESTS waiting requests (or the tier's own count),
@@ -214,7 +261,7 @@ def test_prefetch_loads_for_the_queue_head_only_and_skips_what_is_on_the_gpu(win
     match (no LRU touch)."""
     kv, host_pool = SlotAllocator(4000), SlotAllocator(4000, first=0)
     loads = []
-    tier = HostTier(host_pool, require=lambda seq: None, write_back=lambda g, h: 0, load=lambda h, g: loads.append(len(g)) or len(loads),
+    tier = HostTier(host_pool, require=lambda seq: None, copy_done=lambda seq: True, write_back=lambda g, h: 0, load=lambda h, g: loads.append(len(g)) or len(loads),
                     admit_after_prefetch=True)
     if window is not None:
         tier.prefetch_requests = window
@@ -241,7 +288,7 @@ def test_prefetch_loads_for_the_queue_head_only_and_skips_what_is_on_the_gpu(win
 
 def test_a_load_evicted_unread_is_no_host_hit_later():
     kv, host_pool = SlotAllocator(300), SlotAllocator(400, first=0)
-    cache = PrefixCache(kv, host=HostTier(host_pool, require=lambda seq: None, write_back=lambda g, h: 0, load=lambda h, g: 0))
+    cache = PrefixCache(kv, host=HostTier(host_pool, require=lambda seq: None, copy_done=lambda seq: True, write_back=lambda g, h: 0, load=lambda h, g: 0))
     tokens = list(range(1000, 1200))
     cache.tree.insert(tokens, kv.alloc(200))
     cache.tree.evict(200)
@@ -259,7 +306,7 @@ def test_an_undone_admission_takes_its_host_hit_back():
     back to the host and was loaded again meanwhile (the CPU's multi-turn run had host hits above
     all hits: 0.83 against 0.51)."""
     kv, host_pool = SlotAllocator(300), SlotAllocator(400, first=0)
-    cache = PrefixCache(kv, host=HostTier(host_pool, require=lambda seq: None, write_back=lambda g, h: 0, load=lambda h, g: 0))
+    cache = PrefixCache(kv, host=HostTier(host_pool, require=lambda seq: None, copy_done=lambda seq: True, write_back=lambda g, h: 0, load=lambda h, g: 0))
     tokens = list(range(1000, 1200))
     cache.tree.insert(tokens, kv.alloc(200))
     cache.tree.evict(200)
@@ -300,13 +347,14 @@ def test_slots_freed_behind_a_copy_cool_and_their_taker_waits_for_it():
         kv.free([a[0]], after_copy=9)
 
 
-def _numbered_tier(host_pool, copies: list) -> tuple[HostTier, list[int]]:
-    """A host tier whose copies are numbered in order, as the copier numbers them, and the list
-    of copy numbers it was asked to require."""
+def _numbered_tier(host_pool, copies: list, running: set = frozenset(), **options) -> tuple[HostTier, list[int]]:
+    """A host tier whose copies are numbered in order, as the copier numbers them (the numbers
+    in `running` have not completed), and the list of copy numbers it was asked to require."""
     def copy(kind):
         return lambda x, y: copies.append((kind, len(x))) or len(copies)
     required = []
-    return HostTier(host_pool, write_back=copy("back"), load=copy("load"), require=required.append), required
+    return HostTier(host_pool, write_back=copy("back"), load=copy("load"), require=required.append,
+                    copy_done=lambda seq: seq not in running, **options), required
 
 
 def test_a_plan_waits_only_for_the_copies_it_reads_or_whose_slots_it_takes():
@@ -1042,7 +1090,7 @@ def test_prefetch_hold_sees_a_prefix_evicted_to_the_host_after_it_asked():
     """The kept walk of a waiting prompt notices eviction to the host (none of its tokens
     changed, only their tier), and a load back."""
     kv, host_pool = SlotAllocator(400), SlotAllocator(400, first=0)
-    cache = PrefixCache(kv, host=HostTier(host_pool, require=lambda seq: None, write_back=lambda g, h: 0, load=lambda h, g: 0,
+    cache = PrefixCache(kv, host=HostTier(host_pool, require=lambda seq: None, copy_done=lambda seq: True, write_back=lambda g, h: 0, load=lambda h, g: 0,
                                           admit_after_prefetch=True))
     tokens, slots = list(range(1000, 1200)), kv.alloc(200)
     cache.tree.insert(tokens, slots)

@@ -227,7 +227,7 @@ def test_requests_behind_a_head_waiting_for_prefetch_are_admitted():
     from tandem.memory.prefix_cache import HostTier
     kv, host_pool = SlotAllocator(1 << 12), SlotAllocator(1 << 12, first=0)
     cache = PrefixCache(kv, enabled=True, debug=True,
-                        host=HostTier(host_pool, write_back=lambda g, h: 0, load=lambda h, g: 0, require=lambda seq: None,
+                        host=HostTier(host_pool, write_back=lambda g, h: 0, load=lambda h, g: 0, require=lambda seq: None, copy_done=lambda seq: True,
                                       admit_after_prefetch=True))
     cfg = SchedulerConfig(max_running_requests=8, max_prefill_tokens=4096, chunked_prefill_size=None,
                           enable_mixed_batch=True)
@@ -251,12 +251,12 @@ def test_requests_behind_a_head_waiting_for_prefetch_are_admitted():
 def test_a_request_prefetch_has_not_reached_keeps_its_place(fifo):
     """With the FIFO experiment, a request behind the PREFETCH_REQUESTS that prefetch loads
     for, its prefix on the host, keeps its place: a request that came later with nothing to
-    load does not pass it. By default (FIFO lost on the H200 at dfb50b0) it is passed, and
-    counts that as a wait."""
+    load does not pass it. By default (FIFO lost on the H200 at dfb50b0) it is passed; its
+    waits are counted only once prefetch reaches it."""
     from tandem.memory.prefix_cache import PREFETCH_REQUESTS, HostTier
     kv, host_pool = SlotAllocator(1 << 13), SlotAllocator(1 << 13, first=0)
     cache = PrefixCache(kv, enabled=True, debug=True,
-                        host=HostTier(host_pool, write_back=lambda g, h: 0, load=lambda h, g: 0, require=lambda seq: None,
+                        host=HostTier(host_pool, write_back=lambda g, h: 0, load=lambda h, g: 0, require=lambda seq: None, copy_done=lambda seq: True,
                                       admit_after_prefetch=True, fifo_beyond_prefetch=fifo))
     cfg = SchedulerConfig(max_running_requests=16, max_prefill_tokens=4096, chunked_prefill_size=None,
                           enable_mixed_batch=True)
@@ -275,7 +275,7 @@ def test_a_request_prefetch_has_not_reached_keeps_its_place(fifo):
     batch = _run_step(sched, 1)
     admitted = {r.req.rid for r in batch.rows if r.prefill_ids is not None}
     assert admitted == (set() if fifo else {"later"})
-    assert [r.prefetch_waits for r in cold] == [1] * PREFETCH_REQUESTS + [0 if fifo else 1]
+    assert [r.prefetch_waits for r in cold] == [1] * PREFETCH_REQUESTS + [0]
 
 
 def test_waiting_prompts_are_hashed_in_the_wait_once_each_and_only_at_the_queue_head():

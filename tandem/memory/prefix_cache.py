@@ -53,6 +53,7 @@ class HostTier:
     write_back: Callable[[list[int], list[int]], int]  # (gpu_slots, host_slots) -> the copy's number
     load: Callable[[list[int], list[int]], int]  # (host_slots, gpu_slots) -> the copy's number
     require: Callable[[int], None]  # the next forward waits for this copy (it reads what the copy loads)
+    copy_done: Callable[[int], bool]  # has this copy completed? (asks the device, never waits)
     load_tokens_per_step: int = 16384
     admit_after_prefetch: bool = False  # `PrefixCache.prefetch_hold`
     fifo_beyond_prefetch: bool = False  # `PrefixCache.prefetch_hold`
@@ -176,23 +177,34 @@ class PrefixCache:
         """Should admission hold back `req` (`prefetched`: among the `prefetch_requests` at the
         queue's head, whose host parts prefetch loads in the processing windows) while requests
         run, rather than admit it now, when its step's forward would wait on the device for its
-        match's host part to load? Only while MIN_LOAD_TOKENS or more of it are on the host only.
-        SKIP a prefetched request, for at most MAX_PREFETCH_WAITS plans (then admission loads
-        the rest); with `fifo_beyond_prefetch`, STOP at one prefetch has not reached (first
-        come, first served), else SKIP it too (and count). None: admit. FIFO cut the TTFT p99
-        tail on the H200 at dfb50b0 (9.0 -> 7.5 s: without it, requests whose prefixes stayed
-        on the GPU keep passing) but cost a quarter of the throughput (the batch drains while
-        the head loads), so it is an experiment (`Experiments.host_kv_fifo_beyond_prefetch`).
-        The caller asks only while requests run: an idle GPU gains nothing by waiting."""
+        match's KV to load? Only while MIN_LOAD_TOKENS or more of it are on the host only, or a
+        load it would read first is still running (`_loads_running`). SKIP a prefetched request,
+        for at most MAX_PREFETCH_WAITS plans (then admission loads the rest and its forward
+        waits); with `fifo_beyond_prefetch`, STOP at one prefetch has not reached (first come,
+        first served), else SKIP it too, uncounted: its wait starts when prefetch reaches it
+        (counted from the queue's tail, the long queue's late turns had used up their waits
+        before prefetch began theirs, and their admissions loaded 4-9k tokens while the GPU
+        waited: H100, 6fa100a). FIFO cut the TTFT p99 tail on the H200 at dfb50b0 (9.0 -> 7.5
+        s: without it, requests whose prefixes stayed on the GPU keep passing) but cost a
+        quarter of the throughput (the batch drains while the head loads), so it is an
+        experiment (`Experiments.host_kv_fifo_beyond_prefetch`). The caller asks only while
+        requests run: an idle GPU gains nothing by waiting."""
         host = self.host
         if host is None or not host.admit_after_prefetch or req.prefetch_waits >= MAX_PREFETCH_WAITS:
             return None
-        if self._host_only_tokens(req) < MIN_LOAD_TOKENS:
+        if self._host_only_tokens(req) < MIN_LOAD_TOKENS and not self._loads_running(req):
             return None
-        if host.fifo_beyond_prefetch and not prefetched:
-            return Hold.STOP
-        req.prefetch_waits += 1  # by default anyone may be passed, and counts it
+        if not prefetched:
+            return Hold.STOP if host.fifo_beyond_prefetch else Hold.SKIP
+        req.prefetch_waits += 1
         return Hold.SKIP
+
+    def _loads_running(self, req: Request) -> bool:
+        """A load the request's admission would read first (its match's unread loads, on the
+        kept walk of `_host_only_tokens`) has not completed: its forward would wait for it."""
+        seq = max((node.copy_seq for node, _, on_gpu in req.host_match_walk.path if on_gpu and node.loaded),
+                  default=0)
+        return seq > 0 and not self.host.copy_done(seq)
 
     def _host_only_tokens(self, req: Request) -> int:
         """Tokens of its match that live on the host only. Asked of the waiting prompts at every

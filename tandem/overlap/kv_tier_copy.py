@@ -176,6 +176,11 @@ class KVTierCopier:
         """The next forward reads or writes what copy `seq` touches: it waits for it (`fence`)."""
         self.required = max(self.required, seq)
 
+    def done(self, seq: int) -> bool:
+        """Copy `seq` has completed (its end event passed, or it was collected). Never waits."""
+        copy = next((r for r in self._in_flight if r.seq == seq), None)
+        return copy is None or copy.end.query()
+
     def _copy(self, kind: str, gpu_slots: list[int], host_slots: list[int]) -> _InFlight:
         assert len(gpu_slots) == len(host_slots)
         self.seq += 1
