@@ -136,6 +136,57 @@ def test_forward_waits_for_the_load_on_the_device(cycling_model):
     assert max(stalls) >= 0.8 * sleep_s * 1e3, stalls
 
 
+def test_a_request_whose_prefetched_load_runs_waits_in_the_queue_not_on_the_device(cycling_model):
+    """Prefetch queues a waiting request's history load, held back on the copy stream
+    (torch.cuda._sleep). While it runs the request stays waiting and the running request's steps
+    go on, none of them waiting for the copy (admitted at once, its forward would wait on the
+    device: 6fa100a did). Once the load completed it is admitted; its output is exact."""
+    from tandem.request import Status
+    prompt = list(range(10, 210))
+    follow_up = prompt + list(range(220, 240))
+    greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    reference = _engine(cycling_model, max_total_tokens=4000)
+    want = run_workload(reference, [_spec("ref", follow_up, greedy)])["ref"]
+    reference.close()
+    engine = _engine(cycling_model, max_total_tokens=1000, max_prefill_tokens=256, host_kv_cache_gb=0.05)
+    run_workload(engine, [_spec("first", prompt, greedy)])
+    tree, tier = engine.prefix_cache.tree, engine.kv_tier
+    tree.evict(tree.evictable_tokens)  # the whole history goes to the host tier
+    engine.add_request(list(range(240, 250)), SamplingParams(max_tokens=200, temperature=0, ignore_eos=True),
+                       request_id="runner")
+    for _ in range(3):
+        engine.step()  # the runner decodes: a waiting request with a host part may be held back
+    torch.cuda.synchronize()
+    sleep_s = 0.5  # at least: _sleep counts cycles, and the H200 clocks at most 1.98 GHz
+    load = tier.load
+
+    def held_back_load(host_slots, gpu_slots):
+        with torch.cuda.stream(tier.stream):
+            torch.cuda._sleep(int(sleep_s * 2e9))
+        return load(host_slots, gpu_slots)
+
+    engine.prefix_cache.host.load = held_back_load
+    engine.add_request(follow_up, greedy, request_id="again")
+    loaded_before, started, steps = tier.stats.load_tokens, time.perf_counter(), 0
+    while tier.stats.load_tokens - loaded_before < 199 and steps < 10:
+        engine.step()
+        steps += 1
+    assert tier.stats.load_tokens - loaded_before >= 199, "prefetch queued no load"
+    for _ in range(5):
+        engine.step()  # results processed: none of these forwards waited for the load
+    held_s = time.perf_counter() - started
+    again = engine.requests["again"]
+    assert again.status is Status.WAITING and again.prefetch_waits >= 2, again.prefetch_waits
+    assert held_s < sleep_s / 2, held_s
+    assert engine.output("runner").token_ids and not engine.output("runner").finished
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.output("again").token_ids == want[0]
+    assert engine.stats()["host_cache_hit_tokens"] >= 199
+    assert_kv_conserved(engine)
+    engine.close()
+
+
 def test_reused_slots_wait_for_their_write_back_and_other_steps_do_not(cycling_model):
     """An eviction's write-back is held back on the copy stream (torch.cuda._sleep) while the
     evicted GPU slots are free for reuse. A request that takes none of them runs start to end
