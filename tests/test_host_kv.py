@@ -14,6 +14,7 @@ from tandem.memory.kv_cache import KVCache
 from tandem.memory.lru_heap import attached
 from tandem.memory.radix_cache import HostTierHooks, RadixCache
 from tandem.memory.prefix_cache import HostTier, PrefixCache
+from tandem.overlap import kv_tier_copy
 from tandem.overlap.kv_tier_copy import MAX_PERIOD_S, CopyPace, KVTierCopier
 from tandem.overlap.streams import StreamSet
 from tandem.request import Request
@@ -426,7 +427,8 @@ def test_the_fence_waits_for_the_copy_required_and_not_again():
     assert len(forward.waited) == 2 and copier.fenced == third and copier.stats.fence_waits == 2
 
 
-def test_copy_pace_budget_is_a_steps_worth_at_the_measured_rate():
+def test_copy_pace_budget_is_a_steps_worth_at_the_measured_rate(monkeypatch):
+    monkeypatch.setattr(kv_tier_copy, "WINDOW_SHARE", 0.5)  # the mechanism; the share is tuned on the device
     pace = CopyPace(token_bytes=10, most_tokens=10_000, least_tokens=10, assumed_bytes_per_s=1e6)
     assert pace.window().tokens(None) == 10  # no step seen yet
     for t in (0.0, 0.004, 0.008, 0.020, 0.024, 5.0):  # one stalled step, then an idle gap
@@ -437,7 +439,8 @@ def test_copy_pace_budget_is_a_steps_worth_at_the_measured_rate():
     assert pace.window().tokens(5e9) == 10_000 and pace.window().tokens(1e3) == 10  # clamped both ways
 
 
-def test_copy_pace_sizes_a_window_by_the_kind_of_step_in_flight():
+def test_copy_pace_sizes_a_window_by_the_kind_of_step_in_flight(monkeypatch):
+    monkeypatch.setattr(kv_tier_copy, "WINDOW_SHARE", 0.5)  # the mechanism; the share is tuned on the device
     pace = CopyPace(token_bytes=1, most_tokens=10_000, least_tokens=1, assumed_bytes_per_s=2**16)
     pace.tick(0.0, prefill=True)
     assert pace.window().tokens(None) == 1  # nothing timed yet
@@ -448,7 +451,8 @@ def test_copy_pace_sizes_a_window_by_the_kind_of_step_in_flight():
     assert pace.window().tokens(None) == 256  # a prefill step
 
 
-def test_copy_pace_window_is_shared_by_both_directions():
+def test_copy_pace_window_is_shared_by_both_directions(monkeypatch):
+    monkeypatch.setattr(kv_tier_copy, "WINDOW_SHARE", 0.5)  # the mechanism; the share is tuned on the device
     pace = CopyPace(token_bytes=10, most_tokens=10_000, least_tokens=10, assumed_bytes_per_s=1e6)
     for t in (0.0, 0.004, 0.008):
         pace.tick(t)

@@ -72,21 +72,27 @@ class TierCopyStats:
 PACE_PERIODS = 9  # the step period is the median of this many: one stalled step does not move it
 MAX_PERIOD_S = 0.05  # an idle engine's gap between steps is not a step's length
 MEASURED_BYTES = 256 << 20  # below this a direction's timed copies are too few for a rate
-# A window's share of the step period: steps of one kind still vary about their median, and a
-# window that used it all stalled the forwards on the H200 (37775e3: 1.36 s of 31.9, with no
-# copies at admission or eviction left).
-WINDOW_SHARE = 0.5
+# A window's share of the step period. While every forward waited for every copy queued, a
+# window that used it all stalled the forwards (H200, 37775e3: 1.36 s of 31.9), so it was 0.5.
+# Forwards now wait only for the copies they depend on (6fa100a), and a request is admitted
+# only once its prefetched loads completed; a half-step window then left late turns' long
+# histories to admission loads (H100, 0d81c5e: 0.5 -> 0.9 took them 25k -> 3k tokens, copy
+# stall 34 -> 9 ms, GPU busy 0.9974 -> 0.9987 against 0.9991 without the tier). Below 1: the
+# loads a step's admissions read are done before its plan, and the copy stream's gathers share
+# the GPU with the forward.
+WINDOW_SHARE = 0.9
 
 
 @dataclass
 class CopyPace:
     """What one processing window may queue on the copy stream (prefetch loads, write-ahead):
-    what it moves while one step runs, the measured bandwidth times the step period. The next
-    forward waits on the device for every copy queued before it (`KVTierCopier.fence`), so a
-    window queueing more than a step's worth makes it wait: on the H200 (911a469) windows queued
-    up to a prefill step's tokens each way, ~0.9 GB, ~23 ms beside ~6 ms steps, and GPU busy fell
-    from 0.95 to 0.83 with the tier. Both directions run on the one copy stream, one after the
-    other, so a window's budget is one step period for both together (`window`)."""
+    what it moves while one step runs, the measured bandwidth times the step period. A window
+    queueing more than a step's worth falls behind: the copies a later forward depends on
+    (`KVTierCopier.fence`: the loads it reads, the write-backs of slots it takes) queue behind
+    it, and the forward waits (H200, 911a469, when every forward waited for every copy: windows
+    of up to a prefill step's tokens each way, ~0.9 GB, ~23 ms beside ~6 ms steps, took GPU busy
+    from 0.95 to 0.83). Both directions run on the one copy stream, one after the other, so a
+    window's budget is one step period for both together (`window`)."""
 
     token_bytes: int
     most_tokens: int  # a prefill step's
