@@ -210,8 +210,9 @@ def test_host_tier_figures_and_the_on_over_off_ratios(tmp_path):
     from tandem.bench.suite_runs import _host_tier_figures, derived
     row = {"workload": "multiturn", "output_tok_s": 2500.0, "ttft_p50_ms": 1100.0, "ttft_p99_ms": 8800.0,
            "hit_rate": 0.78, "gpu_busy": 0.976, "tier_stall_s": 0.12, "by_kind": {"prefill": {"schedule_ms": 1.7}},
-           "prefill_gaps": {"steps": 120, "idle_s": 0.5}}
-    off = {**row, "output_tok_s": 2000.0, "gpu_busy": 0.995, "tier_stall_s": None, "prefill_gaps": None}
+           "prefill_gaps": {"steps": 120, "idle_s": 0.5}, "gpu_idle_s_by_tenth": [0.25, 0.5, 0.25]}
+    off = {**row, "output_tok_s": 2000.0, "gpu_busy": 0.995, "tier_stall_s": None, "prefill_gaps": None,
+           "gpu_idle_s_by_tenth": None}  # a CPU row
     figs = {}
     for side, r in (("on", row), ("off", off)):
         log = tmp_path / f"{side}.log"
@@ -220,6 +221,8 @@ def test_host_tier_figures_and_the_on_over_off_ratios(tmp_path):
     assert figs["host_tier.m.tier_on.prefill_plan_ms"].better == "lower"
     assert figs["host_tier.m.tier_on.idle_before_prefill_s"].value == 0.5
     assert "host_tier.m.tier_off.tier_stall_s" not in figs and "host_tier.m.tier_off.idle_before_prefill_s" not in figs
+    idle = figs["host_tier.m.tier_on.gpu_idle_s"]
+    assert (idle.value, idle.better) == (1.0, "lower") and "host_tier.m.tier_off.gpu_idle_s" not in figs
     ratios = derived(figs)
     assert ratios["host_tier.m.tier_on_over_off"].value == 1.25
     assert abs(ratios["host_tier.m.gpu_busy_tier_on_over_off"].value - 0.976 / 0.995) < 1e-12
