@@ -30,6 +30,31 @@ def _engine(path, **kw) -> Engine:
     return Engine(EngineConfig(model=str(path), device="cuda", dtype="float32", **kw))
 
 
+def _hold_back_loads(engine: Engine, sleep_s: float) -> None:
+    """Every later load of the host tier waits at least `sleep_s` on the copy stream before it
+    runs (torch.cuda._sleep counts cycles, and the H200 clocks at most 1.98 GHz)."""
+    tier, load = engine.kv_tier, engine.kv_tier.load
+
+    def held_back_load(host_slots, gpu_slots):
+        with torch.cuda.stream(tier.stream):
+            torch.cuda._sleep(int(sleep_s * 2e9))
+        return load(host_slots, gpu_slots)
+
+    engine.prefix_cache.host.load = held_back_load
+
+
+def _history_and_follow_up(path) -> tuple[list[int], list[int], SamplingParams, tuple]:
+    """A 200-token history, a follow-up turn that extends it, greedy sampling, and the follow-up's
+    result from an engine with a pool large enough to keep everything (the reference)."""
+    prompt = list(range(10, 210))
+    follow_up = prompt + list(range(220, 240))
+    greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    reference = _engine(path, max_total_tokens=4000)
+    want = run_workload(reference, [_spec("ref", follow_up, greedy)])["ref"]
+    reference.close()
+    return prompt, follow_up, greedy, want
+
+
 def _host_gb(engine: Engine, tokens: int) -> float:
     return tokens * HostKVPool.bytes_per_token([engine.kv]) / 2**30
 
@@ -99,11 +124,7 @@ def test_forward_waits_for_the_load_on_the_device(cycling_model):
     NaN, so a forward that did not wait would read NaN KV. The step that queues the load and
     its forward returns long before the load ends (no host wait); the output is exact, and the
     timeline shows the forward's wait as its copy stall."""
-    prompt = list(range(10, 210))
-    follow_up = prompt + list(range(220, 240))
-    greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
-    reference = _engine(cycling_model, max_total_tokens=4000)
-    want = run_workload(reference, [_spec("ref", follow_up, greedy)])["ref"]
+    prompt, follow_up, greedy, want = _history_and_follow_up(cycling_model)
     engine = _engine(cycling_model, max_total_tokens=1000, host_kv_cache_gb=0.05, timeline=True)
     run_workload(engine, [_spec("first", prompt, greedy)])
     tree = engine.prefix_cache.tree
@@ -113,15 +134,8 @@ def test_forward_waits_for_the_load_on_the_device(cycling_model):
     for t in engine.kv.k + engine.kv.v:
         t[1:].fill_(float("nan"))  # slot 0 is the padding rows' dummy
     torch.cuda.synchronize()  # the fill (default stream) is not ordered with the copy stream
-    tier, load = engine.kv_tier, engine.kv_tier.load
-    sleep_s = 0.5  # at least: _sleep counts cycles, and the H200 clocks at most 1.98 GHz
-
-    def held_back_load(host_slots, gpu_slots):
-        with torch.cuda.stream(tier.stream):
-            torch.cuda._sleep(int(sleep_s * 2e9))
-        return load(host_slots, gpu_slots)
-
-    engine.prefix_cache.host.load = held_back_load
+    sleep_s = 0.5
+    _hold_back_loads(engine, sleep_s)
     engine.add_request(follow_up, greedy, request_id="again")
     started = time.perf_counter()
     engine.step()  # plans, queues the load and the forward that reads it
@@ -142,12 +156,7 @@ def test_a_request_whose_prefetched_load_runs_waits_in_the_queue_not_on_the_devi
     go on, none of them waiting for the copy (admitted at once, its forward would wait on the
     device: 6fa100a did). Once the load completed it is admitted; its output is exact."""
     from tandem.request import Status
-    prompt = list(range(10, 210))
-    follow_up = prompt + list(range(220, 240))
-    greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
-    reference = _engine(cycling_model, max_total_tokens=4000)
-    want = run_workload(reference, [_spec("ref", follow_up, greedy)])["ref"]
-    reference.close()
+    prompt, follow_up, greedy, want = _history_and_follow_up(cycling_model)
     engine = _engine(cycling_model, max_total_tokens=1000, max_prefill_tokens=256, host_kv_cache_gb=0.05)
     run_workload(engine, [_spec("first", prompt, greedy)])
     tree, tier = engine.prefix_cache.tree, engine.kv_tier
@@ -157,15 +166,8 @@ def test_a_request_whose_prefetched_load_runs_waits_in_the_queue_not_on_the_devi
     for _ in range(3):
         engine.step()  # the runner decodes: a waiting request with a host part may be held back
     torch.cuda.synchronize()
-    sleep_s = 0.5  # at least: _sleep counts cycles, and the H200 clocks at most 1.98 GHz
-    load = tier.load
-
-    def held_back_load(host_slots, gpu_slots):
-        with torch.cuda.stream(tier.stream):
-            torch.cuda._sleep(int(sleep_s * 2e9))
-        return load(host_slots, gpu_slots)
-
-    engine.prefix_cache.host.load = held_back_load
+    sleep_s = 0.5
+    _hold_back_loads(engine, sleep_s)
     engine.add_request(follow_up, greedy, request_id="again")
     loaded_before, started, steps = tier.stats.load_tokens, time.perf_counter(), 0
     while tier.stats.load_tokens - loaded_before < 199 and steps < 10:
@@ -193,12 +195,7 @@ def test_reused_slots_wait_for_their_write_back_and_other_steps_do_not(cycling_m
     without waiting for it (the fence waits only for what a forward depends on); a prefill that
     takes them waits on the device, or it would overwrite the KV before the write-back read it
     and the history loaded back afterwards would be another prompt's."""
-    prompt = list(range(10, 210))
-    follow_up = prompt + list(range(220, 240))
-    greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
-    reference = _engine(cycling_model, max_total_tokens=4000)
-    want = run_workload(reference, [_spec("ref", follow_up, greedy)])["ref"]
-    reference.close()
+    prompt, follow_up, greedy, want = _history_and_follow_up(cycling_model)
     engine = _engine(cycling_model, max_total_tokens=1000, host_kv_cache_gb=0.05, timeline=True,
                      experiments=Experiments(host_kv_write_ahead=False))  # eviction copies, after the sleep
     run_workload(engine, [_spec("first", prompt, greedy)])
