@@ -184,8 +184,12 @@ class KVTierCopier:
 
     def done(self, seq: int) -> bool:
         """Copy `seq` has completed (its end event passed, or it was collected). Never waits."""
-        copy = next((r for r in self._in_flight if r.seq == seq), None)
+        copy = self._uncollected(seq)
         return copy is None or copy.end.query()
+
+    def _uncollected(self, seq: int) -> _InFlight | None:
+        """Copy `seq`'s record while `collect` has not dropped it (None: its end event passed)."""
+        return next((r for r in self._in_flight if r.seq == seq), None)
 
     def _copy(self, kind: str, gpu_slots: list[int], host_slots: list[int]) -> _InFlight:
         assert len(gpu_slots) == len(host_slots)
@@ -261,8 +265,8 @@ class KVTierCopier:
         if self.required <= self.fenced:
             return copies
         self.fenced = self.required
-        copy = next((r for r in self._in_flight if r.seq == self.required), None)
-        if copy is None:  # collected: its end event had passed
+        copy = self._uncollected(self.required)
+        if copy is None:
             return copies
         self.stats.fence_waits += 1
         before = self.streams.event(timing=True) if timed else None
