@@ -84,7 +84,7 @@ def test_evicting_what_was_written_ahead_copies_nothing_and_keeps_lru_order():
 
 def test_evict_ahead_frees_the_next_plans_need_only_while_it_is_short():
     kv, host_pool = SlotAllocator(100), SlotAllocator(100, first=0)
-    cache = PrefixCache(kv, host=HostTier(host_pool, require=lambda seq: None, copy_done=lambda seq: True, write_back=lambda g, h: 0, load=lambda h, g: 0))
+    cache = PrefixCache(kv, host=_instant_tier(host_pool))
     for first in range(10, 90, 10):
         cache.tree.insert(list(range(first, first + 10)), kv.alloc(10))  # 80 of 100 cached
     assert cache.evict_ahead(15) == 0  # 20 free already
@@ -116,6 +116,13 @@ def test_write_ahead_queues_about_most_tokens_a_call_and_the_rest_later():
     tree.check({})
 
 
+def _instant_tier(host_pool: SlotAllocator, **fields) -> HostTier:
+    """A host tier whose copies move nothing and are complete at once (number 0: nothing to wait
+    for); `fields` replace any of its parts."""
+    return HostTier(host_pool, **{"write_back": lambda g, h: 0, "load": lambda h, g: 0,
+                                  "require": lambda seq: None, "copy_done": lambda seq: True, **fields})
+
+
 def _waiting(prompt: list[int]) -> Request:
     """A waiting request: its match may cover all of `prompt` but the last token."""
     return Request("w", prompt, SamplingParams(max_tokens=1), seed=0, max_samples=1)
@@ -123,8 +130,8 @@ def _waiting(prompt: list[int]) -> Request:
 
 def test_a_load_budget_smaller_than_a_host_node_loads_its_head():
     kv, host_pool, loads = SlotAllocator(100), SlotAllocator(200, first=0), []
-    cache = PrefixCache(kv, host=HostTier(host_pool, require=lambda seq: None, copy_done=lambda seq: True, write_back=lambda g, h: 0,
-                                          load=lambda h, g: loads.append((list(h), list(g))) or len(loads)))
+    cache = PrefixCache(kv, host=_instant_tier(
+        host_pool, load=lambda h, g: loads.append((list(h), list(g))) or len(loads)))
     tokens = list(range(100, 200))
     cache.tree.insert(tokens, kv.alloc(100))
     cache.tree.evict(100)  # all on the host
@@ -140,8 +147,7 @@ def test_a_load_budget_smaller_than_a_host_node_loads_its_head():
 
 def test_prefetch_without_evicting_takes_free_slots_only_and_counts_a_host_hit_at_first_admission():
     kv, host_pool, loads = SlotAllocator(400), SlotAllocator(400, first=0), []
-    cache = PrefixCache(kv, host=HostTier(host_pool, require=lambda seq: None, copy_done=lambda seq: True, write_back=lambda g, h: 0,
-                                          load=lambda h, g: loads.append(len(g)) or len(loads)))
+    cache = PrefixCache(kv, host=_instant_tier(host_pool, load=lambda h, g: loads.append(len(g)) or len(loads)))
     tokens, cold = list(range(1000, 1200)), list(range(2000, 2100))
     cache.tree.insert(tokens, kv.alloc(200))
     cache.tree.evict(200)  # all on the host
@@ -164,8 +170,9 @@ def test_prefetch_without_evicting_takes_free_slots_only_and_counts_a_host_hit_a
 
 def test_prefetch_evicts_colder_prefixes_beyond_what_the_next_plan_keeps():
     kv, host_pool, copies = SlotAllocator(400), SlotAllocator(400, first=0), []
-    cache = PrefixCache(kv, host=HostTier(host_pool, require=lambda seq: None, copy_done=lambda seq: True, write_back=lambda g, h: copies.append(("back", len(g))) or len(copies),
-                                          load=lambda h, g: copies.append(("load", len(g))) or len(copies)))
+    cache = PrefixCache(kv, host=_instant_tier(
+        host_pool, write_back=lambda g, h: copies.append(("back", len(g))) or len(copies),
+        load=lambda h, g: copies.append(("load", len(g))) or len(copies)))
     tokens, cold = list(range(1000, 1200)), list(range(2000, 2100))
     cache.tree.insert(tokens, kv.alloc(200))
     cache.tree.evict(200)  # all on the host
@@ -185,8 +192,7 @@ def test_the_queue_head_waits_for_prefetch_at_most_a_few_plans():
     """(With the FIFO experiment on: a request prefetch has not reached is STOPped, uncounted.)"""
     from tandem.memory.prefix_cache import MAX_PREFETCH_WAITS, Hold
     kv, host_pool = SlotAllocator(400), SlotAllocator(400, first=0)
-    cache = PrefixCache(kv, host=HostTier(host_pool, require=lambda seq: None, copy_done=lambda seq: True, write_back=lambda g, h: 0, load=lambda h, g: 0,
-                                          admit_after_prefetch=True, fifo_beyond_prefetch=True))
+    cache = PrefixCache(kv, host=_instant_tier(host_pool, admit_after_prefetch=True, fifo_beyond_prefetch=True))
     tokens, slots = list(range(1000, 1200)), kv.alloc(200)
     cache.tree.insert(tokens[:80], slots[:80])
     cache.tree.insert(tokens, slots)
@@ -215,8 +221,7 @@ def test_a_request_waits_for_prefetch_only_once_prefetch_reaches_it():
     while the GPU waited)."""
     from tandem.memory.prefix_cache import MAX_PREFETCH_WAITS, Hold
     kv, host_pool = SlotAllocator(400), SlotAllocator(400, first=0)
-    cache = PrefixCache(kv, host=HostTier(host_pool, require=lambda seq: None, copy_done=lambda seq: True,
-                                          write_back=lambda g, h: 0, load=lambda h, g: 0, admit_after_prefetch=True))
+    cache = PrefixCache(kv, host=_instant_tier(host_pool, admit_after_prefetch=True))
     tokens = list(range(1000, 1200))
     cache.tree.insert(tokens, kv.alloc(200))
     cache.tree.evict(200)
@@ -262,8 +267,7 @@ def test_prefetch_loads_for_the_queue_head_only_and_skips_what_is_on_the_gpu(win
     match (no LRU touch)."""
     kv, host_pool = SlotAllocator(4000), SlotAllocator(4000, first=0)
     loads = []
-    tier = HostTier(host_pool, require=lambda seq: None, copy_done=lambda seq: True, write_back=lambda g, h: 0, load=lambda h, g: loads.append(len(g)) or len(loads),
-                    admit_after_prefetch=True)
+    tier = _instant_tier(host_pool, load=lambda h, g: loads.append(len(g)) or len(loads), admit_after_prefetch=True)
     if window is not None:
         tier.prefetch_requests = window
     cache = PrefixCache(kv, host=tier)
@@ -289,7 +293,7 @@ def test_prefetch_loads_for_the_queue_head_only_and_skips_what_is_on_the_gpu(win
 
 def test_a_load_evicted_unread_is_no_host_hit_later():
     kv, host_pool = SlotAllocator(300), SlotAllocator(400, first=0)
-    cache = PrefixCache(kv, host=HostTier(host_pool, require=lambda seq: None, copy_done=lambda seq: True, write_back=lambda g, h: 0, load=lambda h, g: 0))
+    cache = PrefixCache(kv, host=_instant_tier(host_pool))
     tokens = list(range(1000, 1200))
     cache.tree.insert(tokens, kv.alloc(200))
     cache.tree.evict(200)
@@ -307,7 +311,7 @@ def test_an_undone_admission_takes_its_host_hit_back():
     back to the host and was loaded again meanwhile (the CPU's multi-turn run had host hits above
     all hits: 0.83 against 0.51)."""
     kv, host_pool = SlotAllocator(300), SlotAllocator(400, first=0)
-    cache = PrefixCache(kv, host=HostTier(host_pool, require=lambda seq: None, copy_done=lambda seq: True, write_back=lambda g, h: 0, load=lambda h, g: 0))
+    cache = PrefixCache(kv, host=_instant_tier(host_pool))
     tokens = list(range(1000, 1200))
     cache.tree.insert(tokens, kv.alloc(200))
     cache.tree.evict(200)
@@ -1094,8 +1098,7 @@ def test_prefetch_hold_sees_a_prefix_evicted_to_the_host_after_it_asked():
     """The kept walk of a waiting prompt notices eviction to the host (none of its tokens
     changed, only their tier), and a load back."""
     kv, host_pool = SlotAllocator(400), SlotAllocator(400, first=0)
-    cache = PrefixCache(kv, host=HostTier(host_pool, require=lambda seq: None, copy_done=lambda seq: True, write_back=lambda g, h: 0, load=lambda h, g: 0,
-                                          admit_after_prefetch=True))
+    cache = PrefixCache(kv, host=_instant_tier(host_pool, admit_after_prefetch=True))
     tokens, slots = list(range(1000, 1200)), kv.alloc(200)
     cache.tree.insert(tokens, slots)
     req = Request("r", tokens + [7], SamplingParams(max_tokens=1), seed=0, max_samples=1)
