@@ -633,7 +633,7 @@ class Engine:
             self._process_in_flight(outputs)
         t1 = perf_counter()
         if self.kv_tier is not None:  # the forward waits on the device for the tier copies it needs
-            self.kv_tier.require(self.kv_slots.copy_needed)  # cooling slots this plan took
+            self.kv_tier.require(self.kv_slots.copy_needed, cause="slot_reuse")  # cooling slots this plan took
             copies = self.kv_tier.fence(self.streams.forward, timed=self.timeline is not None)
             if self.runner.mirror is not None:
                 self.runner.mirror.tier_copies(copies, self.kv_tier.fenced)  # each rank copies its own shard

@@ -47,7 +47,7 @@ class PendingResult:
     record: object = None  # the step's timeline record, when a timeline is kept
     unsampled: tuple | None = None  # (logits, sample slots, sampling inputs) until `sample` ran
     mask_wait: tuple | None = None  # timing events around the forward stream's wait for the masks
-    tier_wait: tuple | None = None  # timing events around its wait for host-tier copies (the fence)
+    tier_wait: object | None = None  # its wait for host-tier copies (the fence's `TierWait`)
     verify: SpecStep | None = None  # a verify step's proposals and lengths, until `sample` ran
     # A greedy graphed verify step: (bucket, ring slot, untrimmed logits, untrimmed SpecStep)
     # for its captured tail, until `sample` ran.

@@ -116,6 +116,17 @@ def test_prefill_gaps_split_the_idle_before_a_prefill_that_follows_a_decode():
     assert prefill_gaps(cpu) is None
 
 
+def test_tier_stalls_add_up_the_forwards_waits_by_cause():
+    from tandem.bench.prefix import tier_stalls
+    records = [_record(i, True, 10.0 * i, 0.1, 10.0 * i + 9, idle=0.0, forward=4.0, stall=s)
+               for i, s in enumerate([None, 1.5, 0.25, 2.0])]
+    for r, cause, mb in zip(records, [None, "load", "slot_reuse", "load"], [None, 100.0, 20.0, 150.5]):
+        r.tier_stall_cause, r.tier_stall_pending_mb = cause, mb
+    assert tier_stalls(records) == {"load": {"steps": 2, "ms": 3.5, "pending_mb": 250.5},
+                                    "slot_reuse": {"steps": 1, "ms": 0.25, "pending_mb": 20.0}}
+    assert tier_stalls(records[:1]) == {}
+
+
 def test_step_records_are_written_as_json_lines(capsys, tmp_path):
     path = tmp_path / "steps.jsonl"
     row = _row(capsys, "--host-kv-cache-gb", "0.05", "--step-records", str(path))

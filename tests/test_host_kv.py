@@ -431,6 +431,50 @@ def test_the_fence_waits_for_the_copy_required_and_not_again():
     assert len(forward.waited) == 2 and copier.fenced == third and copier.stats.fence_waits == 2
 
 
+def test_a_timed_fence_says_why_the_forward_waits_and_what_was_still_copying():
+    """The timeline's stall by cause: the fence names the cause of the latest copy required
+    (a later requirement of an earlier copy keeps it) and the bytes of the copies up to it
+    that had not finished when the forward was queued."""
+    cpu = torch.device("cpu")
+    kv = KVCache(2, 20, 1, 4, torch.float32, cpu)
+    copier = KVTierCopier([kv], HostKVPool([kv], 10, pin=False), StreamSet.create(cpu))
+
+    class Forward:
+        def record_event(self, event=None):
+            return event
+
+        def wait_event(self, event):
+            pass
+
+    class Running:  # an end event the copy stream has not reached
+        def query(self):
+            return False
+
+    written, loaded, later = copier.write_back([1, 2, 3], [0, 1, 2]), copier.load([0, 1], [5, 6]), copier.load([3], [7])
+    for record in copier._in_flight:
+        if record.seq != written:
+            record.end = Running()  # the write-back is done; the two loads are not
+    copier.require(loaded)
+    copier.require(written, cause="slot_reuse")  # earlier: the forward waits for the load anyway
+    copier.fence(Forward(), timed=True)
+    wait = copier.fence_wait
+    assert wait.cause == "load" and wait.pending_bytes == 2 * copier.host.token_bytes  # not the third copy's
+    copier.require(later, cause="slot_reuse")
+    copier.fence(Forward(), timed=True)
+    assert copier.fence_wait.cause == "slot_reuse" and copier.fence_wait.pending_bytes == 3 * copier.host.token_bytes
+    copier.fence(Forward(), timed=True)
+    assert copier.fence_wait is None  # nothing new required: no wait
+
+
+def test_admission_loads_say_why_they_were_not_held_for_prefetch():
+    from tandem.memory.prefix_cache import MAX_PREFETCH_WAITS, MIN_LOAD_TOKENS, admission_load_reason
+    req = Request("r", [1, 2, 3], SamplingParams(max_tokens=1), seed=0, max_samples=1)
+    assert admission_load_reason(req, MIN_LOAD_TOKENS) == "not_held"
+    assert admission_load_reason(req, MIN_LOAD_TOKENS - 1) == "small"
+    req.prefetch_waits = MAX_PREFETCH_WAITS
+    assert admission_load_reason(req, 10 * MIN_LOAD_TOKENS) == "waits_used"
+
+
 def test_copy_pace_budget_is_a_steps_worth_at_the_measured_rate(monkeypatch):
     monkeypatch.setattr(kv_tier_copy, "WINDOW_SHARE", 0.5)  # the mechanism; the share is tuned on the device
     pace = CopyPace(token_bytes=10, most_tokens=10_000, least_tokens=10, assumed_bytes_per_s=1e6)

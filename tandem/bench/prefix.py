@@ -36,6 +36,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass
 
 import torch
@@ -174,6 +175,11 @@ class PrefixRow:
     phases: dict | None = None
     prefill_graph_steps: int = 0  # prefill steps that replayed a CUDA graph (the rest launched eagerly)
     cuda_graph_memory_mib: float = 0.0  # what the engine's graphs took at capture
+    # Host tier: tokens admissions loaded themselves, by why they were not held for prefetch
+    # (`prefix_cache.admission_load_reason`), and the forwards' copy stall by what they waited
+    # for (`tier_stalls`). Which rule lets a forward wait for a copy?
+    admission_loaded_by: dict | None = None
+    tier_stall_by_cause: dict | None = None
 
     @property
     def output_tok_s(self) -> float:
@@ -283,6 +289,7 @@ def run_one(args: argparse.Namespace) -> PrefixRow:
         engine.reset_prefix_cache()
     retries = _alloc_retries(engine.device)
     s0, first = engine.stats(), len(engine.timeline.records)
+    loaded_by0 = Counter(engine.prefix_cache.tier_moves.admission_loaded_by)
     window = (step_window(engine, *args.profile_steps) if args.profile_steps else contextlib.nullcontext([]))
     host_window = (step_window(engine, *args.host_profile_steps, rows=40, host=True) if args.host_profile_steps
                    else contextlib.nullcontext([]))
@@ -302,7 +309,8 @@ def run_one(args: argparse.Namespace) -> PrefixRow:
                                         "prefill_graph_steps", *MOVED_TOKENS.values())}
     queried = max(delta["prefix_cache_queried_tokens"], 1)
     summary = engine.timeline.summary(skip=first)
-    return PrefixRow(args.workload, args.cache == "on", args.cascade, len(ttft), inputs, outputs, wall,
+    loaded_by = dict(engine.prefix_cache.tier_moves.admission_loaded_by - loaded_by0)
+    row = PrefixRow(args.workload, args.cache == "on", args.cascade, len(ttft), inputs, outputs, wall,
                      _percentile(ttft, 50), ttft_p99, delta["prefix_cache_hit_tokens"] / queried,
                      summary["steps"], summary["mean_host_ms"], summary.get("gpu_busy_fraction"),
                      delta["cascade_steps"], args.host_kv_cache_gb, delta["host_cache_hit_tokens"] / queried,
@@ -317,6 +325,23 @@ def run_one(args: argparse.Namespace) -> PrefixRow:
                      prefill_gaps(engine.timeline.records[first:]),
                      phase_log.summary() if phase_log is not None else None, delta["prefill_graph_steps"],
                      round(s1["cuda_graph_memory_mib"], 1))
+    if engine.kv_tier is not None:
+        row.admission_loaded_by, row.tier_stall_by_cause = loaded_by, tier_stalls(engine.timeline.records[first:])
+    return row
+
+
+def tier_stalls(records: list) -> dict:
+    """The forwards' waits for host-tier copies by cause (`KVTierCopier.require`): steps that
+    waited, the device ms they waited, and the MB of copies not done when each was queued."""
+    out: dict = {}
+    for r in records:
+        if r.gpu_tier_stall_ms is None:
+            continue
+        entry = out.setdefault(r.tier_stall_cause, {"steps": 0, "ms": 0.0, "pending_mb": 0.0})
+        entry["steps"] += 1
+        entry["ms"] = round(entry["ms"] + r.gpu_tier_stall_ms, 2)
+        entry["pending_mb"] = round(entry["pending_mb"] + (r.tier_stall_pending_mb or 0.0), 1)
+    return out
 
 
 def by_tenth(records: list) -> tuple[list | None, list]:

@@ -52,6 +52,8 @@ class StepRecord:
     host_load_tokens: int | None = None
     host_write_back_tokens: int | None = None
     gpu_tier_stall_ms: float | None = None  # before the forward span: waiting for host-tier copies
+    tier_stall_cause: str | None = None  # why it waited (`KVTierCopier.require`: "load", "slot_reuse")
+    tier_stall_pending_mb: float | None = None  # copies it waited for not yet done when it was queued
     tier_window_ms: float | None = None  # host time queueing host-tier copies after this step's launch
     # Host ms of this step's plan made in the wait for an earlier step (Scheduler.plan_ahead);
     # schedule_ms is then only its hand-over. None: planned when due.
@@ -95,7 +97,7 @@ class Timeline:
         """Fill device times once the step's forward is known complete (its result was read:
         `process_ms` and `host_wait_ms` are already set). `mask_wait`: events around the
         forward stream's wait for the step's grammar masks; that stall counts as idle.
-        `tier_wait`: events around its wait for host-tier copies, before the forward span
+        `tier_wait`: its wait for host-tier copies (`TierWait`), before the forward span
         (already in the idle gap before it: recorded to say why)."""
         now = perf_counter()
         record.host_done = now - max(0.0, record.process_ms - record.host_wait_ms) / 1e3
@@ -106,8 +108,10 @@ class Timeline:
             record.cpu_lead_ms = cpu_lead_ms(record, self._previous_done)
             if mask_wait is not None and mask_wait[1].query():
                 record.gpu_mask_stall_ms = mask_wait[0].elapsed_time(mask_wait[1])
-            if tier_wait is not None and tier_wait[1].query():
-                record.gpu_tier_stall_ms = tier_wait[0].elapsed_time(tier_wait[1])
+            if tier_wait is not None and tier_wait.after.query():
+                record.gpu_tier_stall_ms = tier_wait.before.elapsed_time(tier_wait.after)
+                record.tier_stall_cause = tier_wait.cause
+                record.tier_stall_pending_mb = round(tier_wait.pending_bytes / 2**20, 1)
         self._previous_done = record.host_done
         self._push_recent((record.schedule_ms + record.launch_ms + record.process_ms - record.host_wait_ms,
                            record.gpu_forward_ms, record.gpu_idle_before_ms, record.cpu_lead_ms))

@@ -116,7 +116,7 @@ class StepFollower:
         for c in msg.copies:  # before this step's forward (the engine's fence)
             self.tier.replay(c.kind, c.gpu_slots, c.host_slots)  # numbered as on rank 0: same order
         if msg.wait_copy:
-            self.tier.require(msg.wait_copy)  # the forward waits where rank 0's does
+            self.tier.require(msg.wait_copy, cause="rank0")  # the forward waits where rank 0's does
         return receiver.batch(msg)
 
     def _receive(self):

@@ -24,8 +24,9 @@ from __future__ import annotations
 
 import enum
 import itertools
+from collections import Counter
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 from tandem.memory.allocator import SlotAllocator
@@ -68,7 +69,19 @@ class TierMoves:
 
     prefetched: int = 0  # loads for waiting requests, in the processing window
     admission_loaded: int = 0  # loads by an admission: its step's forward waits for them
+    # ... by why admission did not hold the request for prefetch (`admission_load_reason`)
+    admission_loaded_by: Counter = field(default_factory=Counter)
     written_ahead: int = 0  # write-backs ahead of pressure, in the processing window
+
+
+def admission_load_reason(req: Request, loaded: int) -> str:
+    """Why an admission loaded host KV itself (its forward waits for the copy) rather than
+    being held for prefetch (`PrefixCache.prefetch_hold`): it used its MAX_PREFETCH_WAITS
+    ("waits_used"), less than MIN_LOAD_TOKENS were left ("small"), or it was not held at all
+    ("not_held": nothing was running, or holding is off)."""
+    if req.prefetch_waits >= MAX_PREFETCH_WAITS:
+        return "waits_used"
+    return "small" if loaded < MIN_LOAD_TOKENS else "not_held"
 
 
 class PrefixCache:
@@ -154,7 +167,9 @@ class PrefixCache:
         if self.host is not None:
             loaded, node = self._load_host_part(node, prefix, len(slots), self._load_tokens_left)
             self._load_tokens_left -= len(loaded)
-            self.tier_moves.admission_loaded += len(loaded)
+            if loaded:
+                self.tier_moves.admission_loaded += len(loaded)
+                self.tier_moves.admission_loaded_by[admission_load_reason(req, len(loaded))] += len(loaded)
             slots = slots + loaded
         if slots:
             self.tree.lock(node)

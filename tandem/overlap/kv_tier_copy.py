@@ -59,6 +59,17 @@ class _InFlight:
 
 
 @dataclass
+class TierWait:
+    """A forward's device wait for host-tier copies (`KVTierCopier.fence`, timed): events
+    around the wait on the forward stream, and why it waited (the timeline's copy stall)."""
+
+    before: object  # passes once the forward stream reaches the wait
+    after: object  # passes once the copies waited for are done too
+    cause: str  # what made the forward depend on the copy (`KVTierCopier.require`)
+    pending_bytes: int  # bytes of the copies waited for (and those before them) not done at the fence
+
+
+@dataclass
 class TierCopyStats:
     load_tokens: int = 0
     load_bytes: int = 0
@@ -155,10 +166,11 @@ class KVTierCopier:
         self._unfenced: list[tuple[str, list[int], list[int]]] = []  # (kind, gpu, host) since the last fence
         self.seq = 0  # the last copy queued
         self.required = 0  # the latest copy a forward queued from now on must wait for (`require`)
+        self.required_cause = ""  # why the forward depends on that copy (`require`'s cause)
         self.fenced = 0  # the latest copy the forward stream has waited for (or found complete)
         self.precise = precise  # False: every forward waits for every copy queued before it (the A/B)
         self.fenced_tokens = (0, 0)  # (loaded, written back) behind the last fence: the timeline's
-        self.fence_wait: tuple | None = None  # timing events around the last fence's wait (timed fences)
+        self.fence_wait: TierWait | None = None  # the last fence's wait (timed fences)
         self._timed = {"load": [0, 0.0], "write_back": [0, 0.0]}  # completed bytes, copy seconds (CopyPace)
 
     # ---- the two directions ----
@@ -178,9 +190,12 @@ class KVTierCopier:
         self._unfenced.append(("load", gpu_slots, host_slots))
         return queued.seq
 
-    def require(self, seq: int) -> None:
-        """The next forward reads or writes what copy `seq` touches: it waits for it (`fence`)."""
-        self.required = max(self.required, seq)
+    def require(self, seq: int, cause: str = "load") -> None:
+        """The next forward reads or writes what copy `seq` touches: it waits for it (`fence`).
+        `cause` names why, for the timeline ("load": it reads what the copy loads; "slot_reuse":
+        it writes slots the copy reads; "rank0": a tensor-parallel worker follows rank 0)."""
+        if seq > self.required:
+            self.required, self.required_cause = seq, cause
 
     def done(self, seq: int) -> bool:
         """Copy `seq` has completed (its end event passed, or it was collected). Never waits."""
@@ -269,14 +284,20 @@ class KVTierCopier:
         if copy is None:
             return copies
         self.stats.fence_waits += 1
-        before = self.streams.event(timing=True) if timed else None
-        if before is not None:
-            before.record(forward_stream)  # passes once the forward stream reaches the wait
-        forward_stream.wait_event(copy.end)  # device-side order: no host wait
-        if before is not None:
-            self.fence_wait = (before, self.streams.event(timing=True))
-            self.fence_wait[1].record(forward_stream)  # passes once the copies are done too
+        if not timed:
+            forward_stream.wait_event(copy.end)  # device-side order: no host wait
+            return copies
+        wait = TierWait(self.streams.event(timing=True), self.streams.event(timing=True), self.required_cause,
+                        self._pending_bytes(self.required))
+        wait.before.record(forward_stream)
+        forward_stream.wait_event(copy.end)
+        wait.after.record(forward_stream)
+        self.fence_wait = wait
         return copies
+
+    def _pending_bytes(self, seq: int) -> int:
+        """Bytes of copies up to `seq` whose end events have not passed (asks, never waits)."""
+        return sum(r.num_bytes for r in self._in_flight if r.seq <= seq and not r.end.query())
 
     def queued_bytes(self) -> tuple[int, int]:
         """(load, write-back) bytes queued so far: a window's share is the difference."""
