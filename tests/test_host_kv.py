@@ -188,6 +188,12 @@ def test_prefetch_evicts_colder_prefixes_beyond_what_the_next_plan_keeps():
     cache.check([])
 
 
+def _plan_hold(cache: PrefixCache, req: Request, prefetched: bool):
+    """A plan's question for one request (each plan counts a wait for its first held request)."""
+    cache.new_step()
+    return cache.prefetch_hold(req, prefetched)
+
+
 def test_the_queue_head_waits_for_prefetch_at_most_a_few_plans():
     """(With the FIFO experiment on: a request prefetch has not reached is STOPped, uncounted.)"""
     from tandem.memory.prefix_cache import MAX_PREFETCH_WAITS, Hold
@@ -206,7 +212,7 @@ def test_the_queue_head_waits_for_prefetch_at_most_a_few_plans():
     assert cache.prefetch_hold(head, prefetched=False) is None
     cache.tree.evict(cache.tree.evictable_tokens)
     patient = Request("s", tokens + [9], SamplingParams(max_tokens=1), seed=0, max_samples=1)
-    holds = [cache.prefetch_hold(patient, prefetched=True) for _ in range(MAX_PREFETCH_WAITS + 5)]
+    holds = [_plan_hold(cache, patient, prefetched=True) for _ in range(MAX_PREFETCH_WAITS + 5)]
     assert holds == [Hold.SKIP] * MAX_PREFETCH_WAITS + [None] * 5
     cache.new_step()
     assert cache.admit(patient) == 200  # then admission loads it

@@ -250,8 +250,9 @@ def test_requests_behind_a_head_waiting_for_prefetch_are_admitted():
 def test_a_request_prefetch_has_not_reached_keeps_its_place(fifo):
     """With the FIFO experiment, a request behind the PREFETCH_REQUESTS that prefetch loads
     for, its prefix on the host, keeps its place: a request that came later with nothing to
-    load does not pass it. By default (FIFO lost on the H200 at dfb50b0) it is passed; its
-    waits are counted only once prefetch reaches it."""
+    load does not pass it. By default (FIFO lost on the H200 at dfb50b0) it is passed. A plan
+    counts a wait for the first request it holds only (prefetch loads for it first): the
+    others' waits start when their loads do."""
     from tandem.memory.prefix_cache import PREFETCH_REQUESTS
     from test_host_kv import _instant_tier
     kv, host_pool = SlotAllocator(1 << 13), SlotAllocator(1 << 13, first=0)
@@ -274,7 +275,7 @@ def test_a_request_prefetch_has_not_reached_keeps_its_place(fifo):
     batch = _run_step(sched, 1)
     admitted = {r.req.rid for r in batch.rows if r.prefill_ids is not None}
     assert admitted == (set() if fifo else {"later"})
-    assert [r.prefetch_waits for r in cold] == [1] * PREFETCH_REQUESTS + [0]
+    assert [r.prefetch_waits for r in cold] == [1] + [0] * PREFETCH_REQUESTS
 
 
 def test_waiting_prompts_are_hashed_in_the_wait_once_each_and_only_at_the_queue_head():

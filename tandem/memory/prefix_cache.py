@@ -96,6 +96,7 @@ class PrefixCache:
         self.host_hit_tokens = 0  # admitted tokens read from loads (an undone admission keeps its count)
         self.tier_moves = TierMoves()
         self._load_tokens_left = 0  # this step's load budget (new_step)
+        self._wait_counted = False  # a held request counted a wait in this plan (`prefetch_hold`)
 
     # ---- capacity ----
     @property
@@ -119,6 +120,7 @@ class PrefixCache:
         """A step is being planned: its loads from the host tier start a fresh budget."""
         if self.host is not None:
             self._load_tokens_left = self.host.load_tokens_per_step
+            self._wait_counted = False
 
     def write_ahead(self, next_need: int, most: int | None = None) -> int:
         """In the processing window: when the next plan may need `next_need` slots and fewer are
@@ -195,7 +197,12 @@ class PrefixCache:
         match's KV to load? Only while MIN_LOAD_TOKENS or more of it are on the host only, or a
         load it would read first is still running (`_loads_running`). SKIP a prefetched request,
         for at most MAX_PREFETCH_WAITS plans (then admission loads the rest and its forward
-        waits); with `fifo_beyond_prefetch`, STOP at one prefetch has not reached (first come,
+        waits). A plan counts a wait for the first request it holds only: prefetch loads the
+        queue's head first, so the ones behind it wait for the head's loads before their own
+        start (counted for each of the PREFETCH_REQUESTS, the fourth of four 9k-token histories
+        used its waits behind the first three's loads: H100, a48dbb5, 8k tokens loaded at
+        admission, none with one count a plan); with
+        `fifo_beyond_prefetch`, STOP at one prefetch has not reached (first come,
         first served), else SKIP it too, uncounted: its wait starts when prefetch reaches it
         (counted from the queue's tail, the long queue's late turns had used up their waits
         before prefetch began theirs, and their admissions loaded 4-9k tokens while the GPU
@@ -211,7 +218,9 @@ class PrefixCache:
             return None
         if not prefetched:
             return Hold.STOP if host.fifo_beyond_prefetch else Hold.SKIP
-        req.prefetch_waits += 1
+        if not self._wait_counted:  # the first held in this plan: prefetch loads its part first
+            req.prefetch_waits += 1
+            self._wait_counted = True
         return Hold.SKIP
 
     def _loads_running(self, req: Request) -> bool:
