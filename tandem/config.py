@@ -212,8 +212,11 @@ class Experiments:
     stage_prefill_ahead: bool = True
     # Cascade decode attention (rows sharing a cached prefix read it once per group): auto groups
     # by `CascadeRule`'s cost thresholds, on groups every shared prefix (>= 2 rows), off never.
-    # Off until it pays: on the H200 at 80cf6d5 auto halved the shared-prefix workload (9,555
-    # against 19,400 output tok/s with it off; docs/benchmarks.md, session 9).
+    # Off until it is never slower: on the H100 at 1970211 auto was 1.42x on the shared-prefix
+    # workload (26,220 against 18,499 output tok/s), 1.01x on n=16 samples and equal without
+    # sharing, but added 0.4 ms of host time a 256-row step and captures a cascade variant of
+    # every decode graph (startup not measured yet; docs/benchmarks.md, session 39). At 80cf6d5
+    # (H200, session 9) auto halved the shared workload.
     cascade_attention: str = "off"
     # Decode at small batch (issue 21): RoPE writes the new K/V into the cache in the same launch
     # (off: a separate KV-write kernel per layer).
