@@ -201,12 +201,11 @@ class PrefixCache:
         queue's head first, so the ones behind it wait for the head's loads before their own
         start (counted for each of the PREFETCH_REQUESTS, the fourth of four 9k-token histories
         used its waits behind the first three's loads: H100, a48dbb5, 8k tokens loaded at
-        admission, none with one count a plan); with
-        `fifo_beyond_prefetch`, STOP at one prefetch has not reached (first come,
-        first served), else SKIP it too, uncounted: its wait starts when prefetch reaches it
-        (counted from the queue's tail, the long queue's late turns had used up their waits
-        before prefetch began theirs, and their admissions loaded 4-9k tokens while the GPU
-        waited: H100, 6fa100a). FIFO cut the TTFT p99 tail on the H200 at dfb50b0 (9.0 -> 7.5
+        admission, none with one count a plan). With `fifo_beyond_prefetch`, STOP at one
+        prefetch has not reached (first come, first served), else SKIP it too, uncounted: its
+        wait starts when prefetch reaches it (counted from the queue's tail, the long queue's
+        late turns had used up their waits before prefetch began theirs, and their admissions
+        loaded 4-9k tokens while the GPU waited: H100, 6fa100a). FIFO cut the TTFT p99 tail on the H200 at dfb50b0 (9.0 -> 7.5
         s: without it, requests whose prefixes stayed on the GPU keep passing) but cost a
         quarter of the throughput (the batch drains while the head loads), so it is an
         experiment (`Experiments.host_kv_fifo_beyond_prefetch`). The caller asks only while
