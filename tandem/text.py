@@ -135,6 +135,9 @@ class _IncrementalDecoder:
     def _decode(self, start: int, end: int | None = None) -> str:
         return self._decode_ids(self._ids[start:end])
 
+    def push_one(self, token: int) -> str:
+        return self.push((token,))
+
     def push(self, token_ids: Sequence[int]) -> str:
         self._ids.extend(token_ids)
         n = len(self._ids)
@@ -271,15 +274,24 @@ class _StreamDecoder:
             self._stream.step(self._backend, token)
         self._ids = context  # every id the stream took; each ended on a whole character
 
+    def push_one(self, token: int) -> str:
+        """`push([token])`: plain decoding appends one id a step, at every row of every step."""
+        if self._window is not None:
+            return self._push_window((token,))
+        pieces = self._pieces
+        text = pieces.get(token) if pieces is not None else None  # most ids: one lookup, no call
+        if text is None:
+            text = self._step(token)
+        if text is None:
+            return self._hand_to_window((token,), len(self._ids))
+        self._ids.append(token)
+        return text
+
     def push(self, token_ids: Sequence[int]) -> str:
         if self._window is not None:
             return self._push_window(token_ids)
-        if len(token_ids) == 1:  # one id a step, as plain decoding appends them: no loop, no join
-            text = self._step(token_ids[0])
-            if text is None:
-                return self._hand_to_window(token_ids, len(self._ids))
-            self._ids.append(token_ids[0])
-            return text
+        if len(token_ids) == 1:
+            return self.push_one(token_ids[0])
         start, out = len(self._ids), []
         for token in token_ids:
             text = self._step(token)
@@ -438,7 +450,8 @@ class RequestText:
         if any(s == "" for s in stop):
             raise ValueError("stop strings must not be empty")
         self._decoder = _decoder(tokenizer, prompt_token_ids, skip_special_tokens, pieces)
-        self._stops = _StopMatcher(stop, include_stop_str_in_output)
+        # None without stop strings: most requests, whose every id would pass through a matcher for nothing.
+        self._stops = _StopMatcher(stop, include_stop_str_in_output) if stop else None
         self._chunks: list[str] = []
         self._joined: str | None = ""
         self.matched_stop: str | None = None
@@ -451,11 +464,22 @@ class RequestText:
             self._joined = "".join(self._chunks)
         return self._joined
 
-    def _emit(self, text: str) -> str:
+    def _keep(self, text: str) -> str:
         if text:
             self._chunks.append(text)
             self._joined = None
         return text
+
+    def _released(self, text: str) -> tuple[str, str | None]:
+        """Decoded text through the stop strings: (the text released, the stop string that matched)."""
+        stop = None
+        if self._stops is not None:
+            text, stop = self._stops.push(text)
+            self.matched_stop = stop
+        if text:  # `_keep`, inline: every row of every step
+            self._chunks.append(text)
+            self._joined = None
+        return text, stop
 
     def append(self, token_ids: Sequence[int]) -> TextDelta:
         """Feed newly generated ids; the returned delta says whether a stop string matched.
@@ -467,9 +491,16 @@ class RequestText:
             raise RuntimeError("append() after finish()")
         if self.matched_stop is not None:
             return TextDelta("", None)
-        out, stop = self._stops.push(self._decoder.push(token_ids))
-        self.matched_stop = stop
-        return TextDelta(self._emit(out), stop)
+        return TextDelta(*self._released(self._decoder.push(token_ids)))
+
+    def append_token(self, token: int) -> tuple[str, str | None]:
+        """`append([token])` as (text, stop): plain decoding's one id a step, at every row of
+        every step, with no list to wrap it and no delta to build."""
+        if self.finished:
+            raise RuntimeError("append() after finish()")
+        if self.matched_stop is not None:
+            return "", None
+        return self._released(self._decoder.push_one(token))
 
     def finish(self) -> str:
         """The request ended: release held-back text and return it (idempotent)."""
@@ -479,11 +510,10 @@ class RequestText:
         if self.matched_stop is not None:
             return ""
         # The never-completed tail goes through stop matching like any other text.
-        out, stop = self._stops.push(self._decoder.flush())
-        self.matched_stop = stop
-        if stop is None:
-            out += self._stops.flush()
-        return self._emit(out)
+        out, stop = self._released(self._decoder.flush())
+        if stop is None and self._stops is not None:
+            out += self._keep(self._stops.flush())
+        return out
 
 
 @dataclass

@@ -623,3 +623,48 @@ def test_named_ids_keep_one_int_a_token_until_an_output_names_another_count():
     named.add([8, 9, 10])  # a verify step's run
     named.add([])  # a stop id left out of the text
     assert named.ids == [5, 6, 7, 8, 9, 10] and named.chunks() == [[5], [6], [7], [8, 9, 10], []]
+
+
+@pytest.mark.parametrize("shared_table", [False, True])
+@pytest.mark.parametrize("seed", range(4))
+def test_append_token_against_the_reference_and_the_window_decoder(tok, seed, shared_table):
+    """The engine's per-row call, `append_token(t)`, on the stream decoder: its texts join to
+    the full decode cut at the first stop string (included or not), nothing shown is taken back,
+    and the stop is named at the step that completes it; for byte-level BPE each step's text and
+    stop are the window decoder's (fed `append([t])`), runs of broken bytes included."""
+    from tandem.text import _StreamDecoder, token_pieces
+    rng = random.Random(seed)
+    pieces = token_pieces(tok) if shared_table else None
+    byte_level = tok.backend_tokenizer.decoder.__class__.__name__ == "ByteLevel"
+    for _ in range(25):
+        gen = enc(tok, "".join(rng.choice(POOL) for _ in range(rng.randint(1, 30))))
+        skip = rng.random() < 0.7
+        for _ in range(rng.choice([0, 1, 2])):  # a shown special token only between characters
+            at = [i for i in range(len(gen) + 1) if skip or REPL not in tok.decode(gen[:i])]
+            gen.insert(rng.choice(at), tok.eos_token_id)
+        broken = byte_level and rng.random() < 0.3
+        if broken:
+            at = rng.randrange(len(gen) + 1)
+            gen[at:at] = [tok.convert_tokens_to_ids("ä")] * rng.choice([1, 3, 40])  # 0xE4 opens a character
+        full = expected_text(tok, [], gen, skip)
+        stop = [full[i:i + rng.randint(1, 3)] for i in rng.sample(range(len(full)), min(len(full), rng.randint(0, 2)))]
+        kw = dict(stop=stop, skip_special_tokens=skip, include_stop_str_in_output=rng.random() < 0.5)
+        prompt = enc(tok, "".join(rng.choice(POOL) for _ in range(rng.randint(0, 6))))
+        want, want_stop = reference_stop(expected_text(tok, prompt, gen, skip), stop, kw["include_stop_str_in_output"])
+        rt = RequestText(tok, prompt, pieces=pieces, **kw)
+        window = RequestText(_CountingTokenizer(tok), prompt, **kw)
+        assert isinstance(rt._decoder, _StreamDecoder)
+        shown = ""
+        for t in gen:
+            text, stop_hit = rt.append_token(t)
+            if byte_level:
+                d = window.append([t])
+                assert (text, stop_hit) == (d.text, d.stop), (gen, stop)
+            shown += text
+            assert broken or want.startswith(shown)
+            if stop_hit is not None:
+                break
+        shown += rt.finish()
+        if not broken:
+            assert (shown, rt.matched_stop) == (want, want_stop), (gen, stop)
+        assert shown == rt.text

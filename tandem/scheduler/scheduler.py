@@ -222,8 +222,7 @@ class Scheduler:
                 while not rows and len(self.running) > 1:
                     self._preempt(self.running[-1])
                     rows = self._plan(step, process_in_flight)
-            for row in rows:
-                self._commit(row, step)
+            self._commit(rows, step)
             batch = ScheduledBatch(step=step, rows=rows)
             self._count_prefill_steps(batch)
         except BaseException:
@@ -259,8 +258,7 @@ class Scheduler:
         outer, self._journal = self._journal, journal  # the plan in flight's journal is kept
         try:
             rows = self._prefill_ahead_rows()
-            for row in rows:
-                self._commit(row, step)
+            self._commit(rows, step)
         except BaseException:
             self._undo(journal)
             raise
@@ -418,23 +416,25 @@ class Scheduler:
             budget = min(budget, self.cfg.chunked_prefill_size)
         return min(budget - num_decodes, self.prefill_pace.tokens_within(self.cfg.prefill_step_target_s, budget))
 
-    def _commit(self, row: Row, step: int) -> None:
-        req = row.req
-        self._journal.committed.append((row, req.last_step, len(req.kv_slots)))
-        if row.spec_k is None:
-            # A decode row may reuse a slot a verify reserved: then this assigns it in place.
-            n = len(row.kv_slots)  # row.num_new, without the property (per row per step)
-            req.kv_slots[row.start:row.start + n] = row.kv_slots
-            req.num_computed += n
-        else:  # reserved past the table; the step computes at least its last token
-            req.kv_slots.extend(row.kv_slots)
-            req.num_computed += 1
-            req.spec_extra += row.spec_k
-        if row.sample_index is not None:
-            req.num_scheduled_samples += 1
-        if row.cached_prefix is not None:
-            req.table_pending = 0
-        req.last_step = step
+    def _commit(self, rows: list[Row], step: int) -> None:
+        committed = self._journal.committed
+        for row in rows:  # per row per step: one loop, no call a row
+            req = row.req
+            committed.append((row, req.last_step, len(req.kv_slots)))
+            if row.spec_k is None:
+                # A decode row may reuse a slot a verify reserved: then this assigns it in place.
+                n = len(row.kv_slots)  # row.num_new, without the property
+                req.kv_slots[row.start:row.start + n] = row.kv_slots
+                req.num_computed += n
+            else:  # reserved past the table; the step computes at least its last token
+                req.kv_slots.extend(row.kv_slots)
+                req.num_computed += 1
+                req.spec_extra += row.spec_k
+            if row.sample_index is not None:
+                req.num_scheduled_samples += 1
+            if row.cached_prefix is not None:
+                req.table_pending = 0
+            req.last_step = step
 
     def _decode_rows(self, step: int, process_in_flight: Callable[[], None], decoding: list[Request],
                      beside_prefill: bool = False) -> list[Row]:
@@ -459,7 +459,10 @@ class Scheduler:
                 self._preempt(self.running[-1])
             reqs = [r for r in self.running if r.can_decode]
             need = sum(map(_needs_slot, reqs))
-        slots = iter(self._alloc(need))
+        slots = self._alloc(need)
+        if need == len(reqs):  # every row takes a new slot (no verify reserved one): no second test a row
+            return [Row(r, r.num_computed, [slot], None, r.num_scheduled_samples) for r, slot in zip(reqs, slots)]
+        slots = iter(slots)
         # A slot a verify reserved at the next position is used as it is.
         return [Row(r, r.num_computed, [next(slots) if _needs_slot(r) else r.kv_slots[r.num_computed]], None,
                     r.num_scheduled_samples) for r in reqs]
