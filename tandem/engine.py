@@ -894,16 +894,14 @@ class Engine:
         finished, take, output = Status.FINISHED, self._take_token, self._token_output
         add_output, add_taken = read.outputs.append, read.taken.append
         speculating = self.speculative is not None  # only its verify steps pause a request's proposals
-        for i, (row, token) in enumerate(zip(pending.batch.sample_rows, tokens)):
+        rows = pending.batch.sample_rows
+        lps = itertools.repeat(None) if logprobs is None else _row_logprobs(rows, tokens, logprobs, top_ids, top_lps)
+        for row, token, lp in zip(rows, tokens, lps):
             req = row.req
             if req.status is finished:
                 continue  # one-step lag: the token after a finish is dropped, never emitted
             emitted = row.sample_index
             assert emitted == len(req.output_token_ids), "result out of order"
-            lp = None
-            if logprobs is not None and req.params.logprobs is not None:
-                n = req.params.logprobs
-                lp = TokenLogprob(token, logprobs[i], _top_pairs(top_ids, top_lps, i, n))
             if speculating and req.spec_pause:
                 note_plain(req)
             try:
@@ -1140,6 +1138,17 @@ def _top_pairs(top_ids: list[list[int]] | None, top_lps: list[list[float]] | Non
     if not n or top_ids is None:
         return []
     return list(zip(top_ids[row][:n], top_lps[row][:n]))
+
+
+def _row_logprobs(rows: list, tokens: list[int], logprobs: list[float], top_ids: list[list[int]] | None,
+                  top_lps: list[list[float]] | None) -> list[TokenLogprob | None]:
+    """Each sampled row's TokenLogprob where its request asked for logprobs, else None (a
+    step with logprobs; the result loop of a step without reads no params)."""
+    out = []
+    for i, (row, token) in enumerate(zip(rows, tokens)):
+        n = row.req.params.logprobs
+        out.append(None if n is None else TokenLogprob(token, logprobs[i], _top_pairs(top_ids, top_lps, i, n)))
+    return out
 
 
 def _no_text_ids(req: Request) -> list[int] | None:

@@ -420,11 +420,14 @@ class Scheduler:
         committed = self._journal.committed
         for row in rows:  # per row per step: one loop, no call a row
             req = row.req
-            committed.append((row, req.last_step, len(req.kv_slots)))
+            kv_len = len(req.kv_slots)
+            committed.append((row, req.last_step, kv_len))
             if row.spec_k is None:
-                # A decode row may reuse a slot a verify reserved: then this assigns it in place.
                 n = len(row.kv_slots)  # row.num_new, without the property
-                req.kv_slots[row.start:row.start + n] = row.kv_slots
+                if row.start == kv_len:  # the common row: its slots follow the request's
+                    req.kv_slots += row.kv_slots
+                else:  # a decode row may reuse a slot a verify reserved: then this assigns it in place
+                    req.kv_slots[row.start:row.start + n] = row.kv_slots
                 req.num_computed += n
             else:  # reserved past the table; the step computes at least its last token
                 req.kv_slots.extend(row.kv_slots)
