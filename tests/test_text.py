@@ -319,6 +319,22 @@ def test_invalid_stop_strings(smollm):
 POOL = list("abc xyz.,!\n") + ["😀", "🎉", "世", "界", "日", "é", "👍🏽", "ab", " the"]
 
 
+def _random_generation(tok, rng: random.Random, most_chars: int, byte_level: bool) -> tuple[list[int], bool, bool]:
+    """Generated ids of random text from POOL: (ids, skip_special_tokens, broken). Up to two
+    special tokens (shown ones only between characters), and for byte-level BPE, now and then,
+    a run of broken bytes (`broken`)."""
+    gen = enc(tok, "".join(rng.choice(POOL) for _ in range(rng.randint(1, most_chars))))
+    skip = rng.random() < 0.7
+    for _ in range(rng.choice([0, 1, 2])):  # a shown special token only between characters
+        at = [i for i in range(len(gen) + 1) if skip or REPL not in tok.decode(gen[:i])]
+        gen.insert(rng.choice(at), tok.eos_token_id)
+    broken = byte_level and rng.random() < 0.3
+    if broken:
+        at = rng.randrange(len(gen) + 1)
+        gen[at:at] = [tok.convert_tokens_to_ids("ä")] * rng.choice([1, 3, 40])  # 0xE4 opens a character
+    return gen, skip, broken
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_randomized_against_reference(tok, seed):
     rng = random.Random(seed)
@@ -479,14 +495,7 @@ def test_the_stream_returns_what_the_window_decoder_does_push_by_push(tok, seed,
     pieces = token_pieces(tok) if shared_table else None
     byte_level = tok.backend_tokenizer.decoder.__class__.__name__ == "ByteLevel"
     for _ in range(30):
-        gen = enc(tok, "".join(rng.choice(POOL) for _ in range(rng.randint(1, 40))))
-        skip = rng.random() < 0.7
-        for _ in range(rng.choice([0, 1, 2])):  # a shown special token only between characters
-            at = [i for i in range(len(gen) + 1) if skip or REPL not in tok.decode(gen[:i])]
-            gen.insert(rng.choice(at), tok.eos_token_id)
-        if byte_level and rng.random() < 0.3:
-            at = rng.randrange(len(gen) + 1)
-            gen[at:at] = [tok.convert_tokens_to_ids("ä")] * rng.choice([1, 3, 40])  # 0xE4 opens a character
+        gen, skip, _ = _random_generation(tok, rng, 40, byte_level)
         prompt = enc(tok, "".join(rng.choice(POOL) for _ in range(rng.randint(0, 6))))
         chunks, left = [], len(gen)
         while left:
@@ -637,15 +646,7 @@ def test_append_token_against_the_reference_and_the_window_decoder(tok, seed, sh
     pieces = token_pieces(tok) if shared_table else None
     byte_level = tok.backend_tokenizer.decoder.__class__.__name__ == "ByteLevel"
     for _ in range(25):
-        gen = enc(tok, "".join(rng.choice(POOL) for _ in range(rng.randint(1, 30))))
-        skip = rng.random() < 0.7
-        for _ in range(rng.choice([0, 1, 2])):  # a shown special token only between characters
-            at = [i for i in range(len(gen) + 1) if skip or REPL not in tok.decode(gen[:i])]
-            gen.insert(rng.choice(at), tok.eos_token_id)
-        broken = byte_level and rng.random() < 0.3
-        if broken:
-            at = rng.randrange(len(gen) + 1)
-            gen[at:at] = [tok.convert_tokens_to_ids("ä")] * rng.choice([1, 3, 40])  # 0xE4 opens a character
+        gen, skip, broken = _random_generation(tok, rng, 30, byte_level)
         full = expected_text(tok, [], gen, skip)
         stop = [full[i:i + rng.randint(1, 3)] for i in rng.sample(range(len(full)), min(len(full), rng.randint(0, 2)))]
         kw = dict(stop=stop, skip_special_tokens=skip, include_stop_str_in_output=rng.random() < 0.5)
