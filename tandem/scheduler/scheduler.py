@@ -463,12 +463,11 @@ class Scheduler:
             reqs = [r for r in self.running if r.can_decode]
             need = sum(map(_needs_slot, reqs))
         slots = self._alloc(need)
-        if need == len(reqs):  # every row takes a new slot (no verify reserved one): no second test a row
-            return [Row(r, r.num_computed, [slot], None, r.num_scheduled_samples) for r, slot in zip(reqs, slots)]
-        slots = iter(slots)
-        # A slot a verify reserved at the next position is used as it is.
-        return [Row(r, r.num_computed, [next(slots) if _needs_slot(r) else r.kv_slots[r.num_computed]], None,
-                    r.num_scheduled_samples) for r in reqs]
+        if need < len(reqs):  # a slot a verify reserved at the next position is used as it is
+            fresh = iter(slots)
+            slots = [next(fresh) if _needs_slot(r) else r.kv_slots[r.num_computed] for r in reqs]
+        # else every row takes a new slot (no verify reserved one): no second test a row
+        return [Row(r, r.num_computed, [slot], None, r.num_scheduled_samples) for r, slot in zip(reqs, slots)]
 
     def _preempt(self, req: Request) -> None:
         assert not req.spec_extra, "preempting a request whose verify is in flight"
