@@ -68,10 +68,14 @@ class TierMoves:
     waits for; the window's (prefetch, write-ahead) run beside the step in flight."""
 
     prefetched: int = 0  # loads for waiting requests, in the processing window
-    admission_loaded: int = 0  # loads by an admission: its step's forward waits for them
-    # ... by why admission did not hold the request for prefetch (`admission_load_reason`)
+    # Loads by an admission (its step's forward waits for them), by why admission did not hold
+    # the request for prefetch (`admission_load_reason`).
     admission_loaded_by: Counter = field(default_factory=Counter)
     written_ahead: int = 0  # write-backs ahead of pressure, in the processing window
+
+    @property
+    def admission_loaded(self) -> int:
+        return sum(self.admission_loaded_by.values())
 
 
 def admission_load_reason(req: Request, loaded: int) -> str:
@@ -170,7 +174,6 @@ class PrefixCache:
             loaded, node = self._load_host_part(node, prefix, len(slots), self._load_tokens_left)
             self._load_tokens_left -= len(loaded)
             if loaded:
-                self.tier_moves.admission_loaded += len(loaded)
                 self.tier_moves.admission_loaded_by[admission_load_reason(req, len(loaded))] += len(loaded)
             slots = slots + loaded
         if slots:
