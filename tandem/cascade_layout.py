@@ -13,6 +13,12 @@ MAX_PARTS = 32  # work items (sequence chunks) per group prefix
 MIN_PART_TOKENS = 256  # below this a chunk's fixed cost outweighs the parallelism (as decode's splits)
 PART_ALIGN = 64  # chunks start on key-tile boundaries
 WORK_INTS = 4  # a work item: group, first key, end key, part index
+WORK_WAVES = 2  # a step's prefix chunks: about this many waves of (chunk, KV head) programs per SM
+
+
+def target_work_items(num_sms: int, num_kv_heads: int, waves: int = WORK_WAVES) -> int:
+    """Prefix chunks a step aims for: `waves` programs per SM over the KV heads."""
+    return -(-waves * num_sms // num_kv_heads)
 
 
 def max_group_rows(num_heads: int, num_kv_heads: int) -> int:
@@ -21,11 +27,12 @@ def max_group_rows(num_heads: int, num_kv_heads: int) -> int:
     return max(1, MAX_GROUP_QUERIES // (num_heads // num_kv_heads))
 
 
-def split_prefixes(lens: list[int], target_items: int) -> tuple[list[int], list[int]]:
-    """Cut each group's prefix (`lens`) into chunks so that ~`target_items` work items (about
-    two waves of SMs per KV head) share the total; no chunk under MIN_PART_TOKENS unless the
-    prefix is, at most MAX_PARTS a group. Returns the flat work items and parts per group."""
-    chunk = max(MIN_PART_TOKENS, -(-sum(lens) // max(target_items, 1)))
+def split_prefixes(lens: list[int], target_items: int, min_part: int = MIN_PART_TOKENS
+                   ) -> tuple[list[int], list[int]]:
+    """Cut each group's prefix (`lens`) into chunks so that ~`target_items` work items
+    (`target_work_items`) share the total; no chunk under `min_part` tokens unless the prefix
+    is, at most MAX_PARTS a group. Returns the flat work items and parts per group."""
+    chunk = max(min_part, -(-sum(lens) // max(target_items, 1)))
     work, parts = [], []
     for g, n in enumerate(lens):
         k = min(MAX_PARTS, max(1, -(-n // chunk)))

@@ -29,7 +29,7 @@ from tandem.grammar import GrammarManager, MaskFill
 from tandem.limits import context_error
 from tandem.cuda_graph import DecodeGraphs, default_buckets
 from tandem.kernels.extend_attention import extend_block_rows
-from tandem.cascade_layout import max_group_rows
+from tandem.cascade_layout import max_group_rows, target_work_items
 from tandem.config import EngineConfig, ModelConfig, resolve_device, resolve_dtype
 from tandem.memory.allocator import SlotAllocator
 from tandem.memory.host_kv import HostKVPool
@@ -366,14 +366,12 @@ class Engine:
             return None
         cfg = self.model_config
         rows = max_group_rows(cfg.num_heads, cfg.num_kv_heads)
-        if rows < 2:  # a group's queries would not fit one tile: nothing to share
-            return None
         sms = torch.cuda.get_device_properties(self.device).multi_processor_count if self.device.type == "cuda" else 4
-        items = -(-2 * sms // cfg.num_kv_heads)  # prefix chunks for ~2 waves of (chunk, KV head) programs
-        if mode == "on":
-            return CascadeRule.forced(rows, items)
+        items = target_work_items(sms, cfg.num_kv_heads)
         kv_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * self.dtype.itemsize
-        return CascadeRule.for_model(rows, items, kv_bytes)
+        rule = CascadeRule.forced(rows, items) if mode == "on" else CascadeRule.for_model(rows, items, kv_bytes)
+        # A group's queries must fit the shared pass's tile: too few rows fit, nothing groups.
+        return rule if rule.max_group_rows >= rule.min_group_rows else None
 
     def _spec_state(self, k: int) -> SpecState:
         spec, rows = self.speculative, self.num_request_slots  # per request slot

@@ -26,7 +26,7 @@ from tandem.sampling.noise import row_keys
 from tandem.sampling.prompt_logprobs import PromptLogprobs, compute_prompt_logprobs
 from tandem.scheduler.batch import ScheduledBatch
 from tandem.scheduler.cascade import FIELDS as CASCADE_FIELDS
-from tandem.scheduler.cascade import CascadePlan, CascadeRule, plan_cascade, staged_inputs
+from tandem.scheduler.cascade import CascadeMemo, CascadePlan, CascadeRule, plan_cascade, staged_inputs
 from tandem.speculative.graphs import VERIFY_FIELDS, VerifyGraphs, settle
 from tandem.speculative.state import SpecState, SpecStep
 from tandem.speculative.verify import Verdict, accept_rejection
@@ -94,7 +94,7 @@ class ModelRunner:
         self.mirror = mirror
         self.cascade = cascade  # decode steps group rows by shared prefix (cascade attention); None: off
         self.cascade_steps = self.cascade_rows = 0  # planned so far (stats)
-        self.cascade_paths: dict = {}  # the planner's memo of the rows' tree paths
+        self.cascade_memo = CascadeMemo()  # the planner's: the rows' tree paths and its last plan
         self.staged_ahead: StagedStep | None = None  # the next step's inputs, staged in a wait (stage_ahead)
         self.steps_staged_ahead = 0  # steps launched with inputs staged ahead (stats)
 
@@ -356,7 +356,7 @@ class ModelRunner:
         """Groups for a plain decode step (host facts only: the rows' tree paths and slots)."""
         if self.cascade is None or not batch.is_decode or batch.is_verify:
             return None
-        plan = plan_cascade(batch.rows, self.cascade, self.cascade_paths)
+        plan = plan_cascade(batch.rows, self.cascade, self.cascade_memo)
         if plan is not None:
             self.cascade_steps += 1
             self.cascade_rows += len(plan.group_rows)

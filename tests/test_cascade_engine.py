@@ -12,7 +12,7 @@ from tandem.memory.prefix_cache import PrefixCache
 from tandem.request import Request
 from tandem.sampling import SamplingParams
 from tandem.scheduler.batch import Row
-from tandem.scheduler.cascade import CascadeRule, plan_cascade
+from tandem.scheduler.cascade import CascadeMemo, CascadeRule, plan_cascade
 from test_prefix_cache import shared_prefix_specs
 from tiny_models import TEST_DEVICE
 from workload import Spec, assert_kv_conserved, run_workload
@@ -75,10 +75,11 @@ def test_auto_rule_skips_short_prefixes(tiny_text_model):
 
 
 def test_rule_scales_with_the_models_kv_bytes():
-    """The step threshold is a fixed cost in KV bytes: 8x the tokens with 1 KV head than 8."""
+    """The step threshold is a fixed cost in KV bytes: 8x the tokens with 1 KV head than 8.
+    Qwen3-0.6B's sits between the H100 crossover's losers (<= 31k saved) and winners (>= 57k)."""
     qwen = CascadeRule.for_model(32, 33, kv_bytes_per_token=2 * 28 * 8 * 128 * 2)
     one_head = CascadeRule.for_model(32, 33, kv_bytes_per_token=2 * 28 * 1 * 128 * 2)
-    assert 8000 < qwen.min_saved_tokens < 10000
+    assert 31_000 < qwen.min_saved_tokens < 57_000
     assert abs(one_head.min_saved_tokens - 8 * qwen.min_saved_tokens) <= 8
 
 
@@ -112,10 +113,44 @@ def test_plan_groups_rows_reading_the_same_node():
     # Larger groups are cut to the tile; the rule's thresholds drop short prefixes.
     cut = plan_cascade(rows, CascadeRule.forced(max_group_rows=2))
     assert cut.group_indptr == [0, 2, 4]
-    assert plan_cascade(rows, CascadeRule(min_shared_len=51, min_saved_tokens=0)) is None
+    assert plan_cascade(rows, CascadeRule(min_shared_len=51, min_group_rows=2, min_saved_tokens=0)) is None
+    assert plan_cascade(rows, CascadeRule(min_shared_len=50, min_group_rows=5, min_saved_tokens=0)) is None
     # The step-level rule: 4 rows x 50 shared tokens save 3 x 50 reads.
-    assert plan_cascade(rows, CascadeRule(min_shared_len=50, min_saved_tokens=150)) is not None
-    assert plan_cascade(rows, CascadeRule(min_shared_len=50, min_saved_tokens=151)) is None
+    assert plan_cascade(rows, CascadeRule(min_shared_len=50, min_group_rows=4, min_saved_tokens=150)) is not None
+    assert plan_cascade(rows, CascadeRule(min_shared_len=50, min_group_rows=4, min_saved_tokens=151)) is None
+
+
+def test_memo_reuses_the_plan_only_for_the_same_rows_on_the_same_paths():
+    cache = PrefixCache(SlotAllocator(400))
+    prefix = list(range(100, 150))
+    first = _admitted(cache, prefix + [1, 2], slot=1)
+    cache.cache_prefill(first)
+    others = [_admitted(cache, prefix + [3 + i, 9], slot=2 + i) for i in range(3)]
+    rows = [_decode_row(r) for r in [first, *others]]
+    rule, memo = CascadeRule.forced(max_group_rows=16), CascadeMemo()
+    plan = plan_cascade(rows, rule, memo)
+    assert plan_cascade(rows, rule, memo) is plan  # steady decode: the same rows, the same paths
+    assert plan_cascade(rows[::-1], rule, memo) is not plan  # another order: planned again
+    assert plan_cascade(rows[::-1], rule, memo).group_rows == [0, 1, 2, 3]
+    fewer = plan_cascade(rows[:3], rule, memo)
+    assert fewer.group_rows == [0, 1, 2]
+    assert plan_cascade(rows, rule, memo).group_rows == [0, 1, 2, 3]  # a row back: planned again
+    cache.cache_prefill(others[0])  # its cache_node moves down its own suffix: its path is read again
+    again = plan_cascade(rows, rule, memo)
+    assert again is not plan and again.shared_lens == plan.shared_lens
+
+
+def test_plan_without_shared_first_nodes_is_none_before_counting():
+    """Rows whose shallowest long-enough node is their own share nothing deeper either."""
+    cache = PrefixCache(SlotAllocator(2000))
+    head = [7]  # a one-token node all rows share: below min_shared_len, so no group
+    rows = []
+    for i in range(4):  # each cached before the next is admitted: the next matches the shared token
+        rows.append(_decode_row(_admitted(cache, head + [300 + 50 * i + j for j in range(300)], slot=1 + i)))
+        cache.cache_prefill(rows[-1].req)
+    rule = CascadeRule(min_shared_len=256, min_group_rows=2, min_saved_tokens=0)
+    assert plan_cascade(rows, rule) is None
+    assert plan_cascade(rows, CascadeRule.forced(max_group_rows=16)).shared_lens == [1, 1, 1, 1]
 
 
 def test_plan_excludes_duplicate_copies():

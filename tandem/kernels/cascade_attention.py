@@ -145,9 +145,14 @@ def cascade_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
 
 def shared_prefix_partials(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            req_to_token: torch.Tensor, req_slots: torch.Tensor, c: CascadeInputs, scale: float,
-                           mid_o: torch.Tensor, mid_lse: torch.Tensor, split_offset: int) -> None:
+                           mid_o: torch.Tensor, mid_lse: torch.Tensor, split_offset: int, *,
+                           block_n: int | None = None, num_warps: int = 4, num_stages: int = 3) -> None:
     """The shared part alone: each work item's chunk of its group's prefix, attended by all the
-    group's queries, into splits [split_offset, split_offset + MAX_PARTS) of the mid buffers."""
+    group's queries, into splits [split_offset, split_offset + MAX_PARTS) of the mid buffers.
+    The tile and launch shape are parameters for the kernel sweep (`bench.cascade_kernels
+    --sweep`). Three stages: on the H100 (session 40) 1.3-1.5x two (32 groups x 2,048 tokens:
+    0.107 against 0.157 ms, 2.5 TB/s); a 128-key tile with 8 warps, and more chunks than two
+    waves, were slower."""
     num_heads, head_dim = q.shape[1:]
     num_kv_heads = k_cache.shape[1]
     items = c.work.shape[0] // WORK_INTS
@@ -161,6 +166,6 @@ def shared_prefix_partials(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         scale * LOG2E, split_offset,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_M=max(16, next_power_of_2(c.max_group_size * group)),
-        BLOCK_N=default_block_n(head_dim), BLOCK_D=next_power_of_2(head_dim),
-        DOT_PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32", num_warps=4, num_stages=2,
+        BLOCK_N=block_n or default_block_n(head_dim), BLOCK_D=next_power_of_2(head_dim),
+        DOT_PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32", num_warps=num_warps, num_stages=num_stages,
     )

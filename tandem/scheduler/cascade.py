@@ -11,14 +11,15 @@ waits for the request's last launched step (the one-step lag), so the shared slo
 freed or reused while a queued step reads them.
 """
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from tandem.cascade_layout import WORK_INTS, CascadeInputs, split_prefixes
 from tandem.scheduler.batch import Row
 
-STEP_COST_BYTES = 1 << 30  # a cascade step's two extra kernels a layer, as KV streamed meanwhile (CascadeRule)
+# A cascade step's fixed cost (two more kernels a layer), as KV bytes its groups must save (CascadeRule).
+STEP_COST_BYTES = 5 << 30
 
 # Staged in this order; CascadeInputs takes the tensors in the same order.
 FIELDS = ("cascade_shared_lens", "cascade_shared_parts", "cascade_shared_src", "cascade_group_rows",
@@ -27,25 +28,25 @@ FIELDS = ("cascade_shared_lens", "cascade_shared_parts", "cascade_shared_src", "
 
 @dataclass(frozen=True)
 class CascadeRule:
-    """When grouping pays, per group and per step.
+    """When grouping pays, per group and per step: the measured crossover.
 
-    A cascade step runs two more kernels a layer than a plain one (the shared part and the
-    merge, the suffix part replacing the plain decode kernel): ~2 x 28 layers x a few us,
-    0.15-0.3 ms a step on the H200 even inside a graph, the time to stream ~0.6-1.2 GB at
-    ~4 TB/s (STEP_COST_BYTES), i.e. ~5-10k tokens of Qwen3-0.6B's KV (112 KiB a token over its
-    28 layers; Llama-3.1-8B: 128 KiB; a model with one KV head: 8x more tokens). So a step
-    groups only when its groups save >= `min_saved_tokens` token reads ((rows - 1) x prefix
-    length, summed), STEP_COST_BYTES in the model's KV bytes a token (`for_model`). Per group, the merge's partial outputs
-    cost ~32 KiB a row a layer against 4 KiB a shared token a layer saved, and FlashInfer's
-    cascade loses on 128-token prefixes: `min_shared_len` 256. All three numbers come from
-    this arithmetic, not from a measurement yet: the H200 sweep
-    (`python -m tandem.bench.cascade_kernels`) measures the crossover. `forced()` groups any
-    shared prefix (tests, A/B).
+    On the H100 (session 40, `python -m tandem.bench.cascade_kernels`, graph replays, Qwen3-0.6B
+    heads, 256-token suffixes) the cascade path beat the single-level kernel for groups of 8-16
+    rows over >= 512 shared tokens once the step's groups saved ~50k token reads, and lost
+    everywhere with 2 rows a group (0.55-0.74x) and mostly with 4 (0.66-0.88x, 1.09x at best):
+    the single-level kernel already reads a prefix its adjacent rows share mostly from L2, and
+    the cascade path runs two more kernels a layer (the shared part, the merge). So a group
+    needs `min_group_rows` 8 and `min_shared_len` 512, and a step groups only when its groups
+    save >= `min_saved_tokens` token reads ((rows - 1) x prefix length, summed): 5 GiB of KV
+    (STEP_COST_BYTES) in the model's bytes a token (`for_model`; 47k tokens of Qwen3-0.6B's
+    112 KiB: the sweep's winners saved >= 57k, its losers <= 31k). A model whose group of
+    query heads per KV head is 16 or more fits fewer than 8 rows in the shared pass's tile and
+    never groups. `forced()` groups any shared prefix (tests, A/B).
     """
 
-    min_shared_len: int = 256
-    min_group_rows: int = 2
-    min_saved_tokens: int = 8192
+    min_shared_len: int = 512
+    min_group_rows: int = 8
+    min_saved_tokens: int = 48 << 10
     max_group_rows: int = 16  # the kernel's M tile: set from the model's heads per KV head
     work_items: int = 32  # prefix chunks a step aims for: ~2 waves of SMs per KV head (the engine sets it)
 
@@ -97,15 +98,40 @@ class CascadePlan:
             self.work + [0] * (WORK_INTS * items - len(self.work)))))
 
 
-def plan_cascade(rows: list[Row], rule: CascadeRule, memo: dict | None = None) -> CascadePlan | None:
+@dataclass
+class CascadeMemo:
+    """What `plan_cascade` keeps between steps (the runner's): each row's read path while its
+    request keeps the same `cache_node`, and the last plan with the rows it was made for. The
+    same rows in the same order on the same paths make the same plan, so steady decode reuses
+    it (512 grouped rows: ~1 ms of host time a step to plan again)."""
+
+    paths: dict = field(default_factory=dict)  # id(request) -> (request, cache_node, min end, path)
+    rows: tuple = ()  # id of each row's request, in order, of the last plan
+    plan: "CascadePlan | None" = None
+
+
+def plan_cascade(rows: list[Row], rule: CascadeRule, memo: CascadeMemo | None = None) -> CascadePlan | None:
     """Groups of decode rows sharing a prefix the rule finds worth it; None when there are none.
     Each row joins the node on its read path that saves most (prefix length x (1 - 1/rows)).
-    `memo` (the caller's, kept between steps) holds each row's read path; it is left holding
-    only this step's rows."""
-    paths = _read_paths(rows, memo if memo is not None else {})
+    `memo` (the caller's, kept between steps, always with the same rule) is left holding only
+    this step's rows."""
+    memo = memo if memo is not None else CascadeMemo()
+    paths, unchanged = _read_paths(rows, memo.paths, rule.min_shared_len)
+    key = tuple(id(row.req) for row in rows)
+    if unchanged and key == memo.rows:
+        return memo.plan
+    memo.rows, memo.plan = key, _plan(rows, paths, rule)
+    return memo.plan
+
+
+def _plan(rows: list[Row], paths: list[list[tuple[int, int]]], rule: CascadeRule) -> CascadePlan | None:
+    # A node's rows all read its ancestors too, so each row's first (shallowest) node is its
+    # most shared one: when no first node is shared, nothing is. The common case without
+    # sharing ends here, after one count a row (256 rows: ~0.05 ms, not the ~0.4 of a full count).
+    firsts = Counter(path[0][0] for path in paths if path)
+    if not firsts or max(firsts.values()) < rule.min_group_rows:
+        return None
     counts = Counter(node for path in paths for node, _ in path)
-    if not counts or max(counts.values()) < rule.min_group_rows:
-        return None  # nothing shared (the common case without sharing): no per-row choice
     ends = {node: end for path in paths for node, end in path}
     score = {node: ends[node] * (1 - 1 / n) for node, n in counts.items() if rule.worth(ends[node], n)}
     chosen: dict[int, list[int]] = {}  # node -> rows
@@ -130,22 +156,25 @@ def plan_cascade(rows: list[Row], rule: CascadeRule, memo: dict | None = None) -
     return CascadePlan(shared_lens, shared_parts, shared_src, group_rows, indptr, work)
 
 
-def _read_paths(rows: list[Row], memo: dict) -> list[list[tuple[int, int]]]:
-    """Each row's read path, reused from `memo` while its request keeps the same `cache_node`.
+def _read_paths(rows: list[Row], memo: dict, min_end: int) -> tuple[list[list[tuple[int, int]]], bool]:
+    """Each row's read path, without the nodes ending before `min_end` (too short to group:
+    `CascadeRule.worth`), reused from `memo` while its request keeps the same `cache_node`;
+    and whether every row's was (and `memo` held no other rows).
     A reused path stays true: the request's slots below a node it read change only through
     release, and a readmission at the same node reads the whole path. (A node split since then
     is missing from it: a missed grouping, never a wrong one. Its node ids stay unique: the
     entry holds `cache_node`, whose parent links keep every node of the path alive.)"""
-    old, paths = dict(memo), []
+    old, paths, unchanged = dict(memo), [], len(memo) == len(rows)
     memo.clear()
     for row in rows:
         req = row.req
         hit = old.get(id(req))
-        if hit is None or hit[0] is not req or hit[1] is not req.cache_node:
-            hit = (req, req.cache_node, _read_path(req))
+        if hit is None or hit[0] is not req or hit[1] is not req.cache_node or hit[2] != min_end:
+            hit = (req, req.cache_node, min_end, [(node, end) for node, end in _read_path(req) if end >= min_end])
+            unchanged = False
         memo[id(req)] = hit
-        paths.append(hit[2])
-    return paths
+        paths.append(hit[3])
+    return paths, unchanged
 
 
 def _read_path(req) -> list[tuple[int, int]]:
