@@ -436,8 +436,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--cache", choices=["on", "off"], default="on")
-    ap.add_argument("--cascade", choices=["auto", "on", "off"], default="off",
-                    help="cascade attention experiment (shared prefixes read once per group)")
+    ap.add_argument("--cascade", choices=["auto", "on", "off"], default=Experiments().cascade_attention,
+                    help="cascade attention (shared prefixes read once per group; default: the engine's)")
     ap.add_argument("--compare", action="store_true", help="run cache on and off, each in its own process")
     ap.add_argument("--compare-cascade", action="store_true",
                     help="run cache off, cache on + cascade off, cache on + --cascade (auto when off)")

@@ -151,15 +151,15 @@ def _host_figures(path: Path, key: str) -> Figures:
 
 
 # ---- prefix cache on vs off, cascade attention on vs off: one process per configuration ----
-def prefix(ctx: Ctx, preset: str, cache: str, budget: float, cascade: str = "off") -> RunSpec:
-    """`cascade` off is the engine's default (figures keyed cache_on / cache_off as before);
-    another value is an A/B side of the cascade attention experiment (cache_on_cascade_auto)."""
+def prefix(ctx: Ctx, preset: str, cache: str, budget: float, cascade: str | None = None) -> RunSpec:
+    """`cascade` None: the engine's default (figures keyed cache_on / cache_off); a value is an
+    A/B side of cascade attention (cache_on_cascade_off)."""
     model = ctx.model(preset)
     sizes = (["--groups", "2", "--per-group", "2", "--system-len", "32", "--question-len", "8", "--output-len", "8"]
              if ctx.quick else ["--max-running-requests", "512"])  # 512: docs/benchmarks.md, run 2
     argv = [*BENCH, "prefix", "--preset", model, "--device", ctx.device, "--workload", "shared",
-            *sizes, "--cache", cache, "--cascade", cascade]
-    ab = "" if cascade == "off" else f"_cascade_{cascade}"
+            *sizes, "--cache", cache, *(["--cascade", cascade] if cascade else [])]
+    ab = "" if cascade is None else f"_cascade_{cascade}"
     key = f"prefix.{model}.shared.cache_{cache}{ab}"
     run = f"prefix-{model}-shared-{cache}{ab.replace('_', '-')}"
     return RunSpec("prefix", run, argv, budget, lambda _, log: _prefix_figures(log, key))
