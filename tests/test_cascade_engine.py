@@ -97,12 +97,17 @@ def _decode_row(req: Request) -> Row:
     return Row(req, req.num_computed, [0], None, 0)
 
 
-def test_plan_groups_rows_reading_the_same_node():
-    cache = PrefixCache(SlotAllocator(400))
+def _one_prefix_four_readers(cache: PrefixCache) -> tuple[Request, list[Request]]:
+    """A request that cached a 50-token prefix, and three admitted after it that read it."""
     prefix = list(range(100, 150))
     first = _admitted(cache, prefix + [1, 2], slot=1)
     cache.cache_prefill(first)
-    others = [_admitted(cache, prefix + [3 + i, 9], slot=2 + i) for i in range(3)]
+    return first, [_admitted(cache, prefix + [3 + i, 9], slot=2 + i) for i in range(3)]
+
+
+def test_plan_groups_rows_reading_the_same_node():
+    cache = PrefixCache(SlotAllocator(400))
+    first, others = _one_prefix_four_readers(cache)
     lone = _admitted(cache, list(range(500, 560)), slot=9)
     rows = [_decode_row(r) for r in [others[0], lone, first, others[1], others[2]]]
     plan = plan_cascade(rows, CascadeRule.forced(max_group_rows=16))
@@ -122,10 +127,7 @@ def test_plan_groups_rows_reading_the_same_node():
 
 def test_memo_reuses_the_plan_only_for_the_same_rows_on_the_same_paths():
     cache = PrefixCache(SlotAllocator(400))
-    prefix = list(range(100, 150))
-    first = _admitted(cache, prefix + [1, 2], slot=1)
-    cache.cache_prefill(first)
-    others = [_admitted(cache, prefix + [3 + i, 9], slot=2 + i) for i in range(3)]
+    first, others = _one_prefix_four_readers(cache)
     rows = [_decode_row(r) for r in [first, *others]]
     rule, memo = CascadeRule.forced(max_group_rows=16), CascadeMemo()
     plan = plan_cascade(rows, rule, memo)
