@@ -33,13 +33,13 @@ class CascadeRule:
     On the H100 (session 40, `python -m tandem.bench.cascade_kernels`, graph replays, Qwen3-0.6B
     heads, 256-token suffixes) the cascade path beat the single-level kernel for groups of 8-16
     rows over >= 512 shared tokens once the step's groups saved ~50k token reads, and lost
-    everywhere with 2 rows a group (0.55-0.74x) and mostly with 4 (0.66-0.88x, 1.09x at best):
+    everywhere with 2 rows a group (0.49-0.74x) and with 4 below 2,048 tokens (0.55-0.96x):
     the single-level kernel already reads a prefix its adjacent rows share mostly from L2, and
     the cascade path runs two more kernels a layer (the shared part, the merge). So a group
     needs `min_group_rows` 8 and `min_shared_len` 512, and a step groups only when its groups
     save >= `min_saved_tokens` token reads ((rows - 1) x prefix length, summed): 5 GiB of KV
     (STEP_COST_BYTES) in the model's bytes a token (`for_model`; 47k tokens of Qwen3-0.6B's
-    112 KiB: the sweep's winners saved >= 57k, its losers <= 31k). A model whose group of
+    112 KiB: among such groups the sweep's winners saved >= 57k, its losers <= 31k). A model whose group of
     query heads per KV head is 16 or more fits fewer than 8 rows in the shared pass's tile and
     never groups. `forced()` groups any shared prefix (tests, A/B).
     """
