@@ -9,8 +9,8 @@ bandwidth the shared part achieves.
         --waves 2 8 16 --tile 64:4:2 128:8:3                    # the shared part's chunking and tile
 
 Each case: G groups of R rows; a row's keys are its group's shared prefix (P tokens) and its
-own suffix (U tokens). Times (ms, device events over CUDA-graph replays, as the engine runs): the single-level decode kernel over all
-P + U keys; the whole cascade path (suffix part, shared part, merge); the shared part alone;
+own suffix (U tokens). Times (ms, device events over CUDA-graph replays, as the engine runs):
+the single-level decode kernel over all P + U keys; the whole cascade path (suffix part, shared part, merge); the shared part alone;
 the suffix part alone; the merge (the whole path less both parts). Bandwidth: KV bytes each
 reads once (single: every row's P + U keys; shared part: each group's P keys; suffix part:
 every row's U keys) / its time.
@@ -133,7 +133,8 @@ def run_case(case: Case, dtype: torch.dtype, device: torch.device, reps: int, sh
 
 COLUMNS = ["heads", "groups", "rows", "shared", "suffix", "single_ms", "cascade_ms", "speedup", "shared_ms",
            "suffix_ms", "merge_ms", "single_gb_s", "shared_gb_s", "suffix_gb_s"]
-SWEEP_COLUMNS = ["heads", "groups", "rows", "shared", "suffix", "waves", "min_part", "tile", "items", "shared_ms", "shared_gb_s"]
+SWEEP_COLUMNS = ["heads", "groups", "rows", "shared", "suffix", "waves", "min_part", "tile", "items", "shared_ms",
+                 "shared_gb_s"]
 
 
 def main(argv: list[str] | None = None) -> int:

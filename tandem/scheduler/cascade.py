@@ -39,9 +39,9 @@ class CascadeRule:
     needs `min_group_rows` 8 and `min_shared_len` 512, and a step groups only when its groups
     save >= `min_saved_tokens` token reads ((rows - 1) x prefix length, summed): 5 GiB of KV
     (STEP_COST_BYTES) in the model's bytes a token (`for_model`; 47k tokens of Qwen3-0.6B's
-    112 KiB: among such groups the sweep's winners saved >= 57k, its losers <= 31k). A model whose group of
-    query heads per KV head is 16 or more fits fewer than 8 rows in the shared pass's tile and
-    never groups. `forced()` groups any shared prefix (tests, A/B).
+    112 KiB: among such groups the sweep's winners saved >= 57k, its losers <= 31k). A model
+    whose group of query heads per KV head is 16 or more fits fewer than 8 rows in the shared
+    pass's tile and never groups. `forced()` groups any shared prefix (tests, A/B).
     """
 
     min_shared_len: int = 512
