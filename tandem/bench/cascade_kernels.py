@@ -10,10 +10,10 @@ bandwidth the shared part achieves.
 
 Each case: G groups of R rows; a row's keys are its group's shared prefix (P tokens) and its
 own suffix (U tokens). Times (ms, device events over CUDA-graph replays, as the engine runs):
-the single-level decode kernel over all P + U keys; the whole cascade path (suffix part, shared part, merge); the shared part alone;
-the suffix part alone; the merge (the whole path less both parts). Bandwidth: KV bytes each
-reads once (single: every row's P + U keys; shared part: each group's P keys; suffix part:
-every row's U keys) / its time.
+the single-level decode kernel over all P + U keys; the whole cascade path (suffix part,
+shared part, merge); the shared part alone; the suffix part alone; the merge (the whole path
+less both parts). Bandwidth: KV bytes each reads once (single: every row's P + U keys; shared
+part: each group's P keys; suffix part: every row's U keys) / its time.
 """
 from __future__ import annotations
 
