@@ -267,3 +267,25 @@ def test_the_host_run_measures_decode_steps_that_detokenize(tmp_path, text):
     host = figs[f"{key}.host_ms_per_step"]
     assert host.better == "lower" and 0 < host.value
     assert figs[f"{key}.process_ms"].better == "none"
+
+
+def test_the_prefix_part_runs_the_default_and_cascade_off_and_derives_both_ratios(tmp_path):
+    """Issue 22's two figures: the default (cascade auto) over cache off, and over cache on
+    without cascade; the default run passes no --cascade (it follows the engine's default)."""
+    from tandem.bench.suite_runs import Ctx, _prefix_figures, derived, plan
+    ctx = Ctx(quick=False, device="cuda", raw=tmp_path, tokenizer=None)
+    runs = {r.name: r for r in plan(ctx) if r.part == "prefix"}
+    assert set(runs) == {"prefix-qwen3-0.6b-shared-on", "prefix-qwen3-0.6b-shared-off",
+                         "prefix-qwen3-0.6b-shared-on-cascade-off"}
+    assert "--cascade" not in runs["prefix-qwen3-0.6b-shared-on"].argv
+    assert runs["prefix-qwen3-0.6b-shared-on-cascade-off"].argv[-2:] == ["--cascade", "off"]
+    row = {"workload": "shared", "output_tok_s": 0.0, "ttft_p50_ms": 500.0, "ttft_p99_ms": 600.0, "hit_rate": 0.88,
+           "gpu_busy": 0.99}
+    figs = {}
+    for name, tok_s in (("shared-on", 29_000.0), ("shared-off", 7_250.0), ("shared-on-cascade-off", 18_125.0)):
+        log = tmp_path / f"{name}.log"
+        log.write_text(json.dumps({**row, "output_tok_s": tok_s}) + "\n")
+        figs.update(runs[f"prefix-qwen3-0.6b-{name}"].figures(tmp_path / "unused.json", log))
+    ratios = derived(figs)
+    assert ratios["prefix.qwen3-0.6b.shared.cache_on_over_off"].value == 4.0
+    assert ratios["prefix.qwen3-0.6b.shared.cascade_over_off"].value == 1.6

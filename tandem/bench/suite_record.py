@@ -17,8 +17,8 @@ from pathlib import Path
 SCHEMA = 1
 HEADLINE = ("tests.*", "offline.*.output_tok_s", "offline.*.roofline_fraction", "offline.*.overlap_on_over_off",
             "latency.*.b*.tok_s", "latency.*.ttft_1024_ms", "prefix.*.cache_on_over_off",
-            "prefix.*.cache_on.ttft_p50_ms", "grammar.*.constrained_over_unconstrained", "*fp8_over_bf16*",
-            "serve.*.startup_s", "serve.*.rate*.output_tok_s", "serve.*.rate*.ttft_p50_ms",
+            "prefix.*.cascade_over_off", "prefix.*.cache_on.ttft_p50_ms", "grammar.*.constrained_over_unconstrained",
+            "*fp8_over_bf16*", "serve.*.startup_s", "serve.*.rate*.output_tok_s", "serve.*.rate*.ttft_p50_ms",
             "serve.*.rate*.tpot_p50_ms", "serve.*.rate*.gpu_busy", "serve.*.serve_over_engine",
             "host.*.host_ms_per_step", "host.*.gpu_busy")
 
