@@ -142,8 +142,9 @@ def test_memo_reuses_the_plan_only_for_the_same_rows_on_the_same_paths():
     assert again is not plan and again.shared_lens == plan.shared_lens
 
 
-def test_plan_without_shared_first_nodes_is_none_before_counting():
-    """Rows whose shallowest long-enough node is their own share nothing deeper either."""
+def test_rows_sharing_only_a_node_too_short_to_group_get_no_plan():
+    """Rows whose shallowest long-enough node is their own share nothing deeper either: no plan,
+    though a rule that groups any length groups them at the short node."""
     cache = PrefixCache(SlotAllocator(2000))
     head = [7]  # a one-token node all rows share: below min_shared_len, so no group
     rows = []
