@@ -142,6 +142,21 @@ def test_memo_reuses_the_plan_only_for_the_same_rows_on_the_same_paths():
     assert again is not plan and again.shared_lens == plan.shared_lens
 
 
+def test_copies_of_a_512_token_prompt_group_under_the_default_rule():
+    """Copies of one prompt share all but its last token (each computes that one itself): the
+    default length bound lets 16 copies of a 512-token prompt group at 511 shared tokens."""
+    cache = PrefixCache(SlotAllocator(20_000))
+    prompt = list(range(1000, 1512))
+    first = _admitted(cache, prompt, slot=1)
+    cache.cache_prefill(first)
+    copies = [_admitted(cache, prompt, slot=2 + i) for i in range(15)]
+    assert {c.cached_len for c in copies} == {511}
+    rows = [_decode_row(r) for r in [first, *copies]]
+    plan = plan_cascade(rows, CascadeRule(min_saved_tokens=0))
+    assert plan is not None and plan.group_indptr == [0, 16] and set(plan.shared_lens) == {511}
+    assert plan_cascade(rows, CascadeRule(min_shared_len=512, min_saved_tokens=0)) is None
+
+
 def test_rows_sharing_only_a_node_too_short_to_group_get_no_plan():
     """Rows whose shallowest long-enough node is their own share nothing deeper either: no plan,
     though a rule that groups any length groups them at the short node."""

@@ -37,15 +37,19 @@ class CascadeRule:
     everywhere with 2 rows a group (0.49-0.74x) and with 4 below 2,048 tokens (0.55-0.96x):
     the single-level kernel already reads a prefix its adjacent rows share mostly from L2, and
     the cascade path runs two more kernels a layer (the shared part, the merge). So a group
-    needs `min_group_rows` 8 and `min_shared_len` 512, and a step groups only when its groups
+    needs `min_group_rows` 8 and `min_shared_len` 512 (511: below), and a step groups only when its groups
     save >= `min_saved_tokens` token reads ((rows - 1) x prefix length, summed): 5 GiB of KV
     (STEP_COST_BYTES) in the model's bytes a token (`for_model`; 47k tokens of Qwen3-0.6B's
     112 KiB: among such groups the sweep's winners saved >= 57k, its losers <= 31k). A model
     whose group of query heads per KV head is 16 or more fits fewer than 8 rows in the shared
     pass's tile and never groups. `forced()` groups any shared prefix (tests, A/B).
+    The length bound is 511, not the 512 measured: copies of an N-token prompt (`n` samples,
+    best-of, a repeated prompt) share N - 1 tokens, as each request computes the last prompt
+    token itself for its logits; with 512, 512-token prompts never grouped (session 41, H100:
+    the samples workload ran 0 cascade steps).
     """
 
-    min_shared_len: int = 512
+    min_shared_len: int = 511
     min_group_rows: int = 8
     min_saved_tokens: int = 48 << 10
     max_group_rows: int = 16  # the kernel's M tile: set from the model's heads per KV head
