@@ -157,6 +157,15 @@ def test_kernel_benchmark_runs_tiny():
     swept = bench.Case((4, 2, 32), groups=2, rows=3, shared=70, suffix=9, waves=8, min_part=16, tile=(16, 4, 1))
     row = bench.run_case(swept, torch.float32, torch.device(DEVICE), reps=1, shared_only=True)
     assert set(row) == set(bench.SWEEP_COLUMNS) and row["items"] > 2 and row["shared_ms"] > 0
+    # Decode's layout: each row's own keys interleaved with the other rows', the same attention.
+    dec = bench.Case((4, 2, 32), groups=2, rows=3, shared=70, suffix=9, suffix_layout="decode")
+    d2 = bench.build(dec, torch.float32, torch.device(DEVICE))
+    own = d2["table"][1:, 70:]
+    assert (own[1:, 0] - own[:-1, 0] == 1).all() and (own[:, 1] - own[:, 0] == 6).all()
+    assert own.unique().numel() == own.numel() and (d2["table"][1:, :70] == d["table"][1:, :70]).all()
+    args2 = (d2["q"], d2["k"], d2["v"], d2["table"], d2["req_slots"], d2["seq_lens"])
+    torch.testing.assert_close(cascade_attention(*args2, d2["layout"], 0.3, 79),
+                               ref.decode_attention(*args2, 0.3, 79), atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("suffix_splits", [1, 3, 8, 9, 17, 64])

@@ -41,6 +41,9 @@ class Case:
     waves: int = WORK_WAVES  # the layout's chunking (`target_work_items`)
     min_part: int = MIN_PART_TOKENS
     tile: tuple[int, int, int] = (0, 4, 3)  # the shared kernel's BLOCK_N (0: its default), warps, stages
+    # Where each row's own keys lie: "contiguous" (a prefill's), or "decode": interleaved with the
+    # other rows' (token j of row b at own + j * batch + b), as rows decoding in step take slots.
+    suffix_layout: str = "contiguous"
 
 
 def build(case: Case, dtype: torch.dtype, device: torch.device) -> dict:
@@ -56,7 +59,9 @@ def build(case: Case, dtype: torch.dtype, device: torch.device) -> dict:
     for b in range(batch):
         g = b // case.rows
         table[b + 1, :case.shared] = torch.arange(1 + g * case.shared, 1 + (g + 1) * case.shared)
-        table[b + 1, case.shared:] = torch.arange(own + b * case.suffix, own + (b + 1) * case.suffix)
+        table[b + 1, case.shared:] = (torch.arange(own + b, own + batch * case.suffix, batch)
+                                      if case.suffix_layout == "decode" else
+                                      torch.arange(own + b * case.suffix, own + (b + 1) * case.suffix))
     work, parts = split_prefixes([case.shared] * case.groups,
                                  target_work_items(_num_sms(device), num_kv_heads, case.waves), case.min_part)
     ints = lambda x: torch.tensor(x, dtype=torch.int32, device=device)  # noqa: E731
@@ -112,7 +117,7 @@ def run_case(case: Case, dtype: torch.dtype, device: torch.device, reps: int, sh
                      reps, device)
     token_bytes = 2 * case.heads[1] * case.heads[2] * k.element_size()  # K and V of one token
     row = dict(heads="x".join(map(str, case.heads)), groups=case.groups, rows=case.rows, shared=case.shared,
-               suffix=case.suffix, waves=case.waves, min_part=case.min_part, tile=":".join(map(str, case.tile)),
+               suffix=case.suffix, layout=case.suffix_layout, waves=case.waves, min_part=case.min_part, tile=":".join(map(str, case.tile)),
                items=lay.work.numel() // 4, shared_ms=shared,
                shared_gb_s=case.groups * case.shared * token_bytes / shared / 1e6)
     if shared_only:
@@ -131,9 +136,9 @@ def run_case(case: Case, dtype: torch.dtype, device: torch.device, reps: int, sh
                       suffix_gb_s=batch * case.suffix * token_bytes / suffix / 1e6)
 
 
-COLUMNS = ["heads", "groups", "rows", "shared", "suffix", "single_ms", "cascade_ms", "speedup", "shared_ms",
+COLUMNS = ["heads", "groups", "rows", "shared", "suffix", "layout", "single_ms", "cascade_ms", "speedup", "shared_ms",
            "suffix_ms", "merge_ms", "single_gb_s", "shared_gb_s", "suffix_gb_s"]
-SWEEP_COLUMNS = ["heads", "groups", "rows", "shared", "suffix", "waves", "min_part", "tile", "items", "shared_ms",
+SWEEP_COLUMNS = ["heads", "groups", "rows", "shared", "suffix", "layout", "waves", "min_part", "tile", "items", "shared_ms",
                  "shared_gb_s"]
 
 
@@ -145,6 +150,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--group-size", type=int, nargs="+", default=[2, 4, 8, 16])
     ap.add_argument("--groups", type=int, nargs="+", default=[4, 32])
     ap.add_argument("--suffix-len", type=int, default=256)
+    ap.add_argument("--suffix-layout", nargs="+", choices=["contiguous", "decode"], default=["contiguous"],
+                    help="each row's own keys: contiguous slots (a prefill's) or interleaved across rows "
+                         "(decode's: rows decoding together take consecutive slots)")
     ap.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--reps", type=int, default=50)
@@ -160,11 +168,12 @@ def main(argv: list[str] | None = None) -> int:
     columns = SWEEP_COLUMNS if args.sweep else COLUMNS
     tiles = [tuple(int(x) for x in t.split(":")) for t in args.tile]
     print("| " + " | ".join(columns) + " |\n|" + "---|" * len(columns))
-    for groups, rows, shared, waves, min_part, tile in itertools.product(
-            args.groups, args.group_size, args.shared_len, args.waves, args.min_part_tokens, tiles):
+    for groups, rows, shared, waves, min_part, tile, layout in itertools.product(
+            args.groups, args.group_size, args.shared_len, args.waves, args.min_part_tokens, tiles,
+            args.suffix_layout):
         if rows > limit:
             continue
-        case = Case(tuple(args.heads), groups, rows, shared, args.suffix_len, waves, min_part, tile)
+        case = Case(tuple(args.heads), groups, rows, shared, args.suffix_len, waves, min_part, tile, layout)
         r = run_case(case, dtype, device, args.reps, shared_only=args.sweep)
         print("| " + " | ".join(f"{r[c]:.3f}" if isinstance(r[c], float) else str(r[c]) for c in columns) + " |",
               flush=True)
