@@ -279,7 +279,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="another tolerance for figures matching GLOB, e.g. 'serve.*.ttft_p99_ms=0.25'")
     ap.add_argument("--budget", type=_pairs, action="append", default=[], metavar="RUN=SECONDS",
                     help="another time budget for one run (names as in the record's parts)")
-    ap.add_argument("--deadline", type=float, help="seconds for the whole suite (default 540; quick 300)")
+    ap.add_argument("--deadline", type=float, help="seconds for the whole suite (default 590: one device call; quick 300)")
     ap.add_argument("--tests", nargs="+", help="test paths (default: tests; quick: tests/test_gpu_diagnostics.py)")
     ap.add_argument("--test-workers", type=int, help="processes for the tests' shared pass "
                     "(default: one per ~2.5 cores, at most 6, with pytest-xdist on a GPU; else 1)")
@@ -298,7 +298,7 @@ def _defaults(args: argparse.Namespace) -> None:
         raise SystemExit(f"tandem bench suite: unknown parts {sorted(unknown)}; choose from {','.join(PARTS)}")
     args.out = args.out or ("out/bench-records" if args.quick else "docs/bench-records")
     args.history = args.history or (args.out if args.quick else "docs/bench-records")
-    args.deadline = args.deadline or (300.0 if args.quick else 540.0)
+    args.deadline = args.deadline or (300.0 if args.quick else 590.0)
     args.tests = args.tests or (["tests/test_gpu_diagnostics.py"] if args.quick else ["tests"])
     args.tolerance_for = dict(args.tolerance_for)
     args.budget = dict(args.budget)
