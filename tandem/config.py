@@ -211,12 +211,12 @@ class Experiments:
     # and cached prefixes, on the path between the two forwards: docs/benchmarks.md, session 26).
     stage_prefill_ahead: bool = True
     # Cascade decode attention (rows sharing a cached prefix read it once per group): auto groups
-    # by `CascadeRule`'s measured crossover (groups of >= 8 rows over >= 512 shared tokens, steps
+    # by `CascadeRule`'s measured crossover (groups of >= 8 rows over >= 511 shared tokens, steps
     # saving >= 5 GiB of KV reads), on groups every shared prefix (>= 2 rows), off never. Auto
     # since session 40 (H100, 2f20c1d): the shared-prefix workload 1.57x (29,440 against 18,727
-    # output tok/s; 3.74x the cache off), n=16 samples ~1.02x, start-up and graph memory
-    # unchanged (19.3 against 19.7 s, 326 MiB), host ms a 256-row step without sharing +0.1-0.2
-    # (the planner's per-row path check; docs/benchmarks.md, session 40).
+    # output tok/s; 3.74x the cache off), start-up and graph memory unchanged (19.3 against
+    # 19.7 s, 326 MiB). Session 41 (9ccce6a): n=16 samples of 512-token prompts 1.09x; host ms a
+    # 256-row step without sharing within noise of off (docs/benchmarks.md).
     cascade_attention: str = "auto"
     # Decode at small batch (issue 21): RoPE writes the new K/V into the cache in the same launch
     # (off: a separate KV-write kernel per layer).
