@@ -166,6 +166,14 @@ def test_kernel_benchmark_runs_tiny():
     args2 = (d2["q"], d2["k"], d2["v"], d2["table"], d2["req_slots"], d2["seq_lens"])
     torch.testing.assert_close(cascade_attention(*args2, d2["layout"], 0.3, 79),
                                ref.decode_attention(*args2, 0.3, 79), atol=1e-4, rtol=1e-4)
+    # The random layout: own keys anywhere in a larger pool, still distinct.
+    rnd = bench.Case((4, 2, 32), groups=2, rows=3, shared=70, suffix=9, suffix_layout="random", pool_tokens=500)
+    d3 = bench.build(rnd, torch.float32, torch.device(DEVICE))
+    own3 = d3["table"][1:, 70:]
+    assert own3.unique().numel() == own3.numel() and int(own3.max()) < d3["k"].shape[0] and int(own3.max()) > 141 + 54
+    args3 = (d3["q"], d3["k"], d3["v"], d3["table"], d3["req_slots"], d3["seq_lens"])
+    torch.testing.assert_close(cascade_attention(*args3, d3["layout"], 0.3, 79),
+                               ref.decode_attention(*args3, 0.3, 79), atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("suffix_splits", [1, 3, 8, 9, 17, 64])

@@ -41,9 +41,11 @@ class Case:
     waves: int = WORK_WAVES  # the layout's chunking (`target_work_items`)
     min_part: int = MIN_PART_TOKENS
     tile: tuple[int, int, int] = (0, 4, 3)  # the shared kernel's BLOCK_N (0: its default), warps, stages
-    # Where each row's own keys lie: "contiguous" (a prefill's), or "decode": interleaved with the
-    # other rows' (token j of row b at own + j * batch + b), as rows decoding in step take slots.
+    # Where each row's own keys lie: "contiguous" (a prefill's), "decode": interleaved with the
+    # other rows' (token j of row b at own + j * batch + b), as rows decoding in step take slots,
+    # or "random": anywhere in a pool of `pool_tokens` slots (a long-running engine's free list).
     suffix_layout: str = "contiguous"
+    pool_tokens: int = 0  # "random": the own keys' pool (0: 8x the keys they need)
 
 
 def build(case: Case, dtype: torch.dtype, device: torch.device) -> dict:
@@ -51,16 +53,20 @@ def build(case: Case, dtype: torch.dtype, device: torch.device) -> dict:
     slots, then its own."""
     num_heads, num_kv_heads, head_dim = case.heads
     batch = case.groups * case.rows
-    slots = 1 + case.groups * case.shared + batch * case.suffix
+    own_keys = batch * case.suffix
+    pool = max(case.pool_tokens, own_keys) if case.pool_tokens else 8 * own_keys
+    slots = 1 + case.groups * case.shared + (pool if case.suffix_layout == "random" else own_keys)
     k = torch.randn(slots, num_kv_heads, head_dim, device=device).to(dtype)
     v = torch.randn(slots, num_kv_heads, head_dim, device=device).to(dtype)
     table = torch.zeros(batch + 1, case.shared + case.suffix, dtype=torch.int32, device=device)
     own = 1 + case.groups * case.shared
+    scattered = own + torch.randperm(pool, generator=torch.Generator().manual_seed(0))[:own_keys].view(batch, -1)
     for b in range(batch):
         g = b // case.rows
         table[b + 1, :case.shared] = torch.arange(1 + g * case.shared, 1 + (g + 1) * case.shared)
         table[b + 1, case.shared:] = (torch.arange(own + b, own + batch * case.suffix, batch)
-                                      if case.suffix_layout == "decode" else
+                                      if case.suffix_layout == "decode" else scattered[b]
+                                      if case.suffix_layout == "random" else
                                       torch.arange(own + b * case.suffix, own + (b + 1) * case.suffix))
     work, parts = split_prefixes([case.shared] * case.groups,
                                  target_work_items(_num_sms(device), num_kv_heads, case.waves), case.min_part)
@@ -150,9 +156,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--group-size", type=int, nargs="+", default=[2, 4, 8, 16])
     ap.add_argument("--groups", type=int, nargs="+", default=[4, 32])
     ap.add_argument("--suffix-len", type=int, default=256)
-    ap.add_argument("--suffix-layout", nargs="+", choices=["contiguous", "decode"], default=["contiguous"],
-                    help="each row's own keys: contiguous slots (a prefill's) or interleaved across rows "
-                         "(decode's: rows decoding together take consecutive slots)")
+    ap.add_argument("--suffix-layout", nargs="+", choices=["contiguous", "decode", "random"], default=["contiguous"],
+                    help="each row's own keys: contiguous slots (a prefill's), interleaved across rows "
+                         "(decode's: rows decoding together take consecutive slots) or random in a pool of "
+                         "--pool-tokens slots")
+    ap.add_argument("--pool-tokens", type=int, default=0,
+                    help="the random layout's pool of own-key slots (0: 8x the keys; the engine's whole KV pool "
+                         "tests the address spread of a long-running engine)")
     ap.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--reps", type=int, default=50)
@@ -173,7 +183,8 @@ def main(argv: list[str] | None = None) -> int:
             args.suffix_layout):
         if rows > limit:
             continue
-        case = Case(tuple(args.heads), groups, rows, shared, args.suffix_len, waves, min_part, tile, layout)
+        case = Case(tuple(args.heads), groups, rows, shared, args.suffix_len, waves, min_part, tile, layout,
+                    args.pool_tokens)
         r = run_case(case, dtype, device, args.reps, shared_only=args.sweep)
         print("| " + " | ".join(f"{r[c]:.3f}" if isinstance(r[c], float) else str(r[c]) for c in columns) + " |",
               flush=True)
