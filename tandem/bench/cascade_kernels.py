@@ -123,7 +123,8 @@ def run_case(case: Case, dtype: torch.dtype, device: torch.device, reps: int, sh
                      reps, device)
     token_bytes = 2 * case.heads[1] * case.heads[2] * k.element_size()  # K and V of one token
     row = dict(heads="x".join(map(str, case.heads)), groups=case.groups, rows=case.rows, shared=case.shared,
-               suffix=case.suffix, layout=case.suffix_layout, waves=case.waves, min_part=case.min_part, tile=":".join(map(str, case.tile)),
+               suffix=case.suffix, layout=case.suffix_layout, waves=case.waves, min_part=case.min_part,
+               tile=":".join(map(str, case.tile)),
                items=lay.work.numel() // 4, shared_ms=shared,
                shared_gb_s=case.groups * case.shared * token_bytes / shared / 1e6)
     if shared_only:
@@ -142,10 +143,10 @@ def run_case(case: Case, dtype: torch.dtype, device: torch.device, reps: int, sh
                       suffix_gb_s=batch * case.suffix * token_bytes / suffix / 1e6)
 
 
-COLUMNS = ["heads", "groups", "rows", "shared", "suffix", "layout", "single_ms", "cascade_ms", "speedup", "shared_ms",
-           "suffix_ms", "merge_ms", "single_gb_s", "shared_gb_s", "suffix_gb_s"]
-SWEEP_COLUMNS = ["heads", "groups", "rows", "shared", "suffix", "layout", "waves", "min_part", "tile", "items", "shared_ms",
-                 "shared_gb_s"]
+COLUMNS = ["heads", "groups", "rows", "shared", "suffix", "layout", "single_ms", "cascade_ms", "speedup",
+           "shared_ms", "suffix_ms", "merge_ms", "single_gb_s", "shared_gb_s", "suffix_gb_s"]
+SWEEP_COLUMNS = ["heads", "groups", "rows", "shared", "suffix", "layout", "waves", "min_part", "tile", "items",
+                 "shared_ms", "shared_gb_s"]
 
 
 def main(argv: list[str] | None = None) -> int:
