@@ -53,21 +53,16 @@ def build(case: Case, dtype: torch.dtype, device: torch.device) -> dict:
     slots, then its own."""
     num_heads, num_kv_heads, head_dim = case.heads
     batch = case.groups * case.rows
-    own_keys = batch * case.suffix
-    pool = max(case.pool_tokens, own_keys) if case.pool_tokens else 8 * own_keys
-    slots = 1 + case.groups * case.shared + (pool if case.suffix_layout == "random" else own_keys)
+    own_slots, pool = _own_slots(case, batch)
+    slots = 1 + case.groups * case.shared + pool
     k = torch.randn(slots, num_kv_heads, head_dim, device=device).to(dtype)
     v = torch.randn(slots, num_kv_heads, head_dim, device=device).to(dtype)
     table = torch.zeros(batch + 1, case.shared + case.suffix, dtype=torch.int32, device=device)
     own = 1 + case.groups * case.shared
-    scattered = own + torch.randperm(pool, generator=torch.Generator().manual_seed(0))[:own_keys].view(batch, -1)
     for b in range(batch):
         g = b // case.rows
         table[b + 1, :case.shared] = torch.arange(1 + g * case.shared, 1 + (g + 1) * case.shared)
-        table[b + 1, case.shared:] = (torch.arange(own + b, own + batch * case.suffix, batch)
-                                      if case.suffix_layout == "decode" else scattered[b]
-                                      if case.suffix_layout == "random" else
-                                      torch.arange(own + b * case.suffix, own + (b + 1) * case.suffix))
+        table[b + 1, case.shared:] = own + own_slots[b]
     work, parts = split_prefixes([case.shared] * case.groups,
                                  target_work_items(_num_sms(device), num_kv_heads, case.waves), case.min_part)
     ints = lambda x: torch.tensor(x, dtype=torch.int32, device=device)  # noqa: E731
@@ -79,6 +74,18 @@ def build(case: Case, dtype: torch.dtype, device: torch.device) -> dict:
     return dict(q=torch.randn(batch, num_heads, head_dim, device=device).to(dtype), k=k, v=v, table=table,
                 req_slots=torch.arange(1, batch + 1, device=device),
                 seq_lens=ints([case.shared + case.suffix] * batch), layout=layout)
+
+
+def _own_slots(case: Case, batch: int) -> tuple[torch.Tensor, int]:
+    """Each row's own keys as offsets [batch, suffix] into a pool after the shared prefixes,
+    by `case.suffix_layout`; and the pool's size."""
+    own_keys = batch * case.suffix
+    if case.suffix_layout == "decode":  # token j of row b at j * batch + b
+        return torch.arange(own_keys).view(case.suffix, batch).t(), own_keys
+    if case.suffix_layout == "random":
+        pool = max(case.pool_tokens, own_keys) if case.pool_tokens else 8 * own_keys
+        return torch.randperm(pool, generator=torch.Generator().manual_seed(0))[:own_keys].view(batch, -1), pool
+    return torch.arange(own_keys).view(batch, case.suffix), own_keys
 
 
 def time_ms(fn, reps: int, device: torch.device) -> float:
