@@ -10,7 +10,7 @@ from tandem.config import EngineConfig, Experiments
 from tandem.engine import Engine
 from tandem.memory.host_kv import HostKVPool
 from tandem.sampling import SamplingParams
-from test_host_kv import assert_tiers_conserved, chat_specs, run_chats
+from host_tier import assert_tiers_conserved, chat_specs, run_chats
 from tiny_models import make_cycling_model
 from workload import assert_kv_conserved, assert_same_tokens, run_workload, step_without_host_syncs
 
@@ -75,7 +75,7 @@ def test_small_pool_with_host_tier_equals_unbounded_pool_on_cuda(cycling_model, 
 
 @pytest.mark.parametrize("overlap", [True, False])
 def test_self_drafting_with_host_tier_on_cuda(cycling_model, overlap):
-    """The CPU test's twin (test_host_kv.py, self-drafting with a small pool and a host tier):
+    """The CPU test's twin (test_host_kv_spec.py, self-drafting with a small pool and a host tier):
     the draft's KV goes to the pinned pool and back with the target's on the copy stream, so
     the checkpoint drafting for itself still has every proposal accepted after load-backs (a
     tier that moved the target's KV only fell to ~30-50% on the CPU), and greedy outputs equal

@@ -1,29 +1,24 @@
-"""The prefix cache's host tier: tree bookkeeping across tiers, the copies, and the engine
-(greedy outputs with a small pool + host tier equal an unbounded pool's; every GPU slot and
-host slot conserved)."""
+"""The prefix cache's host tier, below the engine: tree bookkeeping across tiers, write-ahead,
+prefetch and the plan's holds, the copies, their fences and pace."""
 import random
 
 import pytest
 import torch
 
-from tandem.config import EngineConfig
-from tandem.engine import Engine
 from tandem.memory.allocator import SlotAllocator
 from tandem.memory.host_kv import HostKVPool, contiguous_runs
 from tandem.memory.kv_cache import KVCache
 from tandem.memory.lru_heap import attached
-from tandem.memory.radix_cache import HostTierHooks, RadixCache
 from tandem.memory.prefix_cache import HostTier, PrefixCache
+from tandem.memory.radix_cache import HostTierHooks, RadixCache
 from tandem.overlap import kv_tier_copy
 from tandem.overlap.kv_tier_copy import MAX_PERIOD_S, CopyPace, KVTierCopier
 from tandem.overlap.streams import StreamSet
 from tandem.request import Request
 from tandem.sampling import SamplingParams
-from tiny_models import TEST_DEVICE
-from workload import Spec, assert_kv_conserved, assert_same_tokens, run_workload
+from host_tier import instant_tier
 
 
-# ---- the tree across tiers ----
 def _tiered_tree(gpu: int = 100, host: int = 50):
     kv, host_pool, copies = SlotAllocator(gpu), SlotAllocator(host, first=0), []
     tree = RadixCache(kv.free, HostTierHooks(host_pool, lambda g, h: copies.append((list(g), list(h))) or len(copies)))
@@ -84,7 +79,7 @@ def test_evicting_what_was_written_ahead_copies_nothing_and_keeps_lru_order():
 
 def test_evict_ahead_frees_the_next_plans_need_only_while_it_is_short():
     kv, host_pool = SlotAllocator(100), SlotAllocator(100, first=0)
-    cache = PrefixCache(kv, host=_instant_tier(host_pool))
+    cache = PrefixCache(kv, host=instant_tier(host_pool))
     for first in range(10, 90, 10):
         cache.tree.insert(list(range(first, first + 10)), kv.alloc(10))  # 80 of 100 cached
     assert cache.evict_ahead(15) == 0  # 20 free already
@@ -116,13 +111,6 @@ def test_write_ahead_queues_about_most_tokens_a_call_and_the_rest_later():
     tree.check({})
 
 
-def _instant_tier(host_pool: SlotAllocator, **fields) -> HostTier:
-    """A host tier whose copies move nothing and are complete at once (number 0: nothing to wait
-    for); `fields` replace any of its parts."""
-    return HostTier(host_pool, **{"write_back": lambda g, h: 0, "load": lambda h, g: 0,
-                                  "require": lambda seq: None, "copy_done": lambda seq: True, **fields})
-
-
 def _waiting(prompt: list[int]) -> Request:
     """A waiting request: its match may cover all of `prompt` but the last token."""
     return Request("w", prompt, SamplingParams(max_tokens=1), seed=0, max_samples=1)
@@ -130,7 +118,7 @@ def _waiting(prompt: list[int]) -> Request:
 
 def test_a_load_budget_smaller_than_a_host_node_loads_its_head():
     kv, host_pool, loads = SlotAllocator(100), SlotAllocator(200, first=0), []
-    cache = PrefixCache(kv, host=_instant_tier(
+    cache = PrefixCache(kv, host=instant_tier(
         host_pool, load=lambda h, g: loads.append((list(h), list(g))) or len(loads)))
     tokens = list(range(100, 200))
     cache.tree.insert(tokens, kv.alloc(100))
@@ -147,7 +135,7 @@ def test_a_load_budget_smaller_than_a_host_node_loads_its_head():
 
 def test_prefetch_without_evicting_takes_free_slots_only_and_counts_a_host_hit_at_first_admission():
     kv, host_pool, loads = SlotAllocator(400), SlotAllocator(400, first=0), []
-    cache = PrefixCache(kv, host=_instant_tier(host_pool, load=lambda h, g: loads.append(len(g)) or len(loads)))
+    cache = PrefixCache(kv, host=instant_tier(host_pool, load=lambda h, g: loads.append(len(g)) or len(loads)))
     tokens, cold = list(range(1000, 1200)), list(range(2000, 2100))
     cache.tree.insert(tokens, kv.alloc(200))
     cache.tree.evict(200)  # all on the host
@@ -170,7 +158,7 @@ def test_prefetch_without_evicting_takes_free_slots_only_and_counts_a_host_hit_a
 
 def test_prefetch_evicts_colder_prefixes_beyond_what_the_next_plan_keeps():
     kv, host_pool, copies = SlotAllocator(400), SlotAllocator(400, first=0), []
-    cache = PrefixCache(kv, host=_instant_tier(
+    cache = PrefixCache(kv, host=instant_tier(
         host_pool, write_back=lambda g, h: copies.append(("back", len(g))) or len(copies),
         load=lambda h, g: copies.append(("load", len(g))) or len(copies)))
     tokens, cold = list(range(1000, 1200)), list(range(2000, 2100))
@@ -198,7 +186,7 @@ def test_the_queue_head_waits_for_prefetch_at_most_a_few_plans():
     """(With the FIFO experiment on: a request prefetch has not reached is STOPped, uncounted.)"""
     from tandem.memory.prefix_cache import MAX_PREFETCH_WAITS, Hold
     kv, host_pool = SlotAllocator(400), SlotAllocator(400, first=0)
-    cache = PrefixCache(kv, host=_instant_tier(host_pool, admit_after_prefetch=True, fifo_beyond_prefetch=True))
+    cache = PrefixCache(kv, host=instant_tier(host_pool, admit_after_prefetch=True, fifo_beyond_prefetch=True))
     tokens, slots = list(range(1000, 1200)), kv.alloc(200)
     cache.tree.insert(tokens[:80], slots[:80])
     cache.tree.insert(tokens, slots)
@@ -227,7 +215,7 @@ def test_a_request_waits_for_prefetch_only_once_prefetch_reaches_it():
     while the GPU waited)."""
     from tandem.memory.prefix_cache import MAX_PREFETCH_WAITS, Hold
     kv, host_pool = SlotAllocator(400), SlotAllocator(400, first=0)
-    cache = PrefixCache(kv, host=_instant_tier(host_pool, admit_after_prefetch=True))
+    cache = PrefixCache(kv, host=instant_tier(host_pool, admit_after_prefetch=True))
     tokens = list(range(1000, 1200))
     cache.tree.insert(tokens, kv.alloc(200))
     cache.tree.evict(200)
@@ -273,7 +261,7 @@ def test_prefetch_loads_for_the_queue_head_only_and_skips_what_is_on_the_gpu(win
     match (no LRU touch)."""
     kv, host_pool = SlotAllocator(4000), SlotAllocator(4000, first=0)
     loads = []
-    tier = _instant_tier(host_pool, load=lambda h, g: loads.append(len(g)) or len(loads), admit_after_prefetch=True)
+    tier = instant_tier(host_pool, load=lambda h, g: loads.append(len(g)) or len(loads), admit_after_prefetch=True)
     if window is not None:
         tier.prefetch_requests = window
     cache = PrefixCache(kv, host=tier)
@@ -299,7 +287,7 @@ def test_prefetch_loads_for_the_queue_head_only_and_skips_what_is_on_the_gpu(win
 
 def test_a_load_evicted_unread_is_no_host_hit_later():
     kv, host_pool = SlotAllocator(300), SlotAllocator(400, first=0)
-    cache = PrefixCache(kv, host=_instant_tier(host_pool))
+    cache = PrefixCache(kv, host=instant_tier(host_pool))
     tokens = list(range(1000, 1200))
     cache.tree.insert(tokens, kv.alloc(200))
     cache.tree.evict(200)
@@ -317,7 +305,7 @@ def test_an_undone_admission_takes_its_host_hit_back():
     back to the host and was loaded again meanwhile (the CPU's multi-turn run had host hits above
     all hits: 0.83 against 0.51)."""
     kv, host_pool = SlotAllocator(300), SlotAllocator(400, first=0)
-    cache = PrefixCache(kv, host=_instant_tier(host_pool))
+    cache = PrefixCache(kv, host=instant_tier(host_pool))
     tokens = list(range(1000, 1200))
     cache.tree.insert(tokens, kv.alloc(200))
     cache.tree.evict(200)
@@ -337,7 +325,6 @@ def test_an_undone_admission_takes_its_host_hit_back():
     cache.check([])
 
 
-# ---- which copies a forward waits for ----
 def test_slots_freed_behind_a_copy_cool_and_their_taker_waits_for_it():
     """Slots freed while a copy may still touch them are handed out after the free list, oldest
     first; whoever takes one records that copy (`copy_needed`), unless its own writes run on the
@@ -560,7 +547,6 @@ def test_locked_host_nodes_are_not_dropped():
     tree.check({})
 
 
-# ---- the copies ----
 def test_write_back_then_load_restores_the_kv():
     kv = KVCache(3, 20, 2, 4, torch.float32, torch.device("cpu"))
     for t in kv.k + kv.v:
@@ -612,431 +598,6 @@ def test_a_draft_cache_moves_with_the_targets():
 def test_contiguous_runs():
     assert contiguous_runs([4, 5, 6, 9, 2, 3]) == [(0, 4, 3), (3, 9, 1), (4, 2, 2)]
     assert contiguous_runs([]) == []
-
-
-# ---- the engine ----
-def _engine(path, **kw) -> Engine:
-    return Engine(EngineConfig(model=str(path), device=TEST_DEVICE, dtype="float32", **kw))
-
-
-def chat_specs(conversations: int, turns: int, seed: int, vocab: int = 1000) -> list[list[Spec]]:
-    """Multi-turn chats: each turn's prompt is the previous prompt plus new user tokens (the
-    model's reply is not fed back, so the turns of one round can be built up front). Returns
-    one list of specs per round; the rounds run one after another, so a conversation's history
-    is evicted (and written back) between its turns. Some requests abort."""
-    rng = random.Random(seed)
-    system = [rng.randrange(3, vocab) for _ in range(30)]
-    history = [system + [rng.randrange(3, vocab) for _ in range(rng.randint(10, 40))]
-               for _ in range(conversations)]
-    rounds = []
-    for t in range(turns):
-        specs = []
-        for c in range(conversations):
-            history[c] = history[c] + [rng.randrange(3, vocab) for _ in range(rng.randint(5, 25))]
-            abort = rng.randint(0, 4) if rng.random() < 0.1 else None
-            specs.append(Spec(f"c{c}t{t}", list(history[c]),
-                              SamplingParams(max_tokens=rng.randint(2, 12), temperature=0.0, ignore_eos=True),
-                              abort))
-        rounds.append(specs)
-    return rounds
-
-
-def run_chats(engine: Engine, rounds: list[list[Spec]]) -> dict:
-    results = {}
-    for specs in rounds:
-        results.update(run_workload(engine, specs, arrive_per_step=6))
-    return results
-
-
-def _small_tiered_engine(path, host_tokens: int = 4096, **kw) -> Engine:
-    """A pool far smaller than chat_specs' working set, and a host tier of `host_tokens` (4096
-    hold it; fewer make the host tier evict too)."""
-    probe = _engine(path, max_total_tokens=64)
-    gb = host_tokens * engine_bytes_per_token(probe) / 2**30
-    probe.close()
-    return _engine(path, max_total_tokens=400, chunked_prefill_size=48, max_prefill_tokens=96,
-                   host_kv_cache_gb=gb, **kw)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("overlap,host_tokens,ahead", [(True, 4096, True), (False, 4096, True),
-                                                      (True, 300, True), (True, 4096, False)])
-def test_small_pool_with_host_tier_equals_unbounded_pool(tiny_text_model, overlap, host_tokens, ahead):
-    """300 host tokens: the host tier evicts too (less than the working set). `ahead`: write-ahead
-    and prefetch on (the default) or both off (copies only at eviction and admission)."""
-    from tandem.config import Experiments
-    rounds = chat_specs(conversations=10, turns=4, seed=3)
-    want = run_chats(_engine(tiny_text_model, max_total_tokens=20000), rounds)
-    engine = _small_tiered_engine(tiny_text_model, host_tokens, disable_overlap=not overlap, timeline=True,
-                                  experiments=Experiments(host_kv_write_ahead=ahead, host_kv_prefetch=ahead))
-    prefetched, prefetch = [], engine.prefix_cache.prefetch
-    engine.prefix_cache.prefetch = lambda *a, **k: prefetched.append(prefetch(*a, **k)) or prefetched[-1]
-    written_ahead, write_ahead = [], engine.prefix_cache.write_ahead
-    engine.prefix_cache.write_ahead = lambda *a, **k: written_ahead.append(write_ahead(*a, **k)) or written_ahead[-1]
-    evicted_ahead, evict_ahead = [], engine.prefix_cache.evict_ahead
-    engine.prefix_cache.evict_ahead = lambda *a, **k: evicted_ahead.append(evict_ahead(*a, **k)) or evicted_ahead[-1]
-    got = run_chats(engine, rounds)
-    # Write-ahead runs whenever the next plan may be short, prefetch whenever a waiting request's
-    # match continues on the host and the pool holds more than the next plan keeps; evict-ahead
-    # then frees what write-ahead copied.
-    assert (sum(written_ahead) > 0) == ahead and (sum(prefetched) > 0) == ahead, (prefetched, written_ahead)
-    assert (sum(evicted_ahead) > 0) == ahead, evicted_ahead
-    assert got == want
-    s = engine.stats()
-    assert s["host_cache_hit_tokens"] > (500 if host_tokens > 1000 else 100), s  # histories came back
-    records = engine.timeline.records
-    loaded = sum(r.host_load_tokens for r in records)  # a prefetch may go unused: loads >= hits
-    assert loaded >= s["host_cache_hit_tokens"] and s["host_load_bytes"] == loaded * engine.kv_tier.host.token_bytes
-    assert s["host_write_back_bytes"] > 0
-    # Preemption here depends on how many requests run at once (prefetch and the head's wait
-    # for it change that): a preempted request's return through the host tier is pinned by
-    # test_a_preempted_request_comes_back_through_the_host_tier.
-    assert_tiers_conserved(engine, s)
-    assert_reset_empties_the_host_tier(engine)
-    engine.close()
-
-
-def assert_tiers_conserved(engine: Engine, stats: dict) -> None:
-    """Every GPU slot is free, cached or held (assert_kv_conserved), and every host slot is
-    free or holds a cached token."""
-    assert_kv_conserved(engine)
-    host = engine.kv_tier.host.host_slots
-    assert host.num_free + stats["host_cache_tokens"] == host.count
-
-
-def assert_reset_empties_the_host_tier(engine: Engine) -> None:
-    host = engine.kv_tier.host.host_slots
-    engine.reset_prefix_cache()
-    assert engine.stats()["host_cache_tokens"] == 0 and host.num_free == host.count
-
-
-def engine_bytes_per_token(engine: Engine) -> int:
-    return HostKVPool.bytes_per_token([engine.kv])
-
-
-@pytest.mark.parametrize("overlap", [True, False])
-def test_a_preempted_request_comes_back_through_the_host_tier(tiny_text_model, overlap):
-    """Two requests outgrow a 200-token pool: one is preempted, its KV is cached, part of it
-    written back when the other's growth evicts it, and loaded back when it is admitted again.
-    Outputs equal an unbounded pool's."""
-    params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
-    specs = [Spec(f"r{i}", list(range(10 + 100 * i, 70 + 100 * i)), params) for i in range(2)]
-    want = run_workload(_engine(tiny_text_model, max_total_tokens=4000), specs)
-    probe = _engine(tiny_text_model, max_total_tokens=200)
-    gb = 1000 * engine_bytes_per_token(probe) / 2**30
-    probe.close()
-    engine = _engine(tiny_text_model, max_total_tokens=200, max_prefill_tokens=16, host_kv_cache_gb=gb,
-                     disable_overlap=not overlap)
-    assert run_workload(engine, specs) == want
-    s = engine.stats()
-    assert s["num_preemptions"] > 0 and s["host_cache_hit_tokens"] > 0, s
-    assert_tiers_conserved(engine, s)
-    engine.close()
-
-
-@pytest.mark.parametrize("before_wait", [True, False])
-def test_the_tier_window_runs_while_the_previous_step_is_awaited(tiny_text_model, before_wait):
-    """Default: after step S + 1 is launched, the tier window runs before step S's result is
-    waited for and processed (its host work fills that wait, not the gap before the next plan);
-    the experiment's other side processes S first. Outputs are the same either way."""
-    from tandem.config import Experiments
-    rounds = chat_specs(conversations=6, turns=3, seed=8)
-    want = run_chats(_engine(tiny_text_model, max_total_tokens=20000), rounds)
-    engine = _small_tiered_engine(tiny_text_model, experiments=Experiments(host_kv_window_before_wait=before_wait))
-    order: list[tuple[str, int]] = []
-    # Processing the step in flight (before a plan or launch that needs S's result) processes S early: not the case here.
-    processing = ["process"]
-    window, process, in_flight = engine._move_between_tiers, engine._process, engine._process_in_flight
-    engine._move_between_tiers = lambda: order.append(("window", engine.pending.batch.step)) or window()
-    engine._process = lambda pending: order.append((processing[0], pending.batch.step)) or process(pending)
-
-    def in_flight_marked(outputs):
-        processing[0] = "in flight"
-        in_flight(outputs)
-        processing[0] = "process"
-
-    engine._process_in_flight = in_flight_marked
-    assert run_chats(engine, rounds) == want
-    at = {entry: i for i, entry in enumerate(order)}
-    pairs = [(at[("window", s + 1)], i) for (what, s), i in at.items()
-             if what == "process" and ("window", s + 1) in at]
-    assert len(pairs) > 20, order[:20]
-    assert all((w < p) == before_wait for w, p in pairs), order[:20]
-    assert_kv_conserved(engine)
-    engine.close()
-
-
-def test_a_failing_tier_window_loses_no_output(tiny_text_model):
-    """The window runs before step S is processed. When it fails (here after its prefetch loads
-    were queued), S is processed all the same: the step raises, S's outputs come with the next
-    step, and every request's greedy tokens equal a run without the fault."""
-    rounds = chat_specs(conversations=10, turns=4, seed=3)  # prefetch loads here (test above)
-    want = run_chats(_engine(tiny_text_model, max_total_tokens=20000), rounds)
-    engine = _small_tiered_engine(tiny_text_model)
-    prefetch, fired = engine.prefix_cache.prefetch, []
-
-    def prefetch_then_fail(*args, **kwargs):
-        queued = prefetch(*args, **kwargs)
-        if queued and len(fired) < 3:
-            fired.append(queued)
-            raise RuntimeError("injected: the tier window failed after queuing its loads")
-        return queued
-
-    engine.prefix_cache.prefetch = prefetch_then_fail
-    got = {}
-    for specs in rounds:
-        got.update(run_workload(engine, specs, arrive_per_step=6, step_errors=(RuntimeError,)))
-    assert len(fired) == 3
-    assert got == want
-    assert_kv_conserved(engine)
-    engine.close()
-
-
-def test_zero_host_tier_is_todays_cache(tiny_text_model):
-    rounds = chat_specs(conversations=4, turns=2, seed=5)
-    engine = _engine(tiny_text_model, max_total_tokens=300, host_kv_cache_gb=0)
-    assert engine.kv_tier is None and engine.prefix_cache.host is None
-    run_chats(engine, rounds)
-    s = engine.stats()
-    assert s["host_cache_hit_tokens"] == s["host_write_back_bytes"] == s["host_cache_capacity_tokens"] == 0
-    assert_kv_conserved(engine)
-
-
-def test_negative_host_tier_is_refused(tiny_text_model):
-    with pytest.raises(ValueError, match="host_kv_cache_gb must be >= 0"):
-        _engine(tiny_text_model, host_kv_cache_gb=-1)
-
-
-def test_abort_during_a_load_then_reuse_and_close(tiny_text_model):
-    """A request whose prefix is being loaded back is aborted after its first step: the loaded
-    prefix stays cached (on the GPU), every slot is accounted for, a later request reuses it
-    with exact outputs; reset empties both tiers; close() lets the host pool go."""
-    import gc
-    import weakref
-    greedy = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
-    prompt = [random.Random(7).randrange(3, 1000) for _ in range(150)]
-    follow_up = prompt + list(range(40, 60))
-    want = run_workload(_engine(tiny_text_model), [Spec("ref", follow_up, greedy)])["ref"]
-    engine = _engine(tiny_text_model, max_total_tokens=300, host_kv_cache_gb=0.01)
-    run_workload(engine, [Spec("first", prompt, greedy)])
-    tree = engine.prefix_cache.tree
-    tree.evict(tree.evictable_tokens)  # all of it to the host tier
-    assert tree.host_tokens >= 150 and engine.kv_slots.num_free == engine.kv_slots.count
-    engine.add_request(follow_up, greedy, request_id="aborted")
-    engine.step()  # admitted: the load and the forward reading it are queued
-    assert engine.stats()["host_cache_hit_tokens"] == 150
-    engine.abort("aborted")
-    while engine.has_unfinished():
-        engine.step()
-    assert engine.output("aborted").num_cached_tokens == 150  # usage's cached_tokens counts host hits
-    engine.release("aborted")
-    assert_kv_conserved(engine)
-    again = run_workload(engine, [Spec("again", follow_up, greedy)])["again"]
-    assert again == want
-    assert engine.stats()["host_cache_hit_tokens"] == 150  # the second one hit the GPU copy
-    assert engine.stats()["prefix_cache_hit_tokens"] >= 300
-    engine.reset_prefix_cache()
-    host = engine.kv_tier.host
-    assert host.host_slots.num_free == host.host_slots.count and engine.stats()["host_cache_tokens"] == 0
-    pool = weakref.ref(host.data)
-    del host, tree  # the test's own references
-    engine.close()
-    gc.collect()
-    assert pool() is None, "close() must let the host pool's memory go"
-
-
-@pytest.mark.slow
-def test_tensor_parallel_ranks_replay_the_host_tier_copies(tmp_path):
-    """Two ranks (gloo): rank 0's plan carries its write-backs and loads, each rank moves its
-    own shard; outputs equal one rank with an unbounded pool."""
-    from tandem.entrypoints.ranks import build_engine
-    from tiny_models import make_tiny_model
-    path = make_tiny_model(tmp_path, "llama", vocab_size=1000)
-    rounds = chat_specs(conversations=6, turns=3, seed=8)
-    opts = dict(model=str(path), device="cpu", dtype="float32", max_running_requests=16)
-    want = run_chats(Engine(EngineConfig(**opts, max_total_tokens=20000)), rounds)
-    engine = build_engine(EngineConfig(**opts, tensor_parallel_size=2, max_total_tokens=300,
-                                       chunked_prefill_size=48, max_prefill_tokens=96, host_kv_cache_gb=0.01))
-    try:
-        assert run_chats(engine, rounds) == want
-        assert engine.stats()["host_cache_hit_tokens"] > 200
-    finally:
-        engine.close()
-
-
-@pytest.mark.slow
-def test_tensor_parallel_ranks_move_the_drafts_kv_too(tmp_path):
-    """Two ranks (gloo), the checkpoint drafting for itself (whole on every rank): each rank's
-    replayed copies move its target shard and its draft KV; outputs equal one rank with an
-    unbounded pool and every proposal is accepted."""
-    from tandem.entrypoints.ranks import build_engine
-    from tiny_models import make_tiny_model
-    path = make_tiny_model(tmp_path, "llama", vocab_size=1000)
-    rounds = chat_specs(conversations=6, turns=3, seed=8)
-    for specs in rounds:
-        for s in specs:
-            s.params = s.params.clone(max_tokens=s.params.max_tokens + 12)
-    opts = dict(model=str(path), device="cpu", dtype="float32", max_running_requests=16,
-                speculative_config=_self_draft(path))
-    want = run_chats(Engine(EngineConfig(**opts, max_total_tokens=20000)), rounds)
-    engine = build_engine(EngineConfig(**opts, tensor_parallel_size=2, max_total_tokens=300,
-                                       chunked_prefill_size=48, max_prefill_tokens=96, host_kv_cache_gb=0.01))
-    try:
-        assert_same_tokens(want, run_chats(engine, rounds), [s for specs in rounds for s in specs])
-        s = engine.stats()
-        assert s["host_cache_hit_tokens"] > 200, s
-        assert s["spec_decode_num_accepted_tokens"] == s["spec_decode_num_draft_tokens"] > 100, s
-    finally:
-        engine.close()
-
-
-def test_warm_up_leaves_no_host_tier_figures(tiny_text_model):
-    engine = _engine(tiny_text_model, max_total_tokens=200, max_prefill_tokens=64, max_running_requests=8,
-                     host_kv_cache_gb=0.01, warm_up="on")
-    s = engine.stats()
-    assert s["host_cache_hit_tokens"] == s["host_load_bytes"] == s["host_write_back_bytes"] == 0
-    assert s["host_cache_tokens"] == 0 and s["prefix_cache_tokens"] == 0
-
-
-@pytest.mark.slow
-def test_ngram_speculation_and_lpm_with_host_tier(tiny_text_model):
-    """Verify steps reserve slots past the table and lpm orders by matches that reach the host
-    tier: outputs still equal an unbounded pool's."""
-    spec = {"method": "ngram", "num_speculative_tokens": 3}
-    rounds = chat_specs(conversations=8, turns=3, seed=9)
-    want = run_chats(_engine(tiny_text_model, max_total_tokens=20000, speculative_config=spec), rounds)
-    engine = _engine(tiny_text_model, max_total_tokens=400, chunked_prefill_size=48, max_prefill_tokens=96,
-                     host_kv_cache_gb=0.01, speculative_config=spec, schedule_policy="lpm")
-    assert run_chats(engine, rounds) == want
-    assert engine.stats()["host_cache_hit_tokens"] > 100
-    assert_kv_conserved(engine)
-
-
-# ---- a draft model with the host tier ----
-def _self_draft(path, k: int = 3) -> dict:
-    """The checkpoint drafting for itself: in float32 on the CPU every proposal is accepted
-    (tests/test_speculative_draft.py), as long as the draft reads its own KV."""
-    return {"model": str(path), "num_speculative_tokens": k}
-
-
-def _spec_chat_rounds() -> list[list[Spec]]:
-    rounds = chat_specs(conversations=10, turns=4, seed=3)
-    for specs in rounds:  # longer replies: verify steps after each turn's load-back
-        for s in specs:
-            s.params = s.params.clone(max_tokens=s.params.max_tokens + 12)
-    return rounds
-
-
-def _tiered_self_draft_engine(path, host_tokens: int, **kw) -> Engine:
-    return _engine(path, max_total_tokens=400, chunked_prefill_size=48, max_prefill_tokens=96,
-                   host_kv_cache_gb=host_tokens * _target_and_draft_bytes(path) / 2**30,
-                   speculative_config=_self_draft(path), **kw)
-
-
-def _target_and_draft_bytes(path) -> int:
-    engine = _engine(path, max_total_tokens=64, speculative_config=_self_draft(path))
-    per_token = HostKVPool.bytes_per_token([engine.kv, engine.draft_kv])
-    engine.close()
-    return per_token
-
-
-def test_the_engine_hands_the_tier_experiments_to_the_prefix_cache(tiny_text_model):
-    from tandem.config import Experiments
-    exp = Experiments(host_kv_prefetch_requests=7, host_kv_fifo_beyond_prefetch=True, host_kv_precise_fence=False)
-    engine = _engine(tiny_text_model, max_total_tokens=300, host_kv_cache_gb=0.001, experiments=exp)
-    host = engine.prefix_cache.host
-    assert (engine.prefix_cache.prefetch_requests, host.fifo_beyond_prefetch, host.admit_after_prefetch) == (7, True, True)
-    assert not engine.kv_tier.precise and host.require == engine.kv_tier.require
-    engine.close()
-    assert _engine(tiny_text_model, max_total_tokens=300, host_kv_cache_gb=0.001).kv_tier.precise
-
-
-def test_host_tier_with_a_draft_holds_both_caches_per_token(tiny_text_model):
-    """The engine no longer refuses the pair; the tier's budget pays for the draft's KV too."""
-    gb = 0.001
-    engine = _engine(tiny_text_model, max_total_tokens=300, host_kv_cache_gb=gb,
-                     speculative_config=_self_draft(tiny_text_model))
-    host, per_token = engine.kv_tier.host, HostKVPool.bytes_per_token([engine.kv, engine.draft_kv])
-    assert engine.kv_tier.caches == [engine.kv, engine.draft_kv]
-    assert host.token_bytes == per_token == 2 * HostKVPool.bytes_per_token([engine.kv])  # a self-draft: twice
-    assert host.host_slots.count == int(gb * 2**30) // per_token == engine.stats()["host_cache_capacity_tokens"]
-    engine.close()
-
-
-def _accepts_every_proposal(stats: dict) -> bool:
-    """The self-draft's verdicts agree with its proposals: exactly in float32 on the CPU; on a
-    GPU the kernels' rounding differs between the draft's decode and the verify (469/472, H200)."""
-    accepted, drafted = stats["spec_decode_num_accepted_tokens"], stats["spec_decode_num_draft_tokens"]
-    return accepted == drafted if TEST_DEVICE == "cpu" else accepted >= 0.95 * drafted
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("overlap", [True, False])
-def test_self_drafting_with_a_small_pool_and_host_tier_accepts_every_proposal(tiny_text_model, overlap):
-    """A pool far smaller than the chats' histories, a host tier smaller than them too (it evicts
-    as well), the checkpoint drafting for itself: greedy outputs equal the run without a tier
-    (unbounded pool), and every proposal is accepted after the load-backs. A load that moved
-    the target's KV only would leave the draft reading another request's KV at those slots
-    (acceptance fell to ~30%: the control test below)."""
-    rounds = _spec_chat_rounds()
-    reference = _engine(tiny_text_model, max_total_tokens=20000, speculative_config=_self_draft(tiny_text_model))
-    want = run_chats(reference, rounds)
-    engine = _tiered_self_draft_engine(tiny_text_model, 300, disable_overlap=not overlap)
-    # Exact for every request that was not aborted; an abort fires at a token count, and a
-    # verify step emits several tokens, so the step it lands in follows the schedule.
-    assert_same_tokens(want, run_chats(engine, rounds), [s for specs in rounds for s in specs])
-    s = engine.stats()
-    assert s["host_cache_hit_tokens"] > 300 and s["host_write_back_bytes"] > 0, s
-    assert s["num_preemptions"] > 0, "the pool must be small enough to preempt"
-    assert s["spec_decode_verify_steps"] > 30 and s["spec_decode_num_draft_tokens"] > 200, s
-    assert _accepts_every_proposal(s), s
-    assert_tiers_conserved(engine, s)
-    assert_reset_empties_the_host_tier(engine)
-    engine.close()
-
-
-@pytest.mark.slow
-def test_the_workload_needs_the_drafts_copy(tiny_text_model):
-    """Control for the test above: the same run with the copier moving the target's cache only
-    (the draft's host part is left unwritten and never loaded) still gives the target's greedy
-    outputs, but proposals after a load-back read stale draft KV and are rejected, so the test
-    above's acceptance check fails here. So its exact acceptance is the draft's copy at work,
-    not a workload without loads. (The check is that test's own, not a fixed rate: on the H200
-    this run speculates for many more rows than on the CPU, 2,934 draft tokens against 447, and
-    acceptance is 0.90 there, 0.38 here.)"""
-    rounds = _spec_chat_rounds()
-    engine = _tiered_self_draft_engine(tiny_text_model, 300)
-    engine.kv_tier.caches = engine.kv_tier.caches[:1]  # the target's only
-    load, draft, tier = engine.prefix_cache.host.load, engine.draft_kv, engine.kv_tier
-    noise = torch.Generator(device=draft.k[0].device).manual_seed(0)
-
-    def load_the_targets_only(host_slots, gpu_slots):
-        """What the draft's slots held before is whatever last used them, often the same
-        prefix's own KV (acceptance then stayed at 90% on CUDA): make it another's, on the
-        copy stream after the load."""
-        copy_seq = load(host_slots, gpu_slots)
-        with engine.streams.use(tier.stream):
-            idx = torch.tensor(gpu_slots, device=draft.k[0].device)
-            for pool in draft.k + draft.v:
-                pool.index_copy_(0, idx, torch.randn(pool[idx].shape, generator=noise, device=pool.device,
-                                                     dtype=pool.dtype))
-        tier.stream.synchronize()  # the reader waits for the load's end event, which precedes this noise
-        return copy_seq
-
-    engine.prefix_cache.host.load = load_the_targets_only
-    want = run_chats(_engine(tiny_text_model, max_total_tokens=20000), rounds)
-    # Verification keeps the target's tokens (an aborted request may see more or fewer).
-    assert_same_tokens(want, run_chats(engine, rounds), [s for specs in rounds for s in specs])
-    s = engine.stats()
-    # The figures that say why, spelled out (pytest cuts a long dict's repr).
-    why = {k: s[k] for k in ("host_cache_hit_tokens", "prefix_cache_hit_tokens", "prefix_cache_queried_tokens",
-                             "host_prefetch_tokens", "host_admission_load_tokens", "spec_decode_verify_steps",
-                             "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens", "num_preemptions")}
-    print("draft-copy control:", why)
-    assert s["host_cache_hit_tokens"] > 100, why
-    assert not _accepts_every_proposal(s), why
-    assert_kv_conserved(engine)
-    engine.close()
 
 
 def test_eviction_takes_the_least_recently_used_node_in_both_tiers():
@@ -1148,7 +709,7 @@ def test_prefetch_hold_sees_a_prefix_evicted_to_the_host_after_it_asked():
     """The kept walk of a waiting prompt notices eviction to the host (none of its tokens
     changed, only their tier), and a load back."""
     kv, host_pool = SlotAllocator(400), SlotAllocator(400, first=0)
-    cache = PrefixCache(kv, host=_instant_tier(host_pool, admit_after_prefetch=True))
+    cache = PrefixCache(kv, host=instant_tier(host_pool, admit_after_prefetch=True))
     tokens, slots = list(range(1000, 1200)), kv.alloc(200)
     cache.tree.insert(tokens, slots)
     req = Request("r", tokens + [7], SamplingParams(max_tokens=1), seed=0, max_samples=1)
@@ -1215,48 +776,3 @@ def test_a_match_along_a_kept_walk_does_what_a_walked_match_does():
         assert trees[1][0].evict(1)
         assert _tree_dump(trees[0][0]) == _tree_dump(trees[1][0])
     assert not trees[1][0].evict(1)
-
-
-def test_admissions_beside_leaving_requests_change_no_output(tiny_text_model):
-    """Multi-turn chats at a running limit of 3 through a small pool and a host tier, with
-    aborts: admitting a prompt in place of a request whose last sample is launched (the
-    default) plans more prefill steps in the wait than admitting after its finish, gives the
-    same tokens, and every request slot, GPU and host slot comes back."""
-    from tandem.config import Experiments
-    rounds = chat_specs(conversations=8, turns=3, seed=7)
-    runs, ahead = {}, {}
-    for beside in (True, False):
-        engine = _small_tiered_engine(tiny_text_model, max_running_requests=3,
-                                      experiments=Experiments(admit_beside_leaving=beside))
-        runs[beside] = run_chats(engine, rounds)
-        s = engine.stats()
-        ahead[beside] = s["steps_planned_ahead"]
-        assert_tiers_conserved(engine, s)
-        assert engine.req_slots.num_free == engine.num_request_slots
-        engine.close()
-    assert runs[True] == runs[False]
-    assert ahead[True] > ahead[False], ahead
-
-
-@pytest.mark.parametrize("overlap", [True, False])
-def test_prefill_steps_planned_ahead_change_no_output(tiny_text_model, overlap):
-    """Multi-turn chats through a small pool and a host tier, with aborts: planning each
-    prefill step in the wait for the step before its decode (the default), and staging its
-    inputs there too, give the tokens of planning and staging it when due, and every GPU and
-    host slot comes back. Without overlap there is no wait to plan in."""
-    from tandem.config import Experiments
-    rounds = chat_specs(conversations=6, turns=3, seed=5)
-    runs = {}
-    for plan, stage in ((True, True), (True, False), (False, False)):
-        engine = _small_tiered_engine(tiny_text_model, disable_overlap=not overlap, timeline=True,
-                                      experiments=Experiments(plan_prefill_ahead=plan, stage_prefill_ahead=stage))
-        runs[plan, stage] = run_chats(engine, rounds)
-        s = engine.stats()
-        assert (s["steps_planned_ahead"] > 0) == (plan and overlap), s["steps_planned_ahead"]
-        assert (s["steps_staged_ahead"] > 0) == (stage and overlap), s["steps_staged_ahead"]
-        assert s["steps_staged_ahead"] <= s["steps_planned_ahead"]  # an aborted plan's staging is dropped
-        staged = [r for r in engine.timeline.records if r.stage_ahead_ms is not None]
-        assert len(staged) == s["steps_staged_ahead"] and all(r.plan_ahead_ms is not None for r in staged)
-        assert_tiers_conserved(engine, s)
-        engine.close()
-    assert runs[True, True] == runs[True, False] == runs[False, False]

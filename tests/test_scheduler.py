@@ -224,10 +224,10 @@ def test_requests_behind_a_head_waiting_for_prefetch_are_admitted():
     """While the queue's head waits for prefetch to load its prefix from the host tier, the
     requests behind it that need no load are admitted: the batch stays full instead of
     draining while the copy runs (host tier A/B on the H200: 35% more, smaller steps)."""
-    from test_host_kv import _instant_tier
+    from host_tier import instant_tier
     kv, host_pool = SlotAllocator(1 << 12), SlotAllocator(1 << 12, first=0)
     cache = PrefixCache(kv, enabled=True, debug=True,
-                        host=_instant_tier(host_pool, admit_after_prefetch=True))
+                        host=instant_tier(host_pool, admit_after_prefetch=True))
     cfg = SchedulerConfig(max_running_requests=8, max_prefill_tokens=4096, chunked_prefill_size=None,
                           enable_mixed_batch=True)
     sched = Scheduler(cfg, cache, SlotAllocator(8), on_admit=lambda req: None)
@@ -254,10 +254,10 @@ def test_a_request_prefetch_has_not_reached_keeps_its_place(fifo):
     counts a wait for the first request it holds only (prefetch loads for it first): the
     others' waits start when their loads do."""
     from tandem.memory.prefix_cache import PREFETCH_REQUESTS
-    from test_host_kv import _instant_tier
+    from host_tier import instant_tier
     kv, host_pool = SlotAllocator(1 << 13), SlotAllocator(1 << 13, first=0)
     cache = PrefixCache(kv, enabled=True, debug=True,
-                        host=_instant_tier(host_pool, admit_after_prefetch=True, fifo_beyond_prefetch=fifo))
+                        host=instant_tier(host_pool, admit_after_prefetch=True, fifo_beyond_prefetch=fifo))
     cfg = SchedulerConfig(max_running_requests=16, max_prefill_tokens=4096, chunked_prefill_size=None,
                           enable_mixed_batch=True)
     sched = Scheduler(cfg, cache, SlotAllocator(16), on_admit=lambda req: None)
