@@ -47,12 +47,13 @@ def run_chats(engine: Engine, rounds: list[list[Spec]]) -> dict:
 
 def small_tiered_engine(path, host_tokens: int = 4096, **kw) -> Engine:
     """A pool far smaller than chat_specs' working set, and a host tier of `host_tokens` (4096
-    hold it; fewer make the host tier evict too)."""
-    probe = make_engine(path, max_total_tokens=64)
+    hold it; fewer make the host tier evict too). With a draft model (`speculative_config`)
+    the tier holds the draft's KV too, so a token is priced at both caches' bytes."""
+    probe = make_engine(path, max_total_tokens=64, speculative_config=kw.get("speculative_config"))
     gb = host_tokens * engine_bytes_per_token(probe) / 2**30
     probe.close()
     return make_engine(path, max_total_tokens=400, chunked_prefill_size=48, max_prefill_tokens=96,
-                   host_kv_cache_gb=gb, **kw)
+                       host_kv_cache_gb=gb, **kw)
 
 
 def assert_tiers_conserved(engine: Engine, stats: dict) -> None:
@@ -70,7 +71,8 @@ def assert_reset_empties_the_host_tier(engine: Engine) -> None:
 
 
 def engine_bytes_per_token(engine: Engine) -> int:
-    return HostKVPool.bytes_per_token([engine.kv])
+    """Host bytes a cached token takes: the target's KV, and the draft model's if it has one."""
+    return HostKVPool.bytes_per_token([engine.kv] + ([engine.draft_kv] if engine.draft_kv is not None else []))
 
 
 def instant_tier(host_pool: SlotAllocator, **fields) -> HostTier:

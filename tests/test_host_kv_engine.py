@@ -21,7 +21,7 @@ def test_small_pool_with_host_tier_equals_unbounded_pool(tiny_text_model, overla
     rounds = chat_specs(conversations=10, turns=4, seed=3)
     want = run_chats(make_engine(tiny_text_model, max_total_tokens=20000), rounds)
     engine = small_tiered_engine(tiny_text_model, host_tokens, disable_overlap=not overlap, timeline=True,
-                                  experiments=Experiments(host_kv_write_ahead=ahead, host_kv_prefetch=ahead))
+                                 experiments=Experiments(host_kv_write_ahead=ahead, host_kv_prefetch=ahead))
     prefetched, prefetch = [], engine.prefix_cache.prefetch
     engine.prefix_cache.prefetch = lambda *a, **k: prefetched.append(prefetch(*a, **k)) or prefetched[-1]
     written_ahead, write_ahead = [], engine.prefix_cache.write_ahead
@@ -61,7 +61,7 @@ def test_a_preempted_request_comes_back_through_the_host_tier(tiny_text_model, o
     gb = 1000 * engine_bytes_per_token(probe) / 2**30
     probe.close()
     engine = make_engine(tiny_text_model, max_total_tokens=200, max_prefill_tokens=16, host_kv_cache_gb=gb,
-                     disable_overlap=not overlap)
+                         disable_overlap=not overlap)
     assert run_workload(engine, specs) == want
     s = engine.stats()
     assert s["num_preemptions"] > 0 and s["host_cache_hit_tokens"] > 0, s
@@ -86,7 +86,7 @@ def test_negative_host_tier_is_refused(tiny_text_model):
 
 def test_warm_up_leaves_no_host_tier_figures(tiny_text_model):
     engine = make_engine(tiny_text_model, max_total_tokens=200, max_prefill_tokens=64, max_running_requests=8,
-                     host_kv_cache_gb=0.01, warm_up="on")
+                         host_kv_cache_gb=0.01, warm_up="on")
     s = engine.stats()
     assert s["host_cache_hit_tokens"] == s["host_load_bytes"] == s["host_write_back_bytes"] == 0
     assert s["host_cache_tokens"] == 0 and s["prefix_cache_tokens"] == 0

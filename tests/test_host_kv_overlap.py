@@ -115,7 +115,7 @@ def test_admissions_beside_leaving_requests_change_no_output(tiny_text_model):
     runs, ahead = {}, {}
     for beside in (True, False):
         engine = small_tiered_engine(tiny_text_model, max_running_requests=3,
-                                      experiments=Experiments(admit_beside_leaving=beside))
+                                     experiments=Experiments(admit_beside_leaving=beside))
         runs[beside] = run_chats(engine, rounds)
         s = engine.stats()
         ahead[beside] = s["steps_planned_ahead"]
@@ -137,7 +137,7 @@ def test_prefill_steps_planned_ahead_change_no_output(tiny_text_model, overlap):
     runs = {}
     for plan, stage in ((True, True), (True, False), (False, False)):
         engine = small_tiered_engine(tiny_text_model, disable_overlap=not overlap, timeline=True,
-                                      experiments=Experiments(plan_prefill_ahead=plan, stage_prefill_ahead=stage))
+                                     experiments=Experiments(plan_prefill_ahead=plan, stage_prefill_ahead=stage))
         runs[plan, stage] = run_chats(engine, rounds)
         s = engine.stats()
         assert (s["steps_planned_ahead"] > 0) == (plan and overlap), s["steps_planned_ahead"]

@@ -6,7 +6,8 @@ import torch
 from tandem.config import EngineConfig
 from tandem.engine import Engine
 from tandem.memory.host_kv import HostKVPool
-from host_tier import assert_reset_empties_the_host_tier, assert_tiers_conserved, chat_specs, make_engine, run_chats
+from host_tier import (assert_reset_empties_the_host_tier, assert_tiers_conserved, chat_specs, make_engine, run_chats,
+                       small_tiered_engine)
 from tiny_models import TEST_DEVICE
 from workload import Spec, assert_kv_conserved, assert_same_tokens
 
@@ -23,19 +24,6 @@ def _spec_chat_rounds() -> list[list[Spec]]:
         for s in specs:
             s.params = s.params.clone(max_tokens=s.params.max_tokens + 12)
     return rounds
-
-
-def _tiered_self_draft_engine(path, host_tokens: int, **kw) -> Engine:
-    return make_engine(path, max_total_tokens=400, chunked_prefill_size=48, max_prefill_tokens=96,
-                   host_kv_cache_gb=host_tokens * _target_and_draft_bytes(path) / 2**30,
-                   speculative_config=_self_draft(path), **kw)
-
-
-def _target_and_draft_bytes(path) -> int:
-    engine = make_engine(path, max_total_tokens=64, speculative_config=_self_draft(path))
-    per_token = HostKVPool.bytes_per_token([engine.kv, engine.draft_kv])
-    engine.close()
-    return per_token
 
 
 @pytest.mark.slow
@@ -72,7 +60,7 @@ def test_ngram_speculation_and_lpm_with_host_tier(tiny_text_model):
     rounds = chat_specs(conversations=8, turns=3, seed=9)
     want = run_chats(make_engine(tiny_text_model, max_total_tokens=20000, speculative_config=spec), rounds)
     engine = make_engine(tiny_text_model, max_total_tokens=400, chunked_prefill_size=48, max_prefill_tokens=96,
-                     host_kv_cache_gb=0.01, speculative_config=spec, schedule_policy="lpm")
+                         host_kv_cache_gb=0.01, speculative_config=spec, schedule_policy="lpm")
     assert run_chats(engine, rounds) == want
     assert engine.stats()["host_cache_hit_tokens"] > 100
     assert_kv_conserved(engine)
@@ -82,7 +70,7 @@ def test_host_tier_with_a_draft_holds_both_caches_per_token(tiny_text_model):
     """The engine no longer refuses the pair; the tier's budget pays for the draft's KV too."""
     gb = 0.001
     engine = make_engine(tiny_text_model, max_total_tokens=300, host_kv_cache_gb=gb,
-                     speculative_config=_self_draft(tiny_text_model))
+                         speculative_config=_self_draft(tiny_text_model))
     host, per_token = engine.kv_tier.host, HostKVPool.bytes_per_token([engine.kv, engine.draft_kv])
     assert engine.kv_tier.caches == [engine.kv, engine.draft_kv]
     assert host.token_bytes == per_token == 2 * HostKVPool.bytes_per_token([engine.kv])  # a self-draft: twice
@@ -108,7 +96,8 @@ def test_self_drafting_with_a_small_pool_and_host_tier_accepts_every_proposal(ti
     rounds = _spec_chat_rounds()
     reference = make_engine(tiny_text_model, max_total_tokens=20000, speculative_config=_self_draft(tiny_text_model))
     want = run_chats(reference, rounds)
-    engine = _tiered_self_draft_engine(tiny_text_model, 300, disable_overlap=not overlap)
+    engine = small_tiered_engine(tiny_text_model, 300, speculative_config=_self_draft(tiny_text_model),
+                                 disable_overlap=not overlap)
     # Exact for every request that was not aborted; an abort fires at a token count, and a
     # verify step emits several tokens, so the step it lands in follows the schedule.
     assert_same_tokens(want, run_chats(engine, rounds), [s for specs in rounds for s in specs])
@@ -132,7 +121,7 @@ def test_the_workload_needs_the_drafts_copy(tiny_text_model):
     this run speculates for many more rows than on the CPU, 2,934 draft tokens against 447, and
     acceptance is 0.90 there, 0.38 here.)"""
     rounds = _spec_chat_rounds()
-    engine = _tiered_self_draft_engine(tiny_text_model, 300)
+    engine = small_tiered_engine(tiny_text_model, 300, speculative_config=_self_draft(tiny_text_model))
     engine.kv_tier.caches = engine.kv_tier.caches[:1]  # the target's only
     load, draft, tier = engine.prefix_cache.host.load, engine.draft_kv, engine.kv_tier
     noise = torch.Generator(device=draft.k[0].device).manual_seed(0)
