@@ -356,7 +356,7 @@ class ModelRunner:
         """Groups for a plain decode step (host facts only: the rows' tree paths and slots)."""
         if self.cascade is None or not batch.is_decode or batch.is_verify:
             return None
-        plan = plan_cascade(batch.rows, self.cascade, self.cascade_memo)
+        plan = plan_cascade(batch.rows, self.cascade, self.cascade_memo, batch.tree_splits)
         if plan is not None:
             self.cascade_steps += 1
             self.cascade_rows += len(plan.group_rows)

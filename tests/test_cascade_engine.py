@@ -157,6 +157,43 @@ def test_copies_of_a_512_token_prompt_group_under_the_default_rule():
     assert plan_cascade(rows, CascadeRule(min_shared_len=512, min_saved_tokens=0)) is None
 
 
+def test_a_path_read_before_a_split_is_read_again():
+    """The request that computed a prefix reads its path (one node, its own) before others
+    arrive; their admission splits that node, putting the shared part above the request's
+    `cache_node` without changing it. The tree's split count makes the planner read it again:
+    the first request groups with the rest (it did not before session 41)."""
+    cache = PrefixCache(SlotAllocator(400))
+    prefix = list(range(100, 150))
+    first = _admitted(cache, prefix + [1, 2], slot=1)
+    cache.cache_prefill(first)
+    rule, memo, stale = CascadeRule.forced(max_group_rows=16), CascadeMemo(), CascadeMemo()
+    before = cache.tree.splits
+    for m in (memo, stale):  # alone: nothing to group
+        assert plan_cascade([_decode_row(first)], rule, m, before) is None
+    others = [_admitted(cache, prefix + [3 + i, 9], slot=2 + i) for i in range(3)]
+    assert cache.tree.splits > before and first.cache_node.parent is not cache.tree.root
+    rows = [_decode_row(r) for r in [first, *others]]
+    assert plan_cascade(rows, rule, memo, cache.tree.splits).shared_lens == [50, 50, 50, 50]
+    # Under the count it was read at, the first request's path from before the split is reused.
+    assert plan_cascade(rows, rule, stale, before).shared_lens == [0, 50, 50, 50]
+
+
+def test_every_row_of_a_running_group_decodes_grouped(tiny_text_model):
+    """The shared-prefix workload at steady decode: each group's first request (which computed
+    the prefix) is grouped too, so no row attends its whole context in the suffix part."""
+    engine = _engine(tiny_text_model, "on")
+    specs = group_specs(groups=2, per_group=4, prefix_len=40, seed=3)
+    for spec in specs:
+        engine.add_request(spec.prompt, SamplingParams(max_tokens=30, **GREEDY), request_id=spec.rid)
+    grouped = []
+    for _ in range(12):
+        engine.step()
+        plan, reqs = engine.runner.cascade_memo.plan, engine.runner.cascade_memo.reqs
+        if plan is not None and len(reqs) == len(specs):
+            grouped.append(sorted(plan.shared_lens))
+    assert grouped and all(lens == [40] * len(specs) for lens in grouped[-3:]), grouped
+
+
 def test_rows_sharing_only_a_node_too_short_to_group_get_no_plan():
     """Rows whose shallowest long-enough node is their own share nothing deeper either: no plan,
     though a rule that groups any length groups them at the short node."""

@@ -68,6 +68,9 @@ class RadixCache:
         self.host_tier = HostTierMoves(host, self._nodes) if host is not None else None
         self.lru = LruHeap(self._nodes, self._gpu_evictable)  # GPU eviction's order
         self._evictions = 0  # GPU nodes evicted so far
+        # Splits so far: a split puts a new node above an existing one (`_split`), the only change
+        # to a node's ancestors; a path read from a request's `cache_node` holds while this stays.
+        self.splits = 0
         # (evictions then, tokens): the last write-ahead left that many of eviction's first tokens
         # with host copies. Until a node is evicted they stay first: what is used since is no
         # longer the coldest, and new nodes are the warmest.
@@ -209,6 +212,7 @@ class RadixCache:
 
     def _split(self, child: Node, n: int) -> Node:
         """Cut `child`'s edge after n tokens; returns the new upper node (same locks)."""
+        self.splits += 1
         upper = Node(child.key[:n], child.slots[:n], child.parent)
         upper.lock_ref, upper.last_access, upper.loaded = child.lock_ref, child.last_access, child.loaded
         upper.copy_seq = child.copy_seq

@@ -46,6 +46,9 @@ class ScheduledBatch:
     # Host ms its plan took while the step before it was in flight (`Scheduler.plan_ahead`);
     # None: planned when it was due.
     planned_ahead_ms: float | None = None
+    # The prefix tree's split count once planned (`RadixCache.splits`): the cascade planner's
+    # read paths, kept between steps, hold while it stays the same.
+    tree_splits: int = 0
 
     @cached_property
     def is_decode(self) -> bool:

@@ -109,20 +109,30 @@ class CascadeMemo:
     request keeps the same `cache_node`, and the last plan with the requests and cache nodes it
     was made for. The same requests in the same order at the same nodes make the same plan, so
     steady decode reuses it after two C-level identity scans (256 rows: ~0.02 ms on the CPU,
-    where checking each row's path took ~0.1-0.2; 512 grouped rows: ~1 ms to plan again)."""
+    where checking each row's path took ~0.1-0.2; 512 grouped rows: ~1 ms to plan again).
+    Both hold while the tree's split count (`RadixCache.splits`) stays the one they were read at:
+    a split puts a new node above a request's `cache_node` without changing it, so a path read
+    before it lacks that node (before session 41 the request that had computed a group's prefix
+    read its path before its group arrived and split the node, and never grouped: 32 of 512
+    rows attended all their ~2,300 keys in the suffix part)."""
 
     paths: dict = field(default_factory=dict)  # id(request) -> (request, cache_node, min end, path)
     reqs: list = field(default_factory=list)  # each row's request, in order, of the last plan
     nodes: list = field(default_factory=list)  # their cache_node then
     plan: "CascadePlan | None" = None
+    tree_splits: int = -1  # the tree's split count when `paths` and `plan` were read
 
 
-def plan_cascade(rows: list[Row], rule: CascadeRule, memo: CascadeMemo | None = None) -> CascadePlan | None:
+def plan_cascade(rows: list[Row], rule: CascadeRule, memo: CascadeMemo | None = None,
+                 tree_splits: int = 0) -> CascadePlan | None:
     """Groups of decode rows sharing a prefix the rule finds worth it; None when there are none.
     Each row joins the node on its read path that saves most (prefix length x (1 - 1/rows)).
     `memo` (the caller's, kept between steps, always with the same rule) is left holding only
-    this step's rows."""
+    this step's rows; `tree_splits`: the tree's split count now (`ScheduledBatch.tree_splits`)."""
     memo = memo if memo is not None else CascadeMemo()
+    if memo.tree_splits != tree_splits:  # a node moved under a new one: every path is read again
+        memo.paths.clear()
+        memo.reqs, memo.nodes, memo.tree_splits = [], [], tree_splits
     reqs = [row.req for row in rows]
     nodes = [req.cache_node for req in reqs]
     if (len(reqs) == len(memo.reqs) and all(map(operator.is_, reqs, memo.reqs))
@@ -170,9 +180,9 @@ def _read_paths(rows: list[Row], memo: dict, min_end: int) -> list[list[tuple[in
     """Each row's read path, without the nodes ending before `min_end` (too short to group:
     `CascadeRule.worth`), reused from `memo` while its request keeps the same `cache_node`.
     A reused path stays true: the request's slots below a node it read change only through
-    release, and a readmission at the same node reads the whole path. (A node split since then
-    is missing from it: a missed grouping, never a wrong one. Its node ids stay unique: the
-    entry holds `cache_node`, whose parent links keep every node of the path alive.)"""
+    release, and a readmission at the same node reads the whole path; a split since it was read
+    clears `memo` (`plan_cascade`). Its node ids stay unique: the entry holds `cache_node`, whose
+    parent links keep every node of the path alive."""
     old, paths = dict(memo), []
     memo.clear()
     for row in rows:

@@ -223,7 +223,7 @@ class Scheduler:
                     self._preempt(self.running[-1])
                     rows = self._plan(step, process_in_flight)
             self._commit(rows, step)
-            batch = ScheduledBatch(step=step, rows=rows)
+            batch = ScheduledBatch(step=step, rows=rows, tree_splits=self.cache.tree.splits)
             self._count_prefill_steps(batch)
         except BaseException:
             self.rollback(step)
@@ -268,7 +268,8 @@ class Scheduler:
             self._undo(journal)  # an empty plan: the counters it reset go back
             return None
         ms = (time.perf_counter() - started) * 1e3
-        self._ahead = _Ahead(ScheduledBatch(step=step, rows=rows, planned_ahead_ms=ms), journal)
+        self._ahead = _Ahead(ScheduledBatch(step=step, rows=rows, planned_ahead_ms=ms,
+                                            tree_splits=self.cache.tree.splits), journal)
         self.steps_planned_ahead += 1
         return self._ahead.batch
 
