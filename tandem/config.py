@@ -224,6 +224,10 @@ class Experiments:
     # Decode at small batch (issue 21): residual add + RMSNorm run in the prologue of the next
     # projection's small-M GEMM where the tuner found that faster (off: a norm kernel per norm).
     fused_norm_gemm: bool = True
+    # FP8 weights above the small-M kernels (issue 21: FP8 lost to bf16 there): the RMSNorm or
+    # SiLU-mul in front of a projection writes its input as FP8 rows with their scales (off: a
+    # quantization launch of its own before each cuBLAS FP8 GEMM, 4 a layer).
+    fp8_fused_input: bool = True
     # Split-K decode attention: the last split program of each row merges (off: a separate
     # merge launch per layer). Off: on the H200 (session 13) it saved 7 us of a 0.95 ms batch-1
     # step and took back PDL's 59 us gain when both were on (docs/benchmarks.md).

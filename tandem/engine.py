@@ -192,7 +192,7 @@ class Engine:
         check_fp8_support(self.device)
         if self.device.type == "cuda" and self.dtype != torch.bfloat16:
             raise ValueError(f"quantization='fp8' on CUDA needs dtype bfloat16, got {self.dtype}")
-        n = quantize_model_fp8(self.model)
+        n = quantize_model_fp8(self.model, fused_input=self.cfg.experiments.fp8_fused_input)
         log.info("quantized %d linear layers to fp8 (e4m3, per output channel)", n)
 
     def _tune_gemms(self) -> dict:

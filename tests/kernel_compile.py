@@ -57,8 +57,12 @@ def kernels() -> dict:
     sizes = {"M": "i32", "N": "i32", "K": "i32"}
     return {
         "silu_mul": (_kernel(ka, "_silu_mul_kernel"), dict(BLOCK=1024), {"I": "i32"}),
-        "rms_norm": (_kernel("tandem.kernels.norm", "_rms_norm_kernel"), dict(HAS_RESIDUAL=True, BLOCK_N=1024),
-                     {"N": "i32"}),
+        "rms_norm": (_kernel("tandem.kernels.norm", "_rms_norm_kernel"),
+                     dict(HAS_RESIDUAL=True, QUANT=False, BLOCK_N=1024, FP8_MAX=448.0), {"N": "i32"}),
+        # The FP8 layers' input: e4m3 rows and their fp32 scales (Experiments.fp8_fused_input).
+        "rms_norm_fp8": (_kernel("tandem.kernels.norm", "_rms_norm_kernel"),
+                         dict(HAS_RESIDUAL=True, QUANT=True, BLOCK_N=1024, FP8_MAX=448.0),
+                         {"N": "i32", "Out": "*fp8e4nv", "Scale": "*fp32"}),
         "qk_norm_rope": (_kernel("tandem.kernels.rope", "_qk_norm_rope_kernel"),
                          dict(HEAD_DIM=128, HALF=64, BLOCK_H=1, BLOCK_HALF=64, HAS_NORM=True, HAS_CACHE=True),
                          {}),
@@ -103,6 +107,8 @@ def kernels() -> dict:
                               dict(HAS_BIAS=True, NORM=True, BLOCK=1024), sizes),
         "fp8_quantize_rows": (_kernel("tandem.kernels.fp8_quant", "_quantize_rows_kernel"),
                               dict(FP8_MAX=448.0, BLOCK=1024), {"Q": "*fp8e4nv", "K": "i32"}),
+        "fp8_silu_mul_quantize_rows": (_kernel("tandem.kernels.fp8_quant", "_silu_mul_quantize_rows_kernel"),
+                                       dict(FP8_MAX=448.0, BLOCK=4096), {"Q": "*fp8e4nv", "S": "*fp32", "I": "i32"}),
         "ngram_match": (_kernel("tandem.kernels.ngram_match", "_ngram_match_kernel"),
                         dict(MIN_N=1, MAX_N=3, BLOCK=1024, BLOCK_K=4), {"WINDOW": "i32", "K": "i32"}),
         "append_sampled": (_kernel("tandem.kernels.token_history", "_append_sampled_kernel"), {},

@@ -58,11 +58,18 @@ def fp8_linear_cublas(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     xq, x_scale = quantize_rows_fp8(x2)
-    out = torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=weight_scale.view(1, -1),
-                           out_dtype=x.dtype)
-    if bias is not None:
-        out = out + bias
+    out = fp8_scaled_mm(xq, x_scale, weight, bias, weight_scale, x.dtype)
     return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def fp8_scaled_mm(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                  weight_scale: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """(xq * x_scale) @ (weight * weight_scale)^T (+ bias): e4m3 rows [M, K] with fp32 row
+    scales [M, 1] against an FP8 weight [N, K] with per-channel scales [N], cuBLAS's row-wise
+    scaled GEMM."""
+    out = torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=weight_scale.view(1, -1),
+                           out_dtype=out_dtype)
+    return out if bias is None else out + bias
 
 
 def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -98,6 +105,9 @@ class Linear(nn.Module):
         self.normed = normed
         self.norm_plan: dict = {}  # normed layers: M bucket -> the add + norm kernel's config
         self.reduce = reduce
+        # FP8 weights above the small-M kernels: the norm or SiLU-mul in front writes the FP8
+        # input rows (off: a quantization launch of its own; `Experiments.fp8_fused_input`).
+        self.fp8_fused_input = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = linear(x, self.weight, self.bias, self.weight_scale, self.plan)
@@ -107,10 +117,15 @@ class Linear(nn.Module):
         """self(silu(gate) * up) in one launch when the fused kernel was tuned faster for these
         rows (CUDA); None otherwise, and the caller runs the two steps."""
         cfg = _small_m_config(gate_up, self.silu_plan)
-        if cfg is None:
+        if cfg is not None:
+            from tandem.kernels.small_m_gemm import small_m_gemm
+            out = small_m_gemm(gate_up, self.weight, self.bias, self.weight_scale, cfg, silu_mul=True)
+        elif self._fp8_input_fused(gate_up):
+            from tandem.kernels.fp8_quant import silu_mul_quantize_rows_fp8
+            out = fp8_scaled_mm(*silu_mul_quantize_rows_fp8(gate_up), self.weight, self.bias, self.weight_scale,
+                                gate_up.dtype)
+        else:
             return None
-        from tandem.kernels.small_m_gemm import small_m_gemm
-        out = small_m_gemm(gate_up, self.weight, self.bias, self.weight_scale, cfg, silu_mul=True)
         return out if self.reduce is None else self.reduce(out)
 
     def add_norm_forward(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
@@ -119,28 +134,38 @@ class Linear(nn.Module):
         tuned faster for these rows (CUDA); without a residual, (self(rms_norm(x)), x). None
         otherwise, and the caller runs the norm, then the layer."""
         cfg = _small_m_config(x, self.norm_plan)
-        if cfg is None:
+        if cfg is not None:
+            from tandem.kernels.small_m_gemm import NormInput, small_m_gemm_add_norm
+            out, residual = small_m_gemm_add_norm(x, NormInput(norm_weight, eps, residual), self.weight,
+                                                  self.bias, self.weight_scale, cfg)
+        elif self._fp8_input_fused(x) and x.dim() == 2:
+            from tandem.kernels.norm import add_rms_norm_fp8
+            xq, x_scale, residual = add_rms_norm_fp8(x, residual, norm_weight, eps)
+            out = fp8_scaled_mm(xq, x_scale, self.weight, self.bias, self.weight_scale, x.dtype)
+        else:
             return None
-        from tandem.kernels.small_m_gemm import NormInput, small_m_gemm_add_norm
-        out, residual = small_m_gemm_add_norm(x, NormInput(norm_weight, eps, residual), self.weight,
-                                              self.bias, self.weight_scale, cfg)
         return (out if self.reduce is None else self.reduce(out)), residual
 
+    def _fp8_input_fused(self, x: torch.Tensor) -> bool:
+        """Whether an FP8 layer takes its input rows quantized by the kernel in front (CUDA)."""
+        return self.weight_scale is not None and self.fp8_fused_input and x.is_cuda
+
     @torch.no_grad()
-    def quantize_fp8_(self) -> None:
+    def quantize_fp8_(self, fused_input: bool = True) -> None:
         q, scale = quantize_fp8(self.weight)
         self.weight = nn.Parameter(q, requires_grad=False)
         self.weight_scale = scale
+        self.fp8_fused_input = fused_input
         # Tuned for the 16-bit weight; retune after quantizing.
         self.plan, self.silu_plan, self.norm_plan = {}, {}, {}
 
 
-def quantize_model_fp8(model: nn.Module) -> int:
+def quantize_model_fp8(model: nn.Module, fused_input: bool = True) -> int:
     """Quantize every `Linear` in place (embeddings, norms and the LM head stay 16-bit);
-    returns how many were quantized."""
+    returns how many were quantized. `fused_input`: see `Linear.fp8_fused_input`."""
     layers = [m for m in model.modules() if isinstance(m, Linear)]
     for layer in layers:
-        layer.quantize_fp8_()
+        layer.quantize_fp8_(fused_input)
     return len(layers)
 
 
