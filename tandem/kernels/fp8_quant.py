@@ -16,16 +16,23 @@ FP8_MAX = 448.0
 
 
 @triton.jit
+def quantize_store_row(x, Q, S, row, offs, mask, stride_q, FP8_MAX: tl.constexpr):
+    """Row `row` of float32 values `x` as e4m3 into Q and its scale (amax / FP8_MAX) into S:
+    every kernel that writes an FP8 layer's input rows (so all of them give the same values)."""
+    scale = tl.maximum(tl.max(tl.abs(x), 0), 1e-12) / FP8_MAX
+    q = tl.minimum(tl.maximum(x / scale, -FP8_MAX), FP8_MAX)
+    tl.store(Q + row * stride_q + offs, q.to(Q.dtype.element_ty), mask=mask)
+    tl.store(S + row, scale)
+
+
+@triton.jit
 def _quantize_rows_kernel(X, Q, S, K, stride_x, stride_q, FP8_MAX: tl.constexpr,
                           BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < K
     x = tl.load(X + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(x), 0), 1e-12) / FP8_MAX
-    q = tl.minimum(tl.maximum(x / scale, -FP8_MAX), FP8_MAX)
-    tl.store(Q + row * stride_q + offs, q.to(Q.dtype.element_ty), mask=mask)
-    tl.store(S + row, scale)
+    quantize_store_row(x, Q, S, row, offs, mask, stride_q, FP8_MAX)
 
 
 def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -52,11 +59,8 @@ def _silu_mul_quantize_rows_kernel(X, Q, S, I, stride_x, stride_q, FP8_MAX: tl.c
     gate = tl.load(X + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(X + row * stride_x + I + offs, mask=mask, other=0.0).to(tl.float32)
     act = (gate / (1.0 + tl.exp(-gate))).to(X.dtype.element_ty).to(tl.float32)
-    x = (act * up).to(X.dtype.element_ty).to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(x), 0), 1e-12) / FP8_MAX
-    q = tl.minimum(tl.maximum(x / scale, -FP8_MAX), FP8_MAX)
-    tl.store(Q + row * stride_q + offs, q.to(Q.dtype.element_ty), mask=mask)
-    tl.store(S + row, scale)
+    quantize_store_row((act * up).to(X.dtype.element_ty).to(tl.float32), Q, S, row, offs, mask, stride_q,
+                       FP8_MAX)
 
 
 def silu_mul_quantize_rows_fp8(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

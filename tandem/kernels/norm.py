@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tandem.kernels.fp8_quant import quantize_store_row
 from tandem.kernels.grid import next_power_of_2
 from tandem.kernels.pdl import pdl_options, pdl_prologue
 
@@ -41,11 +42,10 @@ def _rms_norm_kernel(
     w = tl.load(W + offs, mask=mask, other=0.0).to(tl.float32)
     y = (xf * rstd).to(X.dtype.element_ty).to(tl.float32) * w
     if QUANT:  # as quantize_rows_fp8 of the row rounded to the input dtype
-        y = y.to(X.dtype.element_ty).to(tl.float32)
-        scale = tl.maximum(tl.max(tl.abs(y), 0), 1e-12) / FP8_MAX
-        y = tl.minimum(tl.maximum(y / scale, -FP8_MAX), FP8_MAX)
-        tl.store(Scale + row, scale)
-    tl.store(Out + row * stride_o + offs, y.to(Out.dtype.element_ty), mask=mask)
+        quantize_store_row(y.to(X.dtype.element_ty).to(tl.float32), Out, Scale, row, offs, mask, stride_o,
+                           FP8_MAX)
+    else:
+        tl.store(Out + row * stride_o + offs, y.to(Out.dtype.element_ty), mask=mask)
 
 
 def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
