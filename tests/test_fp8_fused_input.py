@@ -66,6 +66,10 @@ def test_fp8_layers_give_the_same_output_with_the_fused_input():
     normed = Linear(256, 384, bias=True, normed=True).cuda().bfloat16()
     gated = Linear(192, 256, gated=True).cuda().bfloat16()
     for layer in (normed, gated):
+        with torch.no_grad():  # Linear allocates its weight uninitialised (the loader fills it)
+            layer.weight.normal_(0, 0.05)
+            if layer.bias is not None:
+                layer.bias.normal_(0, 0.1)
         layer.quantize_fp8_(fused_input=True)
     out, new_res = normed.add_norm_forward(x, res, norm_w, 1e-6)
     ref_normed, ref_res = fused_add_rms_norm(x, res, norm_w, 1e-6)
