@@ -1,6 +1,7 @@
 """Where a steady decode step's device time goes: kernel time by name, from torch.profiler.
 
     python3 -m tandem.bench.decode_kernels --preset qwen3-0.6b --batch 1 --batch 64
+    python3 -m tandem.bench.decode_kernels --preset qwen3-0.6b --batch 256 --quantization fp8
 """
 import argparse
 import random
@@ -48,8 +49,10 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--experiment", action="append", default=[], metavar="NAME=VALUE",
                     help="an Experiments switch, e.g. fused_decode_merge=on (repeatable)")
+    ap.add_argument("--quantization", choices=["fp8"], default=None,
+                    help="FP8 weights: where an FP8 step's time goes against a bf16 one (issue 21)")
     args = ap.parse_args()
-    engine = Engine(EngineConfig(model=preset_dir(args.preset), dummy_weights=True,
+    engine = Engine(EngineConfig(model=preset_dir(args.preset), dummy_weights=True, quantization=args.quantization,
                                  experiments=Experiments.from_overrides(args.experiment)))
     for b in args.batch or [1]:
         profile_batch(engine, b, args.steps, args.prompt_len)
