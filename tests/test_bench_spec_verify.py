@@ -5,6 +5,7 @@ report has every figure."""
 import json
 
 import pytest
+import torch
 
 from tandem.bench import spec_verify
 
@@ -47,3 +48,20 @@ def test_force_fused_measures_both_plan_sets_on_cuda(tmp_path):
     # still agrees with the 1-row decode as closely as it did with the tuned plans, bf16 apart.
     assert fused["first_position_max_diff"] <= max(0.5, 4 * tuned["first_position_max_diff"]), rows
     assert fused["verify_ms"] > 0
+
+
+def test_prints_the_tuners_choice_for_the_decode_and_verify_buckets(capsys):
+    pytest.importorskip("triton")
+    from tandem.kernels.small_m_gemm import GemmConfig
+    cfg = GemmConfig(16, 256, 1, 4)
+    results = {(960, 576, torch.bfloat16, 1, None): (cfg, 0.003, 0.005),
+               (960, 576, torch.bfloat16, 1, "norm"): (cfg, 0.004, 0.006),
+               (960, 576, torch.bfloat16, 8, None): (cfg, 0.003, 0.004),
+               (960, 576, torch.bfloat16, 16, None): (None, 0.004, 0.004),
+               (960, 576, torch.bfloat16, 16, "norm"): (None, 0.0071, 0.0071)}
+    spec_verify._print_tuning(results, {1, 9})  # a k 8 verify runs at the M 16 bucket
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("small-M GEMM plans:") and "norm M=1 1/1, M=16 0/1" in lines[0]
+    shapes = [line.strip() for line in lines[1:]]
+    assert [line.split(":")[0].split()[0] for line in shapes] == ["M=1", "M=1", "M=16", "M=16"]
+    assert "M=16 N=960 K=576 bfloat16 norm: baseline 7.1 us (baseline 7.1 us)" in shapes

@@ -197,6 +197,18 @@ def _fastest_fused(layer, kind: str, bucket: int, dtype: torch.dtype, configs: l
     return min(timed, key=timed.get)
 
 
+def _print_tuning(results: dict, ms: set[int]) -> None:
+    """The startup tuner's choices (`gemm_tuner.tune_model`'s results) at these M, a line a shape:
+    what the captured forwards run (a Triton config, or the baseline: cuBLAS or the two launches)."""
+    from tandem.kernels.gemm_tuner import M_BUCKETS, plan_summary
+    buckets = {min(b for b in M_BUCKETS if b >= m) for m in ms}
+    print("small-M GEMM plans:", plan_summary(results))
+    for (n, k, wdt, m, fused), (cfg, ms_, base_ms) in sorted(results.items(), key=lambda kv: (kv[0][3], str(kv[0]))):
+        if m in buckets:
+            print(f"  M={m} N={n} K={k} {str(wdt).replace('torch.', '')} {fused or 'plain'}: "
+                  f"{cfg if cfg is not None else 'baseline'} {ms_ * 1e3:.1f} us (baseline {base_ms * 1e3:.1f} us)")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="tandem bench spec-verify", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -242,6 +254,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {r.plans} | {r.batch} | {r.decode_ms:.3f} | {r.verify_ms:.3f} | {r.ratio:.3f} | "
               f"{r.verify_extend_ms:.3f} | {r.verify_extend_ms / r.decode_ms:.3f} | {r.decode_eager_ms:.3f} | "
               f"{r.verify_eager_ms:.3f} | {r.first_position_max_diff:.2g} | {r.layouts_max_diff:.2g} |")
+    if engine.gemm_tuning:  # which kernel each shape runs at the decode's and the verify's M
+        _print_tuning(engine.gemm_tuning, {1, min(16, args.k + 1)})
     for r in rows:
         for name, table in (r.kernels or {}).items():
             print(f"{r.plans} batch {r.batch} {name}: {sum(n for _, n, _ in table):.0f} kernels a replay, "
