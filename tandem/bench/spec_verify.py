@@ -197,16 +197,18 @@ def _fastest_fused(layer, kind: str, bucket: int, dtype: torch.dtype, configs: l
     return min(timed, key=timed.get)
 
 
-def _print_tuning(results: dict, ms: set[int]) -> None:
-    """The startup tuner's choices (`gemm_tuner.tune_model`'s results) at these M, a line a shape:
-    what the captured forwards run (a Triton config, or the baseline: cuBLAS or the two launches)."""
-    from tandem.kernels.gemm_tuner import M_BUCKETS, plan_summary
-    buckets = {min(b for b in M_BUCKETS if b >= m) for m in ms}
+def _print_tuning(results: dict, row_counts: set[int]) -> None:
+    """The startup tuner's choices (`gemm_tuner.tune_model`'s results) for launches of these row
+    counts, a line a shape: what the captured forwards run (a Triton config, or the baseline:
+    cuBLAS or the two launches)."""
+    from tandem.kernels.gemm_tuner import plan_summary
+    from tandem.models.linear import m_bucket
+    buckets = {m_bucket(rows) for rows in row_counts}
     print("small-M GEMM plans:", plan_summary(results))
-    for (n, k, wdt, m, fused), (cfg, ms_, base_ms) in sorted(results.items(), key=lambda kv: (kv[0][3], str(kv[0]))):
+    for (n, k, wdt, m, fused), (cfg, ms, base_ms) in sorted(results.items(), key=lambda kv: (kv[0][3], str(kv[0]))):
         if m in buckets:
             print(f"  M={m} N={n} K={k} {str(wdt).replace('torch.', '')} {fused or 'plain'}: "
-                  f"{cfg if cfg is not None else 'baseline'} {ms_ * 1e3:.1f} us (baseline {base_ms * 1e3:.1f} us)")
+                  f"{cfg if cfg is not None else 'baseline'} {ms * 1e3:.1f} us (baseline {base_ms * 1e3:.1f} us)")
 
 
 def main(argv: list[str] | None = None) -> int:
