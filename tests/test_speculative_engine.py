@@ -415,6 +415,45 @@ def test_greedy_verify_steps_settle_in_the_graphed_tail(cycling_model, extend_ma
     engine.close()
 
 
+def _unproposed_run(path, prompts, params, search: bool) -> tuple[list, dict, tuple, list[int], int]:
+    """The one-query set's steps with the empty proposal built directly, or (`search`) through
+    the general path's n-gram search: outputs, spec metrics, device state, replays, searches."""
+    engine = _engine(path, NGRAM)
+    _eager_verify_graphs(engine, single_query=True)
+    spec = engine.spec_state
+    if search:
+        spec.prepare_unproposed = spec.prepare
+    searches = []
+    spec.proposer.propose = (lambda real: lambda *a: searches.append(1) or real(*a))(spec.proposer.propose)
+    calls = _record_replays(engine)
+    rids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+    while engine.has_unfinished():
+        engine.step()
+    metrics = {k: v for k, v in engine.stats().items() if k.startswith("spec_")}
+    state = (spec.history.clone(), spec.length.clone(), engine.future_map.buf.clone())
+    outs = [engine.output(r).token_ids for r in rids]
+    assert_kv_conserved(engine)
+    engine.close()
+    return outs, metrics, state, calls, len(searches)
+
+
+def test_steps_where_no_row_proposes_skip_the_search_and_leave_the_same_state(cycling_model):
+    """The one-query verify set builds its empty proposal without the n-gram search: the same
+    outputs (plain's), spec metrics, device history, lengths and relayed tokens as when it
+    searched and cut every proposal to k_row 0; only the k + 1-query steps search."""
+    prompts = _prompts(5, seed=12)
+    params = [SamplingParams(max_tokens=20 + 8 * i, temperature=0.7 * (i % 2), seed=i, ignore_eos=True)
+              for i in range(5)]
+    plain, _ = _generate(cycling_model, prompts, params)
+    outs, metrics, state, calls, searches = _unproposed_run(cycling_model, prompts, params, search=False)
+    outs_s, metrics_s, state_s, calls_s, searches_s = _unproposed_run(cycling_model, prompts, params, search=True)
+    assert outs == outs_s == [o.token_ids for o in plain]
+    assert metrics == metrics_s and metrics["spec_decode_num_accepted_tokens"] > 50
+    assert all(torch.equal(a, b) for a, b in zip(state, state_s))
+    assert calls == calls_s and any(b < 0 for b in calls)
+    assert searches == sum(b > 0 for b in calls) and searches_s == len(calls)
+
+
 def test_requests_whose_text_does_not_repeat_stop_proposing(tiny_text_model, cycling_model):
     """Random text (the tiny random model): verify rows find few proposals and accept
     almost none, so requests pause proposing and most steps are plain decode steps (CUDA

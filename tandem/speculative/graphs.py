@@ -90,7 +90,10 @@ class VerifyGraphs:
         slots, k_rows = views["req_slots"], views["k_rows"]
         r, j = self.token_row[bucket], self.token_offset[bucket]
         last = self.future_map.resolve(slots) if self.resolve_in_graph else self.last_tokens[bucket]
-        step = self.spec.prepare(slots, k_rows, r, j, last, self.max_seq_len)
+        # The one-query set runs only steps where no row proposes (`_verify_graphs_for`): its
+        # proposal is empty by construction, so it skips the search.
+        prepare = self.spec.prepare_unproposed if self.q == 1 else self.spec.prepare
+        step = prepare(slots, k_rows, r, j, last, self.max_seq_len)
         input_ids, positions = self.spec.inputs(step, last)
         positions = positions.clamp(min=0)  # padding rows (length 0)
         # Queries past a row's k_row have no reserved slot: their KV goes to the dummy slot.

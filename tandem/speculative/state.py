@@ -86,6 +86,20 @@ class SpecState:
         proposal = Proposal(proposal.tokens.masked_fill(~live, 0), count, proposal.probs)
         return SpecStep(lengths, proposal, token_row, token_offset)
 
+    def prepare_unproposed(self, slots: Tensor, k_rows: Tensor, token_row: Tensor, token_offset: Tensor,
+                           last: Tensor, max_seq_len: int) -> SpecStep:
+        """`prepare` for a step where no row proposes (every k_row is 0, the host knows it):
+        the empty proposal `prepare` cuts to, without the n-gram search over the history (a
+        one-query verify graph's largest launch). A draft model still runs `prepare`: its
+        forward writes the draft's KV of each row's last token, which later steps read."""
+        if self.draft is not None:
+            return self.prepare(slots, k_rows, token_row, token_offset, last, max_seq_len)
+        lengths = self.length[slots]
+        B = slots.shape[0]
+        empty = Proposal(torch.zeros((B, self.k), dtype=torch.int64, device=slots.device),
+                         torch.zeros(B, dtype=torch.int64, device=slots.device))
+        return SpecStep(lengths, empty, token_row, token_offset)
+
     def inputs(self, step: SpecStep, last_tokens: Tensor) -> tuple[Tensor, Tensor]:
         """The query tokens' ids and positions: row b's last token, then its proposals."""
         r, j = step.token_row, step.token_offset
