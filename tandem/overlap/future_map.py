@@ -22,6 +22,11 @@ class FutureMap:
         if self.stashed is not None:
             self.stashed[slots] = token_ids
 
+    def stash_buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """What `stash` writes, for a kernel that stashes in place (`kernels.spec_settle`): the
+        map and its debug copy (the map again without debug: a second store of the same value)."""
+        return self.buf, self.buf if self.stashed is None else self.stashed
+
     def forget_reads(self) -> None:
         """Debug: a rolled-back step's reads did not happen; its retry reads the same slots
         again. Without debug reads mark nothing, so there is nothing to undo. Queue it on the

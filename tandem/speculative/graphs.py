@@ -166,8 +166,12 @@ class VerifyGraphs:
         """A greedy-only step's sampling and settling, fixed-shape: packed [bucket * (k + 3)].
         No penalty counts: a greedy-only step has no row with penalties, and a request with
         them resets its slot's counts when admitted."""
-        verdict = self.spec.point_mass_verdict(step, logits.argmax(dim=-1))
-        return settle(self.spec, self.future_map, step, slots, verdict)
+        sampled = logits.argmax(dim=-1)
+        if sampled.is_cuda:  # one launch instead of ~25 small ones (tandem.kernels.spec_settle)
+            from tandem.kernels.spec_settle import settle_greedy  # triton is optional: imported where it runs
+            return settle_greedy(sampled, self.q, step.proposal.tokens, step.proposal.count, step.lengths, slots,
+                                 self.spec.history, self.spec.length, self.future_map.stash_buffers())
+        return settle(self.spec, self.future_map, step, slots, self.spec.point_mass_verdict(step, sampled))
 
     def replay_tail(self, bucket: int, ring: int, rows: int, logits: torch.Tensor, step: SpecStep) -> torch.Tensor:
         """Queue the greedy tail of the step `replay(bucket, ring)` just queued (its untrimmed
