@@ -82,3 +82,26 @@ def test_settle_greedy_kernel_is_the_torch_settle(seed):
     accepted = want.view(-1, k + 3)[:, 0]
     if queries > 1:  # the cases the samples were drawn for
         assert set(accepted.tolist()) >= {0} and (accepted == step.proposal.count).any()
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_verify_inputs_kernel_is_the_torch_form(seed):
+    """A graphed verify step's query ids, positions and KV locations in one launch equal the
+    torch form's: k + 1 queries a row or one, rows with k_row 0 (their later queries write
+    the dummy slot), rows whose later positions pass the table's width, padding rows."""
+    from tandem.kernels.verify_inputs import verify_inputs
+    from tandem.speculative.graphs import query_inputs
+    rng = random.Random(seed)
+    k = rng.choice([1, 3, 4, 7, 15])
+    queries = 1 if seed % 4 == 3 else k + 1
+    spec, future_map, step, slots = _verify_step(rng, k, queries)
+    g = torch.Generator().manual_seed(seed)
+    table = torch.randint(1, 1000, (SLOTS + 1, MAX_LEN + rng.randint(-k, k)), generator=g, dtype=torch.int32)
+    k_rows = torch.where(slots == 0, 0, step.proposal.count + torch.randint(0, 2, slots.shape, generator=g)).clamp(max=k)
+    last = future_map.buf[slots] + torch.randint(0, 9, slots.shape, generator=g)
+    want = query_inputs(spec, step, last, slots, k_rows, table)
+    to = lambda t: t.to(DEVICE)  # noqa: E731
+    got = verify_inputs(to(step.proposal.tokens), to(last), to(step.lengths), to(k_rows.to(torch.int32)), to(slots),
+                        to(table), queries)
+    for name, a, b in zip(("ids", "positions", "locs"), got, want):
+        assert torch.equal(a.cpu(), b), name

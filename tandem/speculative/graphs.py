@@ -43,6 +43,24 @@ def settle(spec: SpecState, future_map, step: SpecStep, slots: torch.Tensor, ver
     return torch.cat([accepted[:, None], step.proposal.count[:, None], tokens], dim=1).flatten()
 
 
+def query_inputs(spec: SpecState, step: SpecStep, last: torch.Tensor, slots: torch.Tensor, k_rows: torch.Tensor,
+                 table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A fixed-shape step's query tokens: (ids, positions, KV locations), each [B * q] int64.
+    On CUDA one launch (`tandem.kernels.verify_inputs`); this torch form elsewhere, and the
+    kernel's reference."""
+    if slots.is_cuda:
+        from tandem.kernels.verify_inputs import verify_inputs  # triton is optional: imported where it runs
+        queries = step.token_row.shape[0] // slots.shape[0]
+        return verify_inputs(step.proposal.tokens, last, step.lengths, k_rows, slots, table, queries)
+    r, j = step.token_row, step.token_offset
+    input_ids, positions = spec.inputs(step, last)
+    positions = positions.clamp(min=0)  # padding rows (length 0)
+    # Queries past a row's k_row have no reserved slot: their KV goes to the dummy slot.
+    live = j <= k_rows[r]
+    locs = torch.where(live, table[slots[r], positions.clamp(max=table.shape[1] - 1)].to(torch.int64), 0)
+    return input_ids, positions, locs
+
+
 # The fixed fields a graph reads from the staging ring, in this order at the ring slot's start.
 VERIFY_FIELDS = ("req_slots", "k_rows")
 
@@ -94,17 +112,13 @@ class VerifyGraphs:
         # proposal is empty by construction, so it skips the search.
         prepare = self.spec.prepare_unproposed if self.q == 1 else self.spec.prepare
         step = prepare(slots, k_rows, r, j, last, self.max_seq_len)
-        input_ids, positions = self.spec.inputs(step, last)
-        positions = positions.clamp(min=0)  # padding rows (length 0)
-        # Queries past a row's k_row have no reserved slot: their KV goes to the dummy slot.
-        live = j <= k_rows[r]
-        width = self.table.table.shape[1]
-        locs = torch.where(live, self.table.table[slots[r], positions.clamp(max=width - 1)].to(torch.int64), 0)
+        input_ids, positions, locs = query_inputs(self.spec, step, last, slots, k_rows, self.table.table)
         # Dead queries' lengths are clamped into the table; what they read is never used.
         if bucket <= self.extend_max_rows and self.q > 1:
             fb = fixed_extend_batch(input_ids, positions, locs, slots, self.q, self.table.table, self.max_seq_len)
         else:
-            fb = query_rows_batch(input_ids, positions, locs, slots[r], self.table.table, self.max_seq_len)
+            rows = slots if self.q == 1 else slots[r]  # each query's request slot (r is 0..B-1 at one query)
+            fb = query_rows_batch(input_ids, positions, locs, rows, self.table.table, self.max_seq_len)
         hidden = self.model(fb, self.kv, self.backend)
         logits = self.model.compute_logits(hidden, out=self.logits[:bucket * self.q])
         return logits, step
