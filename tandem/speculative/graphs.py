@@ -112,6 +112,8 @@ class VerifyGraphs:
         # proposal is empty by construction, so it skips the search.
         prepare = self.spec.prepare_unproposed if self.q == 1 else self.spec.prepare
         step = prepare(slots, k_rows, r, j, last, self.max_seq_len)
+        # Ordering: the table entries reserved for this step were written before the replay on
+        # this (forward) stream (`ModelRunner` via `write_on_device`), so the locations see them.
         input_ids, positions, locs = query_inputs(self.spec, step, last, slots, k_rows, self.table.table)
         # Dead queries' lengths are clamped into the table; what they read is never used.
         if bucket <= self.extend_max_rows and self.q > 1:
@@ -181,6 +183,9 @@ class VerifyGraphs:
         No penalty counts: a greedy-only step has no row with penalties, and a request with
         them resets its slot's counts when admitted."""
         sampled = logits.argmax(dim=-1)
+        # Ordering: on the forward stream after the forward; it reads the step's gathered
+        # `lengths` (not `length`, which it overwrites), and the next step's `prepare` reads
+        # what it writes in stream order (docs/async-model.md, "Device state").
         if sampled.is_cuda:  # one launch instead of ~25 small ones (tandem.kernels.spec_settle)
             from tandem.kernels.spec_settle import settle_greedy  # triton is optional: imported where it runs
             return settle_greedy(sampled, self.q, step.proposal.tokens, step.proposal.count, step.lengths, slots,
