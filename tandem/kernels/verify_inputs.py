@@ -52,5 +52,5 @@ def verify_inputs(proposals: torch.Tensor, last: torch.Tensor, lengths: torch.Te
         return ids, positions, locs
     _verify_inputs_kernel[(B,)](
         proposals, last, lengths, k_rows, slots, table, table.stride(0), table.shape[1], ids, positions, locs,
-        queries, k, BLOCK=next_power_of_2(queries), num_warps=1)
+        queries, k, BLOCK=max(2, next_power_of_2(queries)), num_warps=1)  # 2: no one-lane blocks
     return ids, positions, locs
