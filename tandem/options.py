@@ -187,7 +187,6 @@ VLLM_WITHOUT_COUNTERPART: dict[str, tuple[Any, str]] = {
     "max_num_batched_tokens": (None, "tandem's nearest option is max_prefill_tokens (prefill tokens per "
                                      "step; decodes are not counted)"),
     "kv_cache_memory_bytes": (None, "size the KV pool with max_total_tokens (tokens) or gpu_memory_utilization"),
-    "kv_cache_dtype": ("auto", "the KV cache is kept in the model's dtype"),
     "block_size": (None, "tandem's KV cache has no block size to set"),
     "swap_space": (4, "tandem keeps no KV swap space on the CPU"),
     "cpu_offload_gb": (0, "tandem keeps every weight on the device"),
