@@ -5,8 +5,9 @@ saturated at +-FP8_MAX when stored (`to_cache_dtype`; the kernels' `tandem.kerne
 upcast by every reader as it loads."""
 import torch
 
-# e4m3fn's largest finite value. The format has no inf: a cast of anything larger gives NaN,
-# so stores clamp to it first (a saturating store, as vLLM's FP8 cache with scale 1.0).
+# e4m3fn's largest finite value. The format has no inf: a cast that does not saturate (Triton's;
+# torch's on the CPU does since some version) gives NaN for anything larger, so every store
+# clamps to it first, the reference's too (one rule whatever the torch version).
 FP8_MAX = torch.finfo(torch.float8_e4m3fn).max
 
 
