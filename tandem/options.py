@@ -43,6 +43,15 @@ def add_engine_options(parser: argparse.ArgumentParser, *, launch: bool = False)
             Launch, _LAUNCH)
 
 
+def add_engine_fields(parser: argparse.ArgumentParser, *names: str) -> None:
+    """Some of `add_engine_options`' flags, for a command that builds its own configuration
+    (`tandem bench latency`): the same flag, choices, default and help as everywhere else."""
+    fields = {f.name: f for f in options(EngineConfig)}
+    defaults, hints = EngineConfig(), get_type_hints(EngineConfig)
+    for name in names:
+        _add_option(parser, fields[name], hints[name], getattr(defaults, name), name)
+
+
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     """The configuration the parsed flags say; with no flags given, exactly `EngineConfig()`."""
     cfg = EngineConfig(**{f.name: getattr(args, f.name) for f in options(EngineConfig)})
