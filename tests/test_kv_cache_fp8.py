@@ -100,9 +100,8 @@ def test_the_host_tier_moves_an_fp8_pool_byte_for_byte(tiny_text_model):
     assert host.data.dtype == FP8 and host.token_bytes == KVCache.bytes_per_token(
         len(engine.kv.k), *engine.kv.k[0].shape[1:], FP8)
     assert run_chats(engine, rounds) == want
-    s = engine.stats()
-    assert s["host_cache_hit_tokens"] > 100 and s["host_load_bytes"] > 0, s
-    assert_tiers_conserved(engine, s)
+    assert_tiers_conserved(engine, engine.stats())
+    assert engine.stats()["host_cache_hit_tokens"] > 100  # histories came back from the host
     engine.close()
 
 
