@@ -91,6 +91,19 @@ def resolve_dtype(name: str, device: torch.device, model_dtype: torch.dtype | No
     return _DTYPES[name]
 
 
+def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The KV pool's element type: `auto` is the model's; `fp8`/`fp8_e4m3` is e4m3fn with no
+    scale (tandem.memory.kv_cache.FP8_MAX bounds what it stores)."""
+    if name == "auto":
+        return model_dtype
+    if name in ("fp8", "fp8_e4m3"):
+        return torch.float8_e4m3fn
+    if name == "fp8_e5m2":  # vLLM's other FP8 format: say what is supported instead
+        raise ValueError("kv_cache_dtype='fp8_e5m2' is not supported: tandem's FP8 KV cache is e4m3 only "
+                         "(kv_cache_dtype='fp8' or 'fp8_e4m3')")
+    raise ValueError(f"kv_cache_dtype must be one of auto, fp8, fp8_e4m3; got {name!r}")
+
+
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -272,6 +285,7 @@ _BOOL_WORDS = {"on": True, "true": True, "1": True, "off": False, "false": False
 
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+KVCacheDtype = Literal["auto", "fp8", "fp8_e4m3"]
 AutoOnOff = Literal["auto", "on", "off"]
 
 
@@ -318,6 +332,8 @@ class EngineConfig:
     small_m_gemm: AutoOnOff = knob("auto", "weight-streaming Triton GEMMs for <= 16 rows, tuned per "
                                            "shape at startup (auto: on with CUDA; off: cuBLAS everywhere)")
     quantization: Literal["fp8"] | None = knob(None, "fp8: per-channel e4m3 weights, quantized at load")
+    kv_cache_dtype: KVCacheDtype = knob("auto", "auto: the KV cache in the model's dtype; fp8 (= fp8_e4m3): "
+                                                "e4m3 with scale 1.0, saturated at +-448 (half the bytes)")
     max_model_len: int | None = knob(None, "context length (None: the model's)")
     seed: int = knob(0, "unseeded requests derive their sampling seeds from it")
     # One process per rank (rank 0 is this one); where the ranks run is `launch`.

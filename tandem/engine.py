@@ -30,10 +30,10 @@ from tandem.limits import context_error
 from tandem.cuda_graph import DecodeGraphs, default_buckets
 from tandem.kernels.extend_attention import extend_block_rows
 from tandem.cascade_layout import max_group_rows, target_work_items
-from tandem.config import EngineConfig, ModelConfig, resolve_device, resolve_dtype
+from tandem.config import EngineConfig, ModelConfig, resolve_device, resolve_dtype, resolve_kv_cache_dtype
 from tandem.memory.allocator import SlotAllocator
 from tandem.memory.host_kv import HostKVPool
-from tandem.memory.kv_cache import KVCache
+from tandem.memory.kv_cache import KVCache, is_fp8
 from tandem.memory.prefix_cache import HostTier, PrefixCache
 from tandem.memory_budget import (MemoryBudget, graph_reserve, measure_activations, plan_kv_pool,
                                   profile_forward, request_buffers)
@@ -93,6 +93,7 @@ class Engine:
 
     def _build(self, cfg: EngineConfig, ckpt, path) -> None:
         self.dtype = resolve_dtype(cfg.dtype, self.device, self.model_config.dtype)
+        self.kv_dtype = self._kv_cache_dtype()  # before the model loads: a bad value fails fast
         self.tokenizer = open_tokenizer(cfg.tokenizer, ckpt)
         if cfg.tokenizer is not None and len(self.tokenizer) > self.model_config.vocab_size:
             raise ValueError(f"tokenizer={cfg.tokenizer!r} has {len(self.tokenizer)} tokens, more than the "
@@ -184,6 +185,13 @@ class Engine:
         log.info("loaded the draft model %s in %.1fs", spec.model, time.monotonic() - started)
         return model
 
+    def _kv_cache_dtype(self) -> torch.dtype:
+        """The KV pools' element type (target and draft alike, every rank the same)."""
+        dtype = resolve_kv_cache_dtype(self.cfg.kv_cache_dtype, self.dtype)
+        if is_fp8(dtype):  # the kernels' e4m3 conversions need the FP8 hardware too
+            check_fp8_support(self.device, f"kv_cache_dtype={self.cfg.kv_cache_dtype!r}")
+        return dtype
+
     def _quantize(self) -> None:
         if self.cfg.quantization is None:
             return
@@ -212,10 +220,11 @@ class Engine:
 
     def _build_memory(self) -> None:
         mc, cfg = self.model.local_config, self.cfg  # this rank's KV heads
-        per_token = KVCache.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype)
+        per_token = KVCache.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, self.kv_dtype)
         draft = self.draft_model.local_config if self.draft_model is not None else None
         if draft is not None:  # the draft's KV has the target pool's slots
-            per_token += KVCache.bytes_per_token(draft.num_layers, draft.num_kv_heads, draft.head_dim, self.dtype)
+            per_token += KVCache.bytes_per_token(draft.num_layers, draft.num_kv_heads, draft.head_dim,
+                                                 self.kv_dtype)
         self.memory: MemoryBudget | None = None
         if cfg.max_total_tokens is not None:
             num_tokens = cfg.max_total_tokens
@@ -230,8 +239,8 @@ class Engine:
         if num_tokens < 2:
             raise ValueError(f"KV pool of {num_tokens} tokens is too small")
         self.max_model_len = min(self.max_model_len, num_tokens)
-        self.kv = KVCache(mc.num_layers, num_tokens + 1, mc.num_kv_heads, mc.head_dim, self.dtype, self.device)
-        self.draft_kv = (KVCache(draft.num_layers, num_tokens + 1, draft.num_kv_heads, draft.head_dim, self.dtype,
+        self.kv = KVCache(mc.num_layers, num_tokens + 1, mc.num_kv_heads, mc.head_dim, self.kv_dtype, self.device)
+        self.draft_kv = (KVCache(draft.num_layers, num_tokens + 1, draft.num_kv_heads, draft.head_dim, self.kv_dtype,
                                  self.device) if draft is not None else None)
         self.kv_slots = SlotAllocator(num_tokens)  # slot 0 is the dummy slot
         self.streams = StreamSet.create(self.device)
@@ -250,7 +259,8 @@ class Engine:
                                         debug=self.debug.prefix_cache, host=host)
         self.req_slots = SlotAllocator(self.num_request_slots)  # row 0 is the padding row
         self.table = ReqToTokenTable(self.num_request_slots, self.max_model_len, self.device)
-        log.info("KV pool: %d tokens (%.1f MiB)", num_tokens, num_tokens * per_token / 2**20)
+        log.info("KV pool: %d tokens (%.1f MiB, %s)", num_tokens, num_tokens * per_token / 2**20,
+                 str(self.kv_dtype).removeprefix("torch."))
 
     def _build_host_tier(self) -> KVTierCopier | None:
         """The prefix cache's host tier (host_kv_cache_gb > 0): pinned on CUDA."""
@@ -275,7 +285,7 @@ class Engine:
         mc, cfg, dev = self.model_config, self.cfg, self.device
         tokens = cfg.max_prefill_tokens
         activations = measure_activations(dev, lambda: profile_forward(
-            self.model, self.backend, mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype, dev,
+            self.model, self.backend, mc.num_layers, mc.num_kv_heads, mc.head_dim, self.kv_dtype, dev,
             tokens, self.max_model_len, mc.vocab_size, cfg.max_running_requests))
         free, total = torch.cuda.mem_get_info(dev)
         models = [self.model] + ([self.draft_model] if self.draft_model is not None else [])
@@ -368,7 +378,7 @@ class Engine:
         rows = max_group_rows(cfg.num_heads, cfg.num_kv_heads)
         sms = torch.cuda.get_device_properties(self.device).multi_processor_count if self.device.type == "cuda" else 4
         items = target_work_items(sms, cfg.num_kv_heads)
-        kv_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * self.dtype.itemsize
+        kv_bytes = KVCache.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.kv_dtype)
         rule = CascadeRule.forced(rows, items) if mode == "on" else CascadeRule.for_model(rows, items, kv_bytes)
         # A group's queries must fit the shared pass's tile: too few rows fit, nothing groups.
         return rule if rule.max_group_rows >= rule.min_group_rows else None
@@ -1072,6 +1082,7 @@ class Engine:
     def resolved_settings(self) -> dict[str, str | int | bool]:
         """What this engine made of its configuration's "auto" values and budgets."""
         return {"device": str(self.device), "dtype": str(self.dtype).removeprefix("torch."),
+                "kv_cache_dtype": str(self.kv_dtype).removeprefix("torch."),
                 "max_model_len": self.max_model_len, "kv_capacity_tokens": self.kv_slots.count,
                 "attention_backend": self.backend.name, "cuda_graphs": self.runner.graphs is not None,
                 "tensor_parallel_size": self.parallel.tp.size}

@@ -100,13 +100,14 @@ def profile_rows(num_tokens: int, max_model_len: int) -> list[int]:
 
 @torch.no_grad()
 def profile_forward(model, backend, num_layers: int, num_kv_heads: int, head_dim: int,
-                    dtype: torch.dtype, device: torch.device, num_tokens: int, max_model_len: int,
+                    kv_dtype: torch.dtype, device: torch.device, num_tokens: int, max_model_len: int,
                     vocab_size: int, num_samples: int) -> int:
     """One eager forward of `num_tokens` prefill tokens on a throw-away KV pool, then sampling
-    `num_samples` rows with every sampling option on (the largest sampler temporaries).
+    `num_samples` rows with every sampling option on (the largest sampler temporaries). The
+    pool has the engine's KV dtype, so the attention kernels profiled are the ones it runs.
     Returns the bytes of its throw-away pool and table, which are not activations."""
     lens = profile_rows(num_tokens, max_model_len)
-    kv = KVCache(num_layers, num_tokens + 1, num_kv_heads, head_dim, dtype, device)
+    kv = KVCache(num_layers, num_tokens + 1, num_kv_heads, head_dim, kv_dtype, device)
     table = ReqToTokenTable(len(lens), max(lens), device)
     slots = [i + 1 for i, n in enumerate(lens) for _ in range(n)]
     positions = [p for n in lens for p in range(n)]

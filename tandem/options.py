@@ -43,6 +43,15 @@ def add_engine_options(parser: argparse.ArgumentParser, *, launch: bool = False)
             Launch, _LAUNCH)
 
 
+def add_engine_fields(parser: argparse.ArgumentParser, *names: str) -> None:
+    """Some of `add_engine_options`' flags, for a command that builds its own configuration
+    (`tandem bench latency`): the same flag, choices, default and help as everywhere else."""
+    fields = {f.name: f for f in options(EngineConfig)}
+    defaults, hints = EngineConfig(), get_type_hints(EngineConfig)
+    for name in names:
+        _add_option(parser, fields[name], hints[name], getattr(defaults, name), name)
+
+
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     """The configuration the parsed flags say; with no flags given, exactly `EngineConfig()`."""
     cfg = EngineConfig(**{f.name: getattr(args, f.name) for f in options(EngineConfig)})
@@ -187,7 +196,6 @@ VLLM_WITHOUT_COUNTERPART: dict[str, tuple[Any, str]] = {
     "max_num_batched_tokens": (None, "tandem's nearest option is max_prefill_tokens (prefill tokens per "
                                      "step; decodes are not counted)"),
     "kv_cache_memory_bytes": (None, "size the KV pool with max_total_tokens (tokens) or gpu_memory_utilization"),
-    "kv_cache_dtype": ("auto", "the KV cache is kept in the model's dtype"),
     "block_size": (None, "tandem's KV cache has no block size to set"),
     "swap_space": (4, "tandem keeps no KV swap space on the CPU"),
     "cpu_offload_gb": (0, "tandem keeps every weight on the device"),

@@ -73,6 +73,9 @@ def test_model_cost_counts_the_model(tmp_path, tied):
     assert cost.embed_row_bytes == (0 if tied else 4 * hidden)
     assert cost.kv_bytes_per_token == 2 * 2 * cfg["num_key_value_heads"] * (hidden // 4) * 4
     assert (cost.num_layers, cost.num_heads, cost.head_dim) == (2, 4, 16)
+    # An e4m3 pool (kv_cache_dtype="fp8") reads a byte an element: the roofline's KV bytes too.
+    assert model_cost(engine.model, engine.model_config, torch.float8_e4m3fn).kv_bytes_per_token * 4 == \
+        cost.kv_bytes_per_token
 
 
 def test_workload_is_seeded_and_in_range():
@@ -130,6 +133,15 @@ def test_offline_harness_cpu(tmp_path, capsys):
     assert data["hardware"]["bandwidth"] > 0 and data["hardware"]["matmul_flops"] > 0
     table = capsys.readouterr().out
     assert "| tandem | on | 16 |" in table and "overlap on / off" in table and "CPU figures" in table
+
+
+def test_offline_takes_the_kv_cache_dtype(tmp_path):
+    """`--kv-cache-dtype fp8` (the engine option) reaches the engine and the record says so."""
+    out = tmp_path / "offline.json"
+    assert offline.main(SMALL + ["--no-overlap-off", "--kv-cache-dtype", "fp8", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["engine"]["kv_cache_dtype"] == "float8_e4m3fn" and data["args"]["kv_cache_dtype"] == "fp8"
+    _check_rows(data["rows"], 16)
 
 
 def test_offline_compare_hf_cpu(tmp_path, capsys):

@@ -289,3 +289,24 @@ def test_the_prefix_part_runs_the_default_and_cascade_off_and_derives_both_ratio
     ratios = derived(figs)
     assert ratios["prefix.qwen3-0.6b.shared.cache_on_over_off"].value == 4.0
     assert ratios["prefix.qwen3-0.6b.shared.cascade_over_off"].value == 1.6
+
+
+def test_the_fp8_part_runs_an_fp8_kv_cache_and_derives_its_ratio_over_bf16(tmp_path):
+    """offline-qwen3-0.6b-kvfp8: the standard workload with `--kv-cache-dtype fp8` (bf16 weights),
+    its output tok/s over the bf16 run's as offline.qwen3-0.6b.kvfp8_over_bf16.output_tok_s."""
+    from tandem.bench.suite_runs import Ctx, derived, plan
+    ctx = Ctx(quick=False, device="cuda", raw=tmp_path, tokenizer=None)
+    runs = {r.name: r for r in plan(ctx)}
+    kv = runs["offline-qwen3-0.6b-kvfp8"]
+    assert kv.part == "fp8" and kv.argv[kv.argv.index("--kv-cache-dtype") + 1] == "fp8"
+    assert "--quantization" not in kv.argv and "--kv-cache-dtype" not in runs["offline-qwen3-0.6b"].argv
+    figs = {}
+    for name, tok_s in (("offline-qwen3-0.6b", 19_000.0), ("offline-qwen3-0.6b-kvfp8", 22_800.0)):
+        path = tmp_path / f"{name}.json"
+        row = {"engine": "tandem", "overlap": True, "output_tok_s": tok_s, "roofline_fraction": 0.5,
+               "gpu_busy": 0.99, "wall_s": 30.0}
+        path.write_text(json.dumps({"rows": [row]}))
+        figs.update(runs[name].figures(path, tmp_path / "unused.log"))
+    ratios = derived(figs)
+    assert ratios["offline.qwen3-0.6b.kvfp8_over_bf16.output_tok_s"].value == 1.2
+    assert not any(".fp8_over_bf16." in k for k in ratios)  # kvfp8 is not FP8 weights

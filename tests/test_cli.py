@@ -32,13 +32,15 @@ def test_bench_latency_runs_on_cpu(tmp_path):
     out = tmp_path / "lat.json"
     proc = _tandem("bench", "latency", "--preset", "tiny", "--device", "cpu", "--batch-sizes", "1,4",
                    "--steps", "4", "--warmup", "1", "--prompt-len", "8", "--ttft-burst", "2",
-                   "--experiment", "fused_kv_write=off", "--host-profile", "2", "--json", str(out))
+                   "--experiment", "fused_kv_write=off", "--host-profile", "2", "--kv-cache-dtype", "fp8",
+                   "--json", str(out))
     assert proc.returncode == 0, proc.stderr
     result = json.loads(out.read_text())
     rows = result["rows"]
     assert [(r["batch"], r["overlap"]) for r in rows] == [(1, True), (1, False), (4, True), (4, False)]
     assert all(r["tokens_per_s"] > 0 and r["step_ms"] > 0 for r in rows)
     assert "runner.py" in result["host_profile"] and "launch" in result["host_profile"]
+    assert result["args"]["kv_cache_dtype"] == "fp8"  # the engine option's flag, in bench latency's parser
 
 
 def test_unknown_command_and_bad_option_fail_clearly(tiny_text_model):

@@ -165,12 +165,13 @@ KV_CASES = [
 NUM_SLOTS = 40
 
 
-def _kv_inputs(case, dtype, cache_dtype, seed):
-    """qkv etc. as `_rope_inputs`, random caches, and loc: distinct random slots, except the
-    last rows (a CUDA graph's padding) which all go to the dummy slot 0. Padding rows are
-    copies of one row, so slot 0 ends the same whichever of them stores last."""
+def _kv_inputs(case, dtype, cache_dtype, seed, scale=1.0):
+    """qkv (times `scale`) etc. as `_rope_inputs`, random caches, and loc: distinct random slots,
+    except the last rows (a CUDA graph's padding) which all go to the dummy slot 0. Padding rows
+    are copies of one row, so slot 0 ends the same whichever of them stores last."""
     tokens, _, hk, d, _ = case
     qkv, positions, qw, kw = _rope_inputs(case, dtype, seed)
+    qkv = qkv * scale
     g = torch.Generator().manual_seed(seed + 3)
     loc = torch.randperm(NUM_SLOTS - 1, generator=g)[:tokens] + 1
     padding = 0 if tokens == 1 else max(1, tokens // 5)
@@ -182,10 +183,10 @@ def _kv_inputs(case, dtype, cache_dtype, seed):
     return qkv, positions, qw, kw, loc, caches
 
 
-def _fused_and_unfused(case, dtype, cache_dtype, qk_norm, seed):
+def _fused_and_unfused(case, dtype, cache_dtype, qk_norm, seed, scale=1.0):
     """(qkv, k_cache, v_cache) after the fused launch and after qkv_norm_rope + write_kv."""
     tokens, hq, hk, d, per_program = case
-    qkv, positions, qw, kw, loc, caches = _kv_inputs(case, dtype, cache_dtype, seed)
+    qkv, positions, qw, kw, loc, caches = _kv_inputs(case, dtype, cache_dtype, seed, scale)
     cos, sin = _tables(d)
     dev = lambda t: t.to(DEVICE, copy=True)  # noqa: E731  (on the CPU too: each side its own)
     args = (dev(positions), dev(cos), dev(sin), hq, hk, d, *((dev(qw), dev(kw), EPS) if qk_norm else ()))
@@ -225,6 +226,20 @@ def test_fused_kv_write_casts_to_cache_dtype(cache_dtype):
     assert fused[1].dtype == cache_dtype
     for got, expected in zip(fused, unfused):
         assert torch.equal(got, expected)
+
+
+def test_fused_kv_write_saturates_into_an_fp8_cache():
+    """An e4m3 cache (kv_cache_dtype="fp8"): the fused store's bytes are write_kv's, and
+    activations beyond +-448 are stored saturated, not NaN. The activations are large (x 200)
+    so that many are beyond the range after RoPE (no q/k norm, which would bring k back)."""
+    case, fp8 = (17, 4, 2, 64, None), torch.float8_e4m3fn
+    fused, unfused, loc, _ = _fused_and_unfused(case, torch.float32, fp8, False, seed=41, scale=200.0)
+    for got, expected in zip(fused, unfused):
+        assert torch.equal(got.view(torch.uint8) if got.dtype == fp8 else got,
+                           expected.view(torch.uint8) if expected.dtype == fp8 else expected)
+    for cache in fused[1:]:
+        stored = cache[loc].float()
+        assert not stored.isnan().any() and stored.abs().max() == 448
 
 
 def test_empty_batch():

@@ -7,7 +7,7 @@ import torch
 
 from tandem.memory.allocator import SlotAllocator
 from tandem.memory.host_kv import HostKVPool, contiguous_runs
-from tandem.memory.kv_cache import KVCache
+from tandem.memory.kv_cache import KVCache, byte_view
 from tandem.memory.lru_heap import attached
 from tandem.memory.prefix_cache import HostTier, PrefixCache
 from tandem.memory.radix_cache import HostTierHooks, RadixCache
@@ -547,12 +547,16 @@ def test_locked_host_nodes_are_not_dropped():
     tree.check({})
 
 
-def test_write_back_then_load_restores_the_kv():
-    kv = KVCache(3, 20, 2, 4, torch.float32, torch.device("cpu"))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float8_e4m3fn], ids=["fp32", "fp8"])
+def test_write_back_then_load_restores_the_kv(dtype):
+    """Byte for byte, an e4m3 pool's too (kv_cache_dtype="fp8": the host rows are e4m3, a byte
+    an element, and copied as bytes)."""
+    kv = KVCache(3, 20, 2, 4, dtype, torch.device("cpu"))
     for t in kv.k + kv.v:
-        t.copy_(torch.randn_like(t))
-    want = [t[[3, 7, 8]].clone() for t in kv.k + kv.v]
+        t.copy_(torch.randn(t.shape) * 10)
+    want = [byte_view(t[[3, 7, 8]]).clone() for t in kv.k + kv.v]
     host = HostKVPool([kv], 10, pin=False)
+    assert host.data.dtype == dtype and host.token_bytes == 2 * 3 * 2 * 4 * kv.buffer.element_size()
     copier = KVTierCopier([kv], host, StreamSet.create(torch.device("cpu")))
     copier.chunk_tokens = 2  # several chunks
     copier.write_back([3, 7, 8], [5, 6, 2])
@@ -562,7 +566,7 @@ def test_write_back_then_load_restores_the_kv():
     assert copier.fence(StreamSet.create(torch.device("cpu")).forward)
     copier.collect()
     for got, expect in zip(kv.k + kv.v, want):
-        assert torch.equal(got[[11, 12, 13]], expect)
+        assert torch.equal(byte_view(got[[11, 12, 13]]), expect)
     s = copier.stats
     assert s.load_tokens == s.write_back_tokens == 3 and s.load_bytes == 3 * host.token_bytes
 

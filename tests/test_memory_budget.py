@@ -5,6 +5,7 @@ import torch
 from tandem.attention import make_attention_backend
 from tandem.config import EngineConfig
 from tandem.engine import Engine
+from tandem.memory.kv_cache import KVCache
 from tandem.memory_budget import (GiB, graph_reserve, plan_kv_pool, profile_forward, profile_rows,
                                   request_buffers)
 
@@ -32,6 +33,20 @@ def test_pool_that_does_not_fit_fails_naming_the_option_and_the_need():
     assert "16.00 GiB (131072 tokens) are needed" in msg
     with pytest.raises(ValueError, match="gpu_memory_utilization must be in"):
         plan_kv_pool(GiB, 1.5, 0, 0, 0, 0, 0, 1, 1)
+
+
+def test_an_fp8_pool_holds_twice_the_tokens_of_a_bf16_pool():
+    """kv_cache_dtype="fp8": a byte an element, so the same pool holds 2x the tokens; and a
+    request that did not fit a bf16 pool's memory fits (Qwen3-0.6B's shape: 28 layers, 8 KV
+    heads of 128)."""
+    per_token = {dt: KVCache.bytes_per_token(28, 8, 128, dt) for dt in (torch.bfloat16, torch.float8_e4m3fn)}
+    assert per_token[torch.bfloat16] == 2 * per_token[torch.float8_e4m3fn] == 112 * 1024
+    plan = lambda dt: plan_kv_pool(80 * GiB, 0.9, 2 * GiB, GiB, 3 * GiB, GiB, GiB, per_token[dt], 40960)  # noqa: E731
+    tokens = {dt: plan(dt).kv_pool // n for dt, n in per_token.items()}
+    assert tokens[torch.float8_e4m3fn] - 2 * tokens[torch.bfloat16] in (0, 1)  # 1: the bf16 pool's rounding
+    with pytest.raises(ValueError, match="not enough device memory"):
+        plan_kv_pool(24 * GiB, 0.5, 10 * GiB, 9 * GiB, GiB, 0, 0, per_token[torch.bfloat16], 12000)
+    plan_kv_pool(24 * GiB, 0.5, 10 * GiB, 9 * GiB, GiB, 0, 0, per_token[torch.float8_e4m3fn], 12000)
 
 
 def test_graph_reserve_is_one_shared_logits_buffer_plus_work():

@@ -95,6 +95,27 @@ def test_spellings_users_know_still_work():
         (2, False, "fp8", "t.jsonl")
 
 
+def test_kv_cache_dtype_is_a_flag_of_every_command_an_llm_keyword_and_vllms_name(capsys):
+    for command in COMMANDS:
+        assert _config(command, "--kv-cache-dtype", "fp8").kv_cache_dtype == "fp8"
+    with pytest.raises(SystemExit):
+        _config("generate", "--kv-cache-dtype", "fp8_e5m2")
+    err = capsys.readouterr().err  # argparse names the choices (quoted or not, by Python version)
+    assert "--kv-cache-dtype: invalid choice: 'fp8_e5m2'" in err and "fp8_e4m3" in err
+    # vLLM calls it the same: LLM(kv_cache_dtype=...) sets the field (no longer refused).
+    assert options.llm_config(None, {"kv_cache_dtype": "fp8_e4m3"}).kv_cache_dtype == "fp8_e4m3"
+    assert "kv_cache_dtype" not in options.VLLM_WITHOUT_COUNTERPART
+    # Commands with parsers of their own (bench latency, decode_kernels) take the same flag.
+    own = argparse.ArgumentParser()
+    options.add_engine_fields(own, "kv_cache_dtype")
+    assert own.parse_args([]).kv_cache_dtype == "auto" and own.parse_args(["--kv-cache-dtype", "fp8"]).kv_cache_dtype == "fp8"
+    assert own._actions[-1].choices == _flag_action("serve", "--kv-cache-dtype").choices
+
+
+def _flag_action(command: str, flag: str) -> argparse.Action:
+    return next(a for a in COMMANDS[command][0]()._actions if flag in a.option_strings)
+
+
 def test_the_server_records_a_bounded_timeline_and_keeps_a_path():
     args = serve_cli.build_parser().parse_args(["--timeline", "steps.jsonl", "--api-key", "k"])
     info = serve_cli.server_info(args, options.engine_config(args))

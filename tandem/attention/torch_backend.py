@@ -2,19 +2,26 @@
 
 KV layout (shared with the Triton kernels): per layer, `k_cache` and `v_cache` are
 [num_slots, num_kv_heads, head_dim]; a request's tokens live at the slots listed in
-its row of `req_to_token`. Slot 0 is a dummy slot that padding rows may write to.
+its row of `req_to_token`. Slot 0 is a dummy slot that padding rows may write to. An e4m3
+pool is stored saturated (`to_cache_dtype`) and read back upcast to q's dtype (`_gather`).
 """
 import torch
 import torch.nn.functional as F
 
 from tandem.forward_batch import ForwardBatch
+from tandem.memory.kv_cache import to_cache_dtype
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, loc: torch.Tensor,
              k: torch.Tensor, v: torch.Tensor) -> None:
     """Store the new tokens' K/V ([T, kv_heads, head_dim]) at cache slots `loc` ([T])."""
-    k_cache[loc] = k.to(k_cache.dtype)
-    v_cache[loc] = v.to(v_cache.dtype)
+    k_cache[loc] = to_cache_dtype(k, k_cache.dtype)
+    v_cache[loc] = to_cache_dtype(v, v_cache.dtype)
+
+
+def _gather(cache: torch.Tensor, idx: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """cache[idx] in the compute dtype: an e4m3 pool is upcast (no-op for a pool of `dtype`)."""
+    return cache[idx].to(dtype)
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -40,7 +47,8 @@ def cascade_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     lead = req_to_token[shared_src, :max_seq_len].long()
     parts = []
     for idx, mask in ((lead, shared), (own, ~shared & (positions[None, :] < seq_lens[:, None]))):
-        parts.append(_partial_attention(q, k_cache[idx], v_cache[idx], mask, scale))
+        parts.append(_partial_attention(q, _gather(k_cache, idx, q.dtype), _gather(v_cache, idx, q.dtype),
+                                        mask, scale))
     (o1, lse1), (o2, lse2) = parts
     m = torch.maximum(lse1, lse2)
     m = torch.where(torch.isinf(m), torch.zeros_like(m), m)  # both parts empty: padding row
@@ -76,8 +84,8 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     start = 0
     for slot, seq_len, n in zip(host_req_slots, host_seq_lens, host_extend_lens):
         token_idx = req_to_token[slot, :seq_len].long()
-        k = k_cache[token_idx].transpose(0, 1).unsqueeze(0)  # [1, KVH, L, D]
-        v = v_cache[token_idx].transpose(0, 1).unsqueeze(0)
+        k = _gather(k_cache, token_idx, q.dtype).transpose(0, 1).unsqueeze(0)  # [1, KVH, L, D]
+        v = _gather(v_cache, token_idx, q.dtype).transpose(0, 1).unsqueeze(0)
         q_pos = torch.arange(seq_len - n, seq_len, device=q.device)
         k_pos = torch.arange(seq_len, device=q.device)
         mask = k_pos[None, :] <= q_pos[:, None]  # [n, L] causal with prefix offset
@@ -98,8 +106,8 @@ def fixed_extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     b = req_slots.shape[0]
     queries = q.shape[0] // b
     token_idx = req_to_token[req_slots, :max_seq_len].long()  # [B, L]
-    k = k_cache[token_idx].transpose(1, 2)  # [B, KVH, L, D]
-    v = v_cache[token_idx].transpose(1, 2)
+    k = _gather(k_cache, token_idx, q.dtype).transpose(1, 2)  # [B, KVH, L, D]
+    v = _gather(v_cache, token_idx, q.dtype).transpose(1, 2)
     k_pos = torch.arange(max_seq_len, device=q.device)
     q_pos = prefix_lens[:, None].long() + torch.arange(queries, device=q.device)  # [B, Q]
     mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & (k_pos[None, None, :] < seq_lens[:, None, None])

@@ -2,6 +2,7 @@
 
     python3 -m tandem.bench.decode_kernels --preset qwen3-0.6b --batch 1 --batch 64
     python3 -m tandem.bench.decode_kernels --preset qwen3-0.6b --batch 256 --quantization fp8
+    python3 -m tandem.bench.decode_kernels --preset qwen3-0.6b --batch 256 --kv-cache-dtype fp8
 """
 import argparse
 import random
@@ -12,6 +13,7 @@ from torch.profiler import ProfilerActivity, profile
 from tandem.bench.presets import preset_dir
 from tandem.config import EngineConfig, Experiments
 from tandem.engine import Engine
+from tandem.options import add_engine_fields
 from tandem.sampling import SamplingParams
 
 
@@ -51,8 +53,10 @@ def main() -> None:
                     help="an Experiments switch, e.g. fused_decode_merge=on (repeatable)")
     ap.add_argument("--quantization", choices=["fp8"], default=None,
                     help="FP8 weights: where an FP8 step's time goes against a bf16 one (issue 21)")
+    add_engine_fields(ap, "kv_cache_dtype")  # an FP8 KV cache's decode attention against bf16's
     args = ap.parse_args()
     engine = Engine(EngineConfig(model=preset_dir(args.preset), dummy_weights=True, quantization=args.quantization,
+                                 kv_cache_dtype=args.kv_cache_dtype,
                                  experiments=Experiments.from_overrides(args.experiment)))
     for b in args.batch or [1]:
         profile_batch(engine, b, args.steps, args.prompt_len)

@@ -17,6 +17,7 @@ from tandem.config import EngineConfig, Experiments
 from tandem.diagnostics.profile import host_profile
 from tandem.engine import Engine
 from tandem.entrypoints.ranks import build_engine
+from tandem.options import add_engine_fields
 from tandem.sampling import SamplingParams
 
 
@@ -152,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--attention-backend", default="auto")
     ap.add_argument("--cuda-graph", default="auto", choices=["auto", "on", "off"])
     ap.add_argument("--quantization", choices=["fp8"])
+    add_engine_fields(ap, "kv_cache_dtype")
     ap.add_argument("--small-m-gemm", default="auto", choices=["auto", "on", "off"])
     ap.add_argument("--tp", type=int, default=1, help="tensor parallelism: ranks (GPUs)")
     ap.add_argument("--ttft-burst", type=int, default=32, help="prompts in the TTFT burst")
@@ -171,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
                        experiments=Experiments.from_overrides(args.experiment))
     cfg.cuda_graph, cfg.tensor_parallel_size = args.cuda_graph, args.tp
     cfg.quantization, cfg.small_m_gemm = args.quantization, args.small_m_gemm
+    cfg.kv_cache_dtype = args.kv_cache_dtype
     engine = build_engine(cfg)  # --tp: starts the ranks
     engine_text = args.text == "engine"
     detokenizes = engine.tokenizer is not None and engine_text  # each step makes text (stop strings)

@@ -281,12 +281,12 @@ def main(argv: list[str] | None = None) -> int:
     llm = LLM.from_config(cfg)  # --tp: starts the ranks
     engine = llm.engine
     device, dtype = engine.device, engine.dtype
-    _log(f"engine ready in {time.perf_counter() - t0:.1f} s ({device}, {dtype})")
+    _log(f"engine ready in {time.perf_counter() - t0:.1f} s ({device}, {dtype}, KV {engine.kv_dtype})")
     wl = make_workload(args.num_requests, engine.model_config.vocab_size, args.min_len, args.max_len,
                        args.seed, args.output_len)
     _log(f"workload: {wl.num_requests} requests, {wl.input_tokens:,} input + {wl.output_tokens:,} output tokens")
     hw = measure_hardware(device, dtype)
-    cost = model_cost(engine.model, engine.model.local_config, dtype)  # this rank's share
+    cost = model_cost(engine.model, engine.model.local_config, engine.kv_dtype)  # this rank's share
     _log(f"measured: {hw.bandwidth / 1e9:,.1f} GB/s copy, {hw.matmul_flops / 1e12:,.2f} TFLOP/s {hw.dtype}")
     if not args.no_warmup:
         warm_up(llm, wl)
@@ -296,6 +296,7 @@ def main(argv: list[str] | None = None) -> int:
         _log(f"tandem overlap {'on' if overlap else 'off'}: {rows[-1].wall_s:.2f} s, "
              f"{rows[-1].output_tok_s:,.0f} output tok/s")
     engine_info = {"max_model_len": engine.max_model_len, "kv_tokens": engine.kv_slots.count,
+                   "kv_cache_dtype": str(engine.kv_dtype).removeprefix("torch."),
                    "cuda_graphs": engine.runner.graphs is not None}
     report = {"args": vars(args), "versions": _versions(), "device_name": _device_name(device),
               "engine": engine_info, "hardware": asdict(hw), "model_cost": asdict(cost),

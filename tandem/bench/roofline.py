@@ -57,8 +57,9 @@ class Roofline:
     prefill_time_s: float
 
 
-def model_cost(model: torch.nn.Module, mc, dtype: torch.dtype) -> ModelCost:
-    """Counts from the model's own parameters. `mc` is a tandem ModelConfig."""
+def model_cost(model: torch.nn.Module, mc, kv_dtype: torch.dtype) -> ModelCost:
+    """Counts from the model's own parameters. `mc` is a tandem ModelConfig, `kv_dtype` the KV
+    pool's element type (the engine's `kv_dtype`: e4m3 halves the KV bytes a step reads)."""
     from tandem.memory.kv_cache import KVCache
     embed = model.embed_tokens.weight
     head = embed if getattr(model, "lm_head", None) is None else model.lm_head.weight
@@ -73,7 +74,7 @@ def model_cost(model: torch.nn.Module, mc, dtype: torch.dtype) -> ModelCost:
                      embed_row_bytes=0 if tied else embed.shape[1] * embed.element_size(),
                      body_params=body, lm_head_params=head.numel(),
                      kv_bytes_per_token=KVCache.bytes_per_token(mc.num_layers, mc.num_kv_heads,
-                                                                mc.head_dim, dtype),
+                                                                mc.head_dim, kv_dtype),
                      num_layers=mc.num_layers, num_heads=mc.num_heads, head_dim=mc.head_dim)
 
 

@@ -4,7 +4,8 @@ Parts (`--parts`, default all): tests (every `gpu`-marked test and every test mo
 on TANDEM_TEST_DEVICE, with TANDEM_TEST_DEVICE=cuda), offline (the standard workload through
 the engine, Qwen3-0.6B and Llama-3.1-8B shapes, with the roofline fraction), latency (decode at
 batch 1/16/64, overlap on and off), prefix (shared-prefix workload, cache on and off), grammar
-(JSON-schema constrained vs unconstrained), fp8 (FP8 weights against the bf16 figures) and
+(JSON-schema constrained vs unconstrained), fp8 (FP8 weights, and an FP8 KV cache, against the
+bf16 figures: *.fp8_over_bf16.*, *.kvfp8_over_bf16.*) and
 serve (`tandem serve` with default flags under Poisson load at 16 and 128 req/s, from a cold
 start, and the engine on the same load in-process) and host_tier (multi-turn histories four times
 the GPU pool, the prefix cache's host tier on and off: throughput, TTFT, GPU busy, the prefill

@@ -73,16 +73,21 @@ def _info(v, unit: str = "") -> Figure:
     return Figure(v, unit, "none")
 
 
-# ---- offline (and its FP8 twin) ----
-def offline(ctx: Ctx, preset: str, quant: str | None, overlap_off: bool, budget: float) -> RunSpec:
+# The fp8 part's variants of a run: name (in its tag and figure keys) -> the flags it adds.
+# fp8: FP8 weights; kvfp8: an FP8 (e4m3) KV cache with the weights in bf16.
+FP8_VARIANTS = {"fp8": ["--quantization", "fp8"], "kvfp8": ["--kv-cache-dtype", "fp8"]}
+
+
+# ---- offline (and its FP8 twins) ----
+def offline(ctx: Ctx, preset: str, variant: str | None, overlap_off: bool, budget: float) -> RunSpec:
     model = ctx.model(preset)
-    tag = f"offline-{model}" + (f"-{quant}" if quant else "")
+    tag = f"offline-{model}" + (f"-{variant}" if variant else "")
     sizes = ["--num-requests", "8", "--min-len", "4", "--max-len", "16"] if ctx.quick else []
     argv = [*BENCH, "offline", "--preset", model, "--device", ctx.device, *sizes,
-            *(["--quantization", quant] if quant else []), *([] if overlap_off else ["--no-overlap-off"]),
+            *FP8_VARIANTS.get(variant, []), *([] if overlap_off else ["--no-overlap-off"]),
             "--json", str(ctx.raw / f"{tag}.json")]
-    key = f"offline.{model}" + (f".{quant}" if quant else "")
-    return RunSpec("fp8" if quant else "offline", tag, argv, budget, lambda j, _: _offline_figures(j, key))
+    key = f"offline.{model}" + (f".{variant}" if variant else "")
+    return RunSpec("fp8" if variant else "offline", tag, argv, budget, lambda j, _: _offline_figures(j, key))
 
 
 def _offline_figures(path: Path, key: str) -> Figures:
@@ -99,15 +104,15 @@ def _offline_figures(path: Path, key: str) -> Figures:
 
 
 # ---- decode latency ----
-def latency(ctx: Ctx, preset: str, quant: str | None, budget: float) -> RunSpec:
+def latency(ctx: Ctx, preset: str, variant: str | None, budget: float) -> RunSpec:
     model = ctx.model(preset)
-    tag = f"latency-{model}" + (f"-{quant}" if quant else "")
+    tag = f"latency-{model}" + (f"-{variant}" if variant else "")
     sizes = (["--batch-sizes", "1,4", "--steps", "5", "--warmup", "2", "--prompt-len", "8", "--ttft-burst", "2"]
              if ctx.quick else ["--batch-sizes", "1,16,64", "--steps", "40"])
     argv = [*BENCH, "latency", "--preset", model, "--device", ctx.device, *sizes,
-            *(["--quantization", quant] if quant else []), "--json", str(ctx.raw / f"{tag}.json")]
-    key = f"latency.{model}" + (f".{quant}" if quant else "")
-    return RunSpec("fp8" if quant else "latency", tag, argv, budget, lambda j, _: _latency_figures(j, key))
+            *FP8_VARIANTS.get(variant, []), "--json", str(ctx.raw / f"{tag}.json")]
+    key = f"latency.{model}" + (f".{variant}" if variant else "")
+    return RunSpec("fp8" if variant else "latency", tag, argv, budget, lambda j, _: _latency_figures(j, key))
 
 
 def _latency_figures(path: Path, key: str) -> Figures:
@@ -288,12 +293,16 @@ def derived(figs: Figures) -> Figures:
                 base = figs.get(name[: -len(pattern)] + other)
                 if base is not None and base.value:
                     out[name[: -len(pattern)] + ratio] = _hi(fig.value / base.value, "x")
-    for name, fig in figs.items():  # FP8 over bf16: offline.M.fp8.X over offline.M.X
+    # FP8 over bf16: offline.M.fp8.X over offline.M.X (-> offline.M.fp8_over_bf16.X), and
+    # likewise kvfp8 (-> kvfp8_over_bf16).
+    for name, fig in figs.items():
         for kind in ("offline", "latency"):
-            if name.startswith(f"{kind}.") and ".fp8." in name and name.endswith("tok_s") and fig.value:
-                base = figs.get(name.replace(".fp8.", ".", 1))
-                if base is not None and base.value:
-                    out[name.replace(".fp8.", ".fp8_over_bf16.", 1)] = _hi(fig.value / base.value, "x")
+            for variant in FP8_VARIANTS:
+                tag = f".{variant}."
+                if name.startswith(f"{kind}.") and tag in name and name.endswith("tok_s") and fig.value:
+                    base = figs.get(name.replace(tag, ".", 1))
+                    if base is not None and base.value:
+                        out[name.replace(tag, f".{variant}_over_bf16.", 1)] = _hi(fig.value / base.value, "x")
     return out
 
 
@@ -350,6 +359,7 @@ def plan(ctx: Ctx) -> list[RunSpec]:
             grammar(ctx, "qwen3-0.6b", 50),
             latency(ctx, "qwen3-0.6b", "fp8", 45),
             offline(ctx, "llama-3.1-8b", "fp8", False, 70),
+            offline(ctx, "qwen3-0.6b", "kvfp8", False, 60),  # issue 21: 1.10x bf16 in session 44
             host_tier(ctx, "qwen3-0.6b", "48", 150),
             host_tier(ctx, "qwen3-0.6b", "0", 100)]
 

@@ -54,7 +54,7 @@ def run_phase(preset: str, tp: int, requests: int, out: Path) -> None:
         out.write_text(json.dumps(result, indent=1))
         wl = make_workload(requests, engine.model_config.vocab_size, 100, 1024, 0)
         hw = measure_hardware(engine.device, engine.dtype)
-        cost = model_cost(engine.model, engine.model.local_config, engine.dtype)
+        cost = model_cost(engine.model, engine.model.local_config, engine.kv_dtype)
         warm_up(llm, wl)
         row = run_tandem(llm, wl, True, cost, hw, progress=False)
         result["offline"] = row.to_dict()

@@ -22,6 +22,7 @@ from tandem.cascade_layout import MAX_PARTS, WORK_INTS, CascadeInputs, max_group
 from tandem.kernels.decode_attention import (LOG2E, MIN_ROW_SPLIT_TOKENS, _merge_head, _used_splits,
                                              decode_num_splits, decode_suffix_partials, default_block_n)
 from tandem.kernels.grid import next_power_of_2
+from tandem.kernels.kv_dtype import dot_kv, dot_operand
 
 
 # Per-step ints (the suffix split count, and the strides of the mid buffers, which hold
@@ -55,8 +56,8 @@ def _shared_prefix_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HEAD_DIM
 
-    q = tl.load(Q + rows[:, None] * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-                mask=mask_m[:, None] & mask_d[None, :], other=0.0).to(K.dtype.element_ty)
+    q = dot_operand(tl.load(Q + rows[:, None] * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                            mask=mask_m[:, None] & mask_d[None, :], other=0.0), K.dtype.element_ty)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -66,7 +67,7 @@ def _shared_prefix_kernel(
         slots = tl.load(slot_row + offs_n, mask=mask_n, other=0).to(tl.int64)
         k = tl.load(K + slots[None, :] * stride_kt + kv_head * stride_kh + offs_d[:, None],
                     mask=mask_n[None, :] & mask_d[:, None], other=0.0)  # [D, N]
-        qk = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
+        qk = dot_kv(q, k, None, DOT_PRECISION) * qk_scale
         qk = tl.where(mask_n[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -74,7 +75,7 @@ def _shared_prefix_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(V + slots[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :],
                     mask=mask_n[:, None] & mask_d[None, :], other=0.0)  # [N, D]
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+        acc = dot_kv(p, v, acc * alpha[:, None], DOT_PRECISION)
         m_i = m_new
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]

@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from tandem.kernels.grid import cdiv, next_power_of_2
+from tandem.kernels.kv_dtype import dot_kv, dot_operand
 from tandem.kernels.pdl import pdl_options, pdl_prologue
 
 LOG2E = 1.4426950408889634
@@ -166,8 +167,8 @@ def _decode_split_kernel(
     end = tl.minimum(start + split_len, seq_len)
     slot_row = ReqToToken + tl.load(ReqSlots + b).to(tl.int64) * stride_r2t
 
-    q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-                mask=mask_h[:, None] & mask_d[None, :], other=0.0).to(K.dtype.element_ty)
+    q = dot_operand(tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                            mask=mask_h[:, None] & mask_d[None, :], other=0.0), K.dtype.element_ty)
     # Every executed iteration has >= 1 valid key, so -inf never meets -inf below.
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
@@ -178,7 +179,7 @@ def _decode_split_kernel(
         slots = tl.load(slot_row + offs_n, mask=mask_n, other=0).to(tl.int64)
         k = tl.load(K + slots[None, :] * stride_kt + kv_head * stride_kh + offs_d[:, None],
                     mask=mask_n[None, :] & mask_d[:, None], other=0.0)  # [D, N]
-        qk = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
+        qk = dot_kv(q, k, None, DOT_PRECISION) * qk_scale
         qk = tl.where(mask_n[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -186,7 +187,7 @@ def _decode_split_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(V + slots[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :],
                     mask=mask_n[:, None] & mask_d[None, :], other=0.0)  # [N, D]
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+        acc = dot_kv(p, v, acc * alpha[:, None], DOT_PRECISION)
         m_i = m_new
 
     if SPLIT:

@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from tandem.kernels.grid import cdiv, next_power_of_2
+from tandem.kernels.kv_dtype import dot_kv, dot_operand
 
 LOG2E = 1.4426950408889634
 
@@ -34,7 +35,7 @@ def _attend(q, acc, m_i, l_i, K, V, slot_row, kv_head, start, end, q_pos,
         slots = tl.load(slot_row + offs_n, mask=mask_n, other=0).to(tl.int64)
         k = tl.load(K + slots[None, :] * stride_kt + kv_head * stride_kh + offs_d[:, None],
                     mask=mask_n[None, :] & mask_d[:, None], other=0.0)  # [D, N]
-        qk = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
+        qk = dot_kv(q, k, None, DOT_PRECISION) * qk_scale
         if CAUSAL:
             visible = mask_n[None, :] & (offs_n[None, :] <= q_pos[:, None])
         else:
@@ -46,7 +47,7 @@ def _attend(q, acc, m_i, l_i, K, V, slot_row, kv_head, start, end, q_pos,
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(V + slots[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :],
                     mask=mask_n[:, None] & mask_d[None, :], other=0.0)  # [N, D]
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+        acc = dot_kv(p, v, acc * alpha[:, None], DOT_PRECISION)
         m_i = m_new
     return acc, m_i, l_i
 
@@ -81,8 +82,8 @@ def _extend_kernel(
     mask_m = offs_m < extend_len
     mask_d = offs_d < HEAD_DIM
     q_rows = (q_start + offs_m).to(tl.int64)
-    q = tl.load(Q + q_rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
-                mask=mask_m[:, None] & mask_d[None, :], other=0.0).to(K.dtype.element_ty)
+    q = dot_operand(tl.load(Q + q_rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
+                            mask=mask_m[:, None] & mask_d[None, :], other=0.0), K.dtype.element_ty)
     q_pos = prefix_len + offs_m
 
     # An idle block (past this request's end) gets empty key ranges instead of an

@@ -3,7 +3,7 @@
 One program per token copies its [kv_heads, head_dim] rows of K and V to cache slot
 `loc[t]`. The source may be a strided view (K/V sliced out of a fused QKV output),
 so strides are honoured instead of forcing a copy; the cast to the cache dtype
-happens in registers.
+happens in registers (`kv_dtype.to_cache`: saturating for an e4m3 pool).
 
 A decoder layer on CUDA stores K/V in its RoPE launch instead (`tandem.kernels.rope`,
 `CacheOut`), for decode and extend batches alike, when `Experiments.fused_kv_write` is on.
@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from tandem.kernels.grid import next_power_of_2
+from tandem.kernels.kv_dtype import to_cache
 
 
 @triton.jit
@@ -33,9 +34,9 @@ def _write_kv_kernel(
     k = tl.load(K + t * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask=mask)
     v = tl.load(V + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
     tl.store(KCache + slot * stride_ct + offs_h[:, None] * stride_ch + offs_d[None, :],
-             k.to(KCache.dtype.element_ty), mask=mask)
+             to_cache(k, KCache.dtype.element_ty), mask=mask)
     tl.store(VCache + slot * stride_vct + offs_h[:, None] * stride_vch + offs_d[None, :],
-             v.to(VCache.dtype.element_ty), mask=mask)
+             to_cache(v, VCache.dtype.element_ty), mask=mask)
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, loc: torch.Tensor,

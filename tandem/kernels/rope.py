@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from tandem.kernels.grid import cdiv, next_power_of_2
+from tandem.kernels.kv_dtype import to_cache
 from tandem.kernels.pdl import pdl_options, pdl_prologue
 
 
@@ -60,10 +61,11 @@ def _norm_rope_heads(X, XO, W, t, h0, stride_t, stride_h, stride_ot, stride_oh, 
 
 @triton.jit
 def _store_heads(Cache, slot, heads, offs, mask, stride_ct, stride_ch, x1, x2, HALF: tl.constexpr):
-    """Both halves of a block of head rows to cache slot `slot`, cast to the cache dtype."""
+    """Both halves of a block of head rows to cache slot `slot`, cast to the cache dtype
+    (`to_cache`: saturating for an e4m3 pool, as write_kv)."""
     dst = Cache + slot * stride_ct + heads[:, None].to(tl.int64) * stride_ch + offs[None, :]
-    tl.store(dst, x1.to(Cache.dtype.element_ty), mask=mask)
-    tl.store(dst + HALF, x2.to(Cache.dtype.element_ty), mask=mask)
+    tl.store(dst, to_cache(x1, Cache.dtype.element_ty), mask=mask)
+    tl.store(dst + HALF, to_cache(x2, Cache.dtype.element_ty), mask=mask)
 
 
 @triton.jit

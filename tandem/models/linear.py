@@ -169,12 +169,13 @@ def quantize_model_fp8(model: nn.Module, fused_input: bool = True) -> int:
     return len(layers)
 
 
-def check_fp8_support(device: torch.device) -> None:
-    """FP8 GEMMs need compute capability 8.9 (Ada) or 9.0+ (Hopper); the CPU dequantizes."""
+def check_fp8_support(device: torch.device, feature: str = "quantization='fp8'") -> None:
+    """FP8 GEMMs and e4m3 conversions need compute capability 8.9 (Ada) or 9.0+ (Hopper); the
+    CPU dequantizes. `feature` names what asked for FP8 in the error."""
     if device.type != "cuda":
         return
     major, minor = torch.cuda.get_device_capability(device)
     if (major, minor) < (8, 9):
         name = torch.cuda.get_device_name(device)
-        raise ValueError(f"quantization='fp8' needs a GPU with FP8 support (compute capability "
+        raise ValueError(f"{feature} needs a GPU with FP8 support (compute capability "
                          f">= 8.9, e.g. Ada or Hopper); {name} has {major}.{minor}")

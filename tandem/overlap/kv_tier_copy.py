@@ -41,7 +41,7 @@ from time import perf_counter
 import torch
 
 from tandem.memory.host_kv import HostKVPool, contiguous_runs
-from tandem.memory.kv_cache import KVCache
+from tandem.memory.kv_cache import KVCache, byte_view
 from tandem.overlap.streams import NullStream, StreamSet, host_int64
 
 CHUNK_BYTES = 128 << 20  # device staging per transfer: large enough for full PCIe bandwidth
@@ -253,7 +253,8 @@ class KVTierCopier:
         then its V: the pools' order)."""
         for c, kv in enumerate(self.caches):
             part = self.host.part(staging, c)
-            yield kv.per_pool(), part.view(part.shape[0], part.shape[1], -1).transpose(0, 1)
+            # Bytes for an e4m3 pool: the CPU has no float8 index_copy_, and a copy is exact either way.
+            yield byte_view(kv.per_pool()), byte_view(part.view(part.shape[0], part.shape[1], -1).transpose(0, 1))
 
     def _staging(self, n: int, keep_alive: list) -> torch.Tensor:
         """Device rows for n tokens (allocated on the copy stream; kept until the copy's end
