@@ -32,6 +32,8 @@ POINTERS = {  # by argument name; anything else in CamelCase or *_ptr is bf16
 INDEX_POINTERS = {"ReqSlots", "SeqLens", "StartLens", "PrefixLens", "QoIndptr", "GroupRows", "GroupIndptr",
                   "Work", "SharedLens", "SharedParts", "Loc", "Pos", "Slots", "Lengths", "BlockRows", "BlockIndex"}
 FLOATS = {"qk_scale", "eps"}
+FP8_KV = {"K": "*fp8e4nv", "V": "*fp8e4nv"}  # an attention kernel's pool arguments over an e4m3 pool
+FP8_POOL = {"KCache": "*fp8e4nv", "VCache": "*fp8e4nv"}  # a store's
 ATTN = dict(HEAD_DIM=128, BLOCK_D=128, DOT_PRECISION="tf32")
 
 
@@ -50,6 +52,8 @@ def kernels() -> dict:
     import tandem.kernels.norm  # noqa: F401
     import tandem.kernels.rope  # noqa: F401
     import tandem.kernels.small_m_gemm  # noqa: F401
+    import tandem.kernels.spec_settle  # noqa: F401
+    import tandem.kernels.verify_inputs  # noqa: F401
     import tandem.kernels.token_history  # noqa: F401
     gemm = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, SPLIT=False, HAS_SCALE=False, HAS_BIAS=False, EVEN_K=True,
                 EVEN_N=True, SILU_MUL=False, NORM=False, HAS_RESIDUAL=False, DOT_PRECISION="tf32", PER_LANE=False)
@@ -109,6 +113,25 @@ def kernels() -> dict:
                               dict(FP8_MAX=448.0, BLOCK=1024), {"Q": "*fp8e4nv", "K": "i32"}),
         "fp8_silu_mul_quantize_rows": (_kernel("tandem.kernels.fp8_quant", "_silu_mul_quantize_rows_kernel"),
                                        dict(FP8_MAX=448.0, BLOCK=4096), {"Q": "*fp8e4nv", "S": "*fp32", "I": "i32"}),
+        # Over an e4m3 KV pool (kv_cache_dtype="fp8"): saturating stores, f16 dots (tandem.kernels.kv_dtype).
+        "write_kv_fp8": (_kernel("tandem.kernels.kv_write", "_write_kv_kernel"),
+                         dict(NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_H=8, BLOCK_D=128), FP8_POOL),
+        "qk_norm_rope_fp8": (_kernel("tandem.kernels.rope", "_qk_norm_rope_kernel"),
+                             dict(HEAD_DIM=128, HALF=64, BLOCK_H=1, BLOCK_HALF=64, HAS_NORM=True, HAS_CACHE=True),
+                             FP8_POOL),
+        "decode_split_fused_merge_fp8": (_kernel(da, "_decode_split_kernel"),
+                                         dict(SPLIT=True, HAS_START=False, **{**split, "FUSED_MERGE": True}), FP8_KV),
+        "extend_fp8": (_kernel("tandem.kernels.extend_attention", "_extend_kernel"),
+                       dict(GROUP=2, BLOCK_M=64, BLOCK_N=64, BLOCK_TABLE=False, **ATTN), FP8_KV),
+        "cascade_shared_fp8": (_kernel(ca, "_shared_prefix_kernel"), dict(GROUP=2, BLOCK_M=64, BLOCK_N=64, **ATTN),
+                               FP8_KV),
+        # Speculative decoding's greedy verify step: its settling and its query inputs, one launch each.
+        "settle_greedy": (_kernel("tandem.kernels.spec_settle", "_settle_greedy_kernel"), dict(BLOCK=16),
+                          {**{n: "*i64" for n in ("Sampled", "Proposals", "Count", "Length", "Relay", "RelayCopy",
+                                                  "Packed")}, "Q": "i32", "K": "i32"}),
+        "verify_inputs": (_kernel("tandem.kernels.verify_inputs", "_verify_inputs_kernel"), dict(BLOCK=16),
+                          {**{n: "*i64" for n in ("Proposals", "Last", "KRows", "InputIds", "Positions", "Locs")},
+                           "Table": "*i32", "WIDTH": "i32", "Q": "i32", "K": "i32"}),
         "ngram_match": (_kernel("tandem.kernels.ngram_match", "_ngram_match_kernel"),
                         dict(MIN_N=1, MAX_N=3, BLOCK=1024, BLOCK_K=4), {"WINDOW": "i32", "K": "i32"}),
         "append_sampled": (_kernel("tandem.kernels.token_history", "_append_sampled_kernel"), {},
