@@ -57,7 +57,7 @@ def kernels() -> dict:
     import tandem.kernels.token_history  # noqa: F401
     gemm = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, SPLIT=False, HAS_SCALE=False, HAS_BIAS=False, EVEN_K=True,
                 EVEN_N=True, SILU_MUL=False, NORM=False, HAS_RESIDUAL=False, DOT_PRECISION="tf32", PER_LANE=False)
-    split = dict(GROUP=2, HEAD_BLOCKS=1, BLOCK_H=16, BLOCK_N=64, FUSED_MERGE=False, **ATTN)
+    split = dict(GROUP=2, HEAD_BLOCKS=1, BLOCK_H=16, BLOCK_N=64, FUSED_MERGE=False, V_F16_WHERE_LOADED=False, **ATTN)
     sizes = {"M": "i32", "N": "i32", "K": "i32"}
     return {
         "silu_mul": (_kernel(ka, "_silu_mul_kernel"), dict(BLOCK=1024), {"I": "i32"}),
@@ -121,6 +121,11 @@ def kernels() -> dict:
                              FP8_POOL),
         "decode_split_fused_merge_fp8": (_kernel(da, "_decode_split_kernel"),
                                          dict(SPLIT=True, HAS_START=False, **{**split, "FUSED_MERGE": True}), FP8_KV),
+        # V converted to f16 where loaded (Experiments.fp8_v_f16_where_loaded): the inline PTX assembles.
+        "decode_split_fused_merge_fp8_v_f16": (_kernel(da, "_decode_split_kernel"),
+                                               dict(SPLIT=True, HAS_START=False,
+                                                    **{**split, "FUSED_MERGE": True, "V_F16_WHERE_LOADED": True}),
+                                               FP8_KV),
         "extend_fp8": (_kernel("tandem.kernels.extend_attention", "_extend_kernel"),
                        dict(GROUP=2, BLOCK_M=64, BLOCK_N=64, BLOCK_TABLE=False, **ATTN), FP8_KV),
         "cascade_shared_fp8": (_kernel(ca, "_shared_prefix_kernel"), dict(GROUP=2, BLOCK_M=64, BLOCK_N=64, **ATTN),

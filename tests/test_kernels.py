@@ -349,6 +349,32 @@ def test_decode_over_an_fp8_pool(heads, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads", [(6, 2, 128), (16, 8, 128)], ids=lambda h: "h{}kv{}d{}".format(*h))
+def test_decode_over_an_fp8_pool_with_v_converted_where_loaded(heads, dtype):
+    """Experiments.fp8_v_f16_where_loaded: the V tiles' f16 conversion in inline PTX (compiled;
+    the interpreter runs `.to`) gives the reference's output, and the default path's within a
+    rounding of the f32 accumulation (the same f16 values, perhaps in another MMA order)."""
+    _decode_case(heads, dtype, [1, 17, 100, 45], cache_dtype=FP8, block_n=16, v_f16_where_loaded=True)
+    _decode_case(heads, dtype, [300, 2, 64], cache_dtype=FP8, num_splits=5, block_n=64, v_f16_where_loaded=True)
+    q_heads, kv_heads, d = heads
+    k_cache, v_cache, r2t, req_slots = _paged([300, 2, 64], kv_heads, d, torch.float32, seed=3)
+    k_cache, v_cache = to_cache_dtype(k_cache, FP8), to_cache_dtype(v_cache, FP8)
+    q = torch.randn(3, q_heads, d, generator=torch.Generator().manual_seed(4)).to(dtype).to(DEVICE)
+    lens = torch.tensor([300, 2, 64], dtype=torch.int32, device=DEVICE)
+    outs = [decode_attention(q, k_cache, v_cache, r2t, req_slots, lens, d ** -0.5, 300, num_splits=5,
+                             v_f16_where_loaded=flag) for flag in (False, True)]
+    torch.testing.assert_close(outs[1].float(), outs[0].float(), atol=1e-3, rtol=1e-3)
+
+
+def test_the_v_conversion_experiment_reaches_the_triton_backend():
+    from tandem.attention import make_attention_backend
+    from tandem.config import Experiments
+    for flag in (False, True):
+        backend = make_attention_backend("triton", torch.device(DEVICE), Experiments(fp8_v_f16_where_loaded=flag))
+        assert backend.fp8_v_f16_where_loaded is flag
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_extend_over_an_fp8_pool(dtype):
     _extend_case((6, 2, 64), dtype, prefix_lens=[0, 0, 45, 13], extend_lens=[1, 37, 1, 20],
                  cache_dtype=FP8, block_m=16, block_n=32)

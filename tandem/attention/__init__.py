@@ -38,5 +38,6 @@ def make_attention_backend(name: str, device: torch.device,
             if name == "triton":
                 raise
             return TorchAttention()
-        return TritonAttention(exp.attention_split_by_context, exp.fused_kv_write, exp.fused_decode_merge)
+        return TritonAttention(exp.attention_split_by_context, exp.fused_kv_write, exp.fused_decode_merge,
+                               exp.fp8_v_f16_where_loaded)
     raise ValueError(f"attention backend must be one of auto, torch, triton; got {name!r}")

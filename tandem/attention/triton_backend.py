@@ -20,7 +20,8 @@ class TritonAttention:
     # Defaults: the engine's (`Experiments`), one place for them.
     def __init__(self, split_by_context: bool = Experiments.attention_split_by_context,
                  fused_kv_write: bool = Experiments.fused_kv_write,
-                 fused_decode_merge: bool = Experiments.fused_decode_merge):
+                 fused_decode_merge: bool = Experiments.fused_decode_merge,
+                 fp8_v_f16_where_loaded: bool = Experiments.fp8_v_f16_where_loaded):
         # On: each decode row uses only the splits its own length needs (device-side), so a
         # graph captured for the longest context runs short rows with few splits. Off: every
         # row spreads over all splits of the grid (the behaviour before, for comparison).
@@ -32,6 +33,7 @@ class TritonAttention:
         # group (Experiments.fused_decode_merge). The counters live as long as the backend:
         # every layer's launch and every captured graph reuses them (all on one stream).
         self.split_counters = SplitCounters() if fused_decode_merge else None
+        self.fp8_v_f16_where_loaded = fp8_v_f16_where_loaded  # Experiments.fp8_v_f16_where_loaded
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch,
@@ -46,7 +48,8 @@ class TritonAttention:
         if batch.is_decode:
             return decode_attention(q, k_cache, v_cache, batch.req_to_token, batch.req_slots,
                                     batch.seq_lens, scale, batch.max_seq_len,
-                                    min_split_tokens=self.min_split_tokens, counters=self.split_counters)
+                                    min_split_tokens=self.min_split_tokens, counters=self.split_counters,
+                                    v_f16_where_loaded=self.fp8_v_f16_where_loaded)
         return extend_attention(q, k_cache, v_cache, batch.req_to_token, batch.req_slots,
                                 batch.seq_lens, batch.prefix_lens, batch.qo_indptr, scale,
                                 max(batch.host_extend_lens, default=0), blocks=batch.extend_blocks)

@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from tandem.kernels.grid import cdiv, next_power_of_2
-from tandem.kernels.kv_dtype import dot_kv, dot_operand
+from tandem.kernels.kv_dtype import dot_kv, dot_operand, f16_where_loaded
 from tandem.kernels.pdl import pdl_options, pdl_prologue
 
 LOG2E = 1.4426950408889634
@@ -143,7 +143,7 @@ def _decode_split_kernel(
     GROUP: tl.constexpr, HEAD_BLOCKS: tl.constexpr, HEAD_DIM: tl.constexpr,
     SPLIT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_START: tl.constexpr,
-    FUSED_MERGE: tl.constexpr, USE_PDL: tl.constexpr,
+    FUSED_MERGE: tl.constexpr, USE_PDL: tl.constexpr, V_F16_WHERE_LOADED: tl.constexpr,
 ):
     pdl_prologue(USE_PDL)
     b = tl.program_id(0)
@@ -187,6 +187,8 @@ def _decode_split_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(V + slots[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :],
                     mask=mask_n[:, None] & mask_d[None, :], other=0.0)  # [N, D]
+        if V_F16_WHERE_LOADED and V.dtype.element_ty.is_fp8():  # Experiments.fp8_v_f16_where_loaded
+            v = f16_where_loaded(v)
         acc = dot_kv(p, v, acc * alpha[:, None], DOT_PRECISION)
         m_i = m_new
 
@@ -291,7 +293,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      scale: float, max_seq_len: int, out: torch.Tensor | None = None, *,
                      num_splits: int | None = None, block_n: int | None = None,
                      min_split_tokens: int = MIN_ROW_SPLIT_TOKENS,
-                     counters: SplitCounters | None = None) -> torch.Tensor:
+                     counters: SplitCounters | None = None, v_f16_where_loaded: bool = False) -> torch.Tensor:
     """q [B, H, D] -> [B, H, D]; matches `torch_backend.decode_attention`.
 
     `num_splits` fixes the grid (e.g. for a CUDA graph captured once and replayed at
@@ -299,6 +301,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     `num_splits * min_split_tokens` use fewer. Any values are correct for any `seq_lens`.
     `counters`: merge the splits in the split launch (the last program of each row and
     head group merges); None: a separate merge launch. Same arithmetic, same result.
+    `v_f16_where_loaded`: over an e4m3 pool, convert V tiles to f16 before they are staged in
+    shared memory (`kv_dtype.f16_where_loaded`); same values.
     """
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
@@ -318,14 +322,15 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         block_n = default_block_n(head_dim)
     if num_splits == 1:  # the split kernel writes `out` directly; no mid buffers
         _launch_split(q, k_cache, v_cache, req_to_token, req_slots, seq_lens, None, out, out, out,
-                      scale, num_splits, min_split_tokens, block_n)
+                      scale, num_splits, min_split_tokens, block_n, v_f16_where_loaded=v_f16_where_loaded)
         return out
     mid_o = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
     mid_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
     groups = batch * num_kv_heads * _head_block(num_heads // num_kv_heads)[1]
     pool = counters.get(q.device, groups) if counters is not None else None
     _launch_split(q, k_cache, v_cache, req_to_token, req_slots, seq_lens, None, mid_o, mid_lse, out,
-                  scale, num_splits, min_split_tokens, block_n, counters=pool)
+                  scale, num_splits, min_split_tokens, block_n, counters=pool,
+                  v_f16_where_loaded=v_f16_where_loaded)
     if pool is not None:  # the split launch merged
         return out
     _decode_merge_kernel[(batch, num_heads)](
@@ -353,7 +358,8 @@ def decode_suffix_partials(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 def _launch_split(q, k_cache, v_cache, req_to_token, req_slots, seq_lens, start_lens, mid_o, mid_lse,
                   out, scale: float, num_splits: int, min_split_tokens: int, block_n: int,
-                  force_split: bool = False, counters: torch.Tensor | None = None) -> None:
+                  force_split: bool = False, counters: torch.Tensor | None = None,
+                  v_f16_where_loaded: bool = False) -> None:
     """The split kernel. `start_lens` None: each row from key 0. `counters` (zeros, one per
     request x head group): its last program per group merges into `out` (no merge launch)."""
     batch, num_heads, head_dim = q.shape
@@ -376,6 +382,6 @@ def _launch_split(q, k_cache, v_cache, req_to_token, req_slots, seq_lens, start_
         GROUP=group, HEAD_BLOCKS=head_blocks, HEAD_DIM=head_dim, SPLIT=split,
         BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=next_power_of_2(head_dim),
         DOT_PRECISION=precision, HAS_START=start_lens is not None, FUSED_MERGE=fused,
-        num_warps=4, num_stages=2,
+        num_warps=4, num_stages=2, V_F16_WHERE_LOADED=v_f16_where_loaded,
         **pdl_options(q.device),
     )

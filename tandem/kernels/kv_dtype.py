@@ -12,12 +12,16 @@ An e4m3 pool (`kv_cache_dtype="fp8"`, scale 1.0):
   Hopper, e4m3 -> bf16 goes through f16 (three). q and the probabilities p are cast to f16
   too (q once per program, before the key loop: `dot_operand`).
 """
+import os
+
 import triton
 import triton.language as tl
 
 from tandem.memory.kv_cache import FP8_MAX
 
 _FP8_MAX = tl.constexpr(FP8_MAX)  # a constexpr global: the only kind a kernel may read
+# Compiled, not interpreted: the interpreter cannot run inline PTX (`f16_where_loaded`).
+_COMPILED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1")
 
 
 @triton.jit
@@ -26,6 +30,27 @@ def to_cache(x, dtype: tl.constexpr):
     if dtype.is_fp8():
         x = tl.clamp(x.to(tl.float32), -_FP8_MAX, _FP8_MAX)
     return x.to(dtype)
+
+
+@triton.jit
+def f16_where_loaded(x):
+    """An e4m3 tile as float16, converted in the layout it was loaded in (16 values an asm call,
+    `cvt.rn.f16x2.e4m3x2`). A plain `.to` is moved by Triton past the tile's trip through shared
+    memory, so a tile the dot reads transposed (V: keys are its reduction axis, not its
+    contiguous one) is read back a byte at a time (sm_90 has no 8-bit `ldmatrix.trans`); an
+    asm call with side effects (`is_pure=False`) stays where it is written, and the f16 tile then
+    takes `ldmatrix.trans` like a bf16 pool's. Same values as `.to(tl.float16)`."""
+    if _COMPILED:
+        y = tl.inline_asm_elementwise(
+            "{ .reg .b16 a<8>; mov.b32 {a0, a1}, $8; mov.b32 {a2, a3}, $9; mov.b32 {a4, a5}, $10; "
+            "mov.b32 {a6, a7}, $11; cvt.rn.f16x2.e4m3x2 $0, a0; cvt.rn.f16x2.e4m3x2 $1, a1; "
+            "cvt.rn.f16x2.e4m3x2 $2, a2; cvt.rn.f16x2.e4m3x2 $3, a3; cvt.rn.f16x2.e4m3x2 $4, a4; "
+            "cvt.rn.f16x2.e4m3x2 $5, a5; cvt.rn.f16x2.e4m3x2 $6, a6; cvt.rn.f16x2.e4m3x2 $7, a7; }",
+            "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r", [x.to(tl.uint8, bitcast=True)], dtype=tl.float16,
+            is_pure=False, pack=16)
+    else:
+        y = x.to(tl.float16)
+    return y
 
 
 @triton.jit
