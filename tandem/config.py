@@ -137,8 +137,8 @@ class Experiments:
     # Decode attention over an e4m3 KV pool (kv_cache_dtype="fp8"): convert each V tile to f16
     # where it is loaded, before its trip through shared memory (`kernels.kv_dtype.f16_where_loaded`).
     # Off, Triton stages V as bytes and, since the PV dot reads it transposed, reads it back a byte
-    # at a time (64 `ld.shared.b8` a thread a 64-key tile; PTX 3,238 lines against bf16's 2,566);
-    # on, V takes `ldmatrix.trans` as a bf16 pool's does (2,768 lines). Off until measured on CUDA.
+    # at a time (64 `ld.shared.b8` a thread a 64-key tile; PTX 3,323 lines against bf16's 2,680);
+    # on, V takes `ldmatrix.trans` as a bf16 pool's does (2,778 lines). Off until measured on CUDA.
     fp8_v_f16_where_loaded: bool = False
     # Split-K decode attention: each row picks its split count from its own length (on the
     # device); off spreads every row over the grid's splits, sized for the longest context.
