@@ -175,6 +175,18 @@ def check_pdl_order(ptx: str) -> None:
         raise AssertionError("PDL kernel touches global memory before griddepcontrol.wait")
 
 
+def check_v_not_read_by_the_byte(ptx: str) -> None:
+    """Experiments.fp8_v_f16_where_loaded's point: the e4m3 V tile is converted before its trip
+    through shared memory, so nothing reads it back a byte at a time (the default path: 64
+    `ld.shared.b8` a thread a tile). A Triton that moves the conversion again fails here."""
+    if "ld.shared.b8" in ptx:
+        raise AssertionError(f"{ptx.count('ld.shared.b8')} ld.shared.b8: V is staged as bytes again")
+
+
+# Checks of a kernel's PTX beyond compiling, by entry name.
+PTX_CHECKS = {"decode_split_fused_merge_fp8_v_f16": check_v_not_read_by_the_byte}
+
+
 def main(names: list[str]) -> int:
     failed = 0
     for name, (fn, constexprs, overrides) in kernels().items():
@@ -190,6 +202,8 @@ def main(names: list[str]) -> int:
             compiled = compile(src, target=TARGET, options={"launch_pdl": True} if pdl else None)
             if pdl:
                 check_pdl_order(compiled.asm["ptx"])
+            if name in PTX_CHECKS:
+                PTX_CHECKS[name](compiled.asm["ptx"])
             print(f"ok      {name} ({time.perf_counter() - start:.1f} s){' pdl' if pdl else ''}", flush=True)
         except Exception:  # noqa: BLE001 - report every kernel, then fail
             failed += 1
