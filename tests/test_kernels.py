@@ -349,11 +349,12 @@ def test_decode_over_an_fp8_pool(heads, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("heads", [(6, 2, 128), (16, 8, 128)], ids=lambda h: "h{}kv{}d{}".format(*h))
+@pytest.mark.parametrize("heads", [(6, 2, 128), (16, 8, 128), (4, 2, 64)], ids=lambda h: "h{}kv{}d{}".format(*h))
 def test_decode_over_an_fp8_pool_with_v_converted_where_loaded(heads, dtype):
     """Experiments.fp8_v_f16_where_loaded: the V tiles' f16 conversion in inline PTX (compiled;
     the interpreter runs `.to`) gives the reference's output, and the default path's within a
-    rounding of the f32 accumulation (the same f16 values, perhaps in another MMA order)."""
+    rounding of the f32 accumulation (the same f16 values, perhaps in another MMA order). Head
+    dim 64 with 16-key tiles: 8 values a thread, fewer than one asm call's 16."""
     _decode_case(heads, dtype, [1, 17, 100, 45], cache_dtype=FP8, block_n=16, v_f16_where_loaded=True)
     _decode_case(heads, dtype, [300, 2, 64], cache_dtype=FP8, num_splits=5, block_n=64, v_f16_where_loaded=True)
     q_heads, kv_heads, d = heads
