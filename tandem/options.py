@@ -46,10 +46,10 @@ def add_engine_options(parser: argparse.ArgumentParser, *, launch: bool = False)
 def add_engine_fields(parser: argparse.ArgumentParser, *names: str) -> None:
     """Some of `add_engine_options`' flags, for a command that builds its own configuration
     (`tandem bench latency`): the same flag, choices, default and help as everywhere else."""
-    fields = {f.name: f for f in options(EngineConfig)}
-    defaults, hints = EngineConfig(), get_type_hints(EngineConfig)
-    for name in names:
-        _add_option(parser, fields[name], hints[name], getattr(defaults, name), name)
+    unknown = set(names) - {f.name for f in options(EngineConfig)}
+    if unknown:
+        raise KeyError(f"not engine options: {sorted(unknown)}")
+    _add_fields(parser, EngineConfig, "", names)
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -74,10 +74,12 @@ def checked_engine_config(args: argparse.Namespace) -> EngineConfig:
     return engine_config(args)
 
 
-def _add_fields(group, cls: type, prefix: str) -> None:
+def _add_fields(group, cls: type, prefix: str, names: tuple[str, ...] | None = None) -> None:
+    """The flags of `cls`'s options (of those in `names` only, when given), in field order."""
     defaults, hints = cls(), get_type_hints(cls)
     for f in options(cls):
-        _add_option(group, f, hints[f.name], getattr(defaults, f.name), prefix + f.name)
+        if names is None or f.name in names:
+            _add_option(group, f, hints[f.name], getattr(defaults, f.name), prefix + f.name)
 
 
 def _add_option(group, f: dataclasses.Field, hint: Any, default: Any, dest: str) -> None:
