@@ -102,6 +102,28 @@ class Request:
         """The tokens a (re)prefill must compute: the prompt, plus outputs after a preemption."""
         return self.prompt_token_ids + self.output_token_ids
 
+    @property
+    def fill_len(self) -> int:
+        """len(fill_ids), without building it (a ~9k-token history's copy is ~7 us)."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def fill_slice(self, start: int, stop: int) -> list[int]:
+        """fill_ids[start:stop], copying only those tokens."""
+        prompt = self.prompt_token_ids
+        if stop <= len(prompt):
+            return prompt[start:stop]
+        return self.fill_ids[start:stop]
+
+    @functools.cached_property
+    def first_block_hash(self) -> int | None:
+        """prompt_block_hashes[0] (None: no whole block), for ~1/300 of a 9k-token prompt's
+        hashing: prompts differing in their first block share no block's prefix."""
+        if "prompt_block_hashes" in self.__dict__:
+            hashes = self.prompt_block_hashes
+            return hashes[0] if hashes else None
+        ids = self.prompt_token_ids
+        return hash((0, tuple(ids[:PROMPT_HASH_BLOCK]))) if len(ids) >= PROMPT_HASH_BLOCK else None
+
     @functools.cached_property
     def prompt_block_hashes(self) -> list[int]:
         """hashes[k] identifies prompt[:BLOCK * (k + 1)]: equal hashes, equal prefixes (up to

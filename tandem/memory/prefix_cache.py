@@ -163,12 +163,11 @@ class PrefixCache:
         every row whose logits owe a prompt logprob (`Request.max_cached_prefix`: a request
         asking for prompt logprobs takes no hit on its first admission). Returns the matched
         length."""
-        fill = req.fill_ids
         req.kv_slots, req.cached_len, req.cache_node, req.duplicate_slots, req.host_hit_nodes = [], 0, None, [], []
-        self.queried_tokens += len(fill)
+        self.queried_tokens += req.fill_len
         if not self.enabled:
             return 0
-        prefix = fill[:req.max_cached_prefix]
+        prefix = req.fill_slice(0, req.max_cached_prefix)
         slots, node = self.tree.match(prefix, req.host_match_walk)
         if self.host is not None:
             loaded, node = self._load_host_part(node, prefix, len(slots), self._load_tokens_left)
@@ -289,7 +288,7 @@ class PrefixCache:
             if not self._host_only_tokens(req):
                 continue  # nothing to load: no match, which would mark its path as used
             room = (self.available() if evict else self.kv_slots.num_free) - keep
-            prefix = req.fill_ids[:req.max_cached_prefix]
+            prefix = req.fill_slice(0, req.max_cached_prefix)
             slots, node = self.tree.match(prefix, req.host_match_walk)
             loaded, _ = self._load_host_part(node, prefix, len(slots), min(most - queued, room))
             queued += len(loaded)
@@ -319,7 +318,7 @@ class PrefixCache:
             self.host_hit_tokens -= sum(len(n.key) for n in req.host_hit_nodes)
             self.tree.unlock(req.cache_node)
             self.hit_tokens -= req.cached_len
-        self.queried_tokens -= len(req.fill_ids)
+        self.queried_tokens -= req.fill_len
         req.kv_slots, req.cached_len, req.cache_node, req.host_hit_nodes = [], 0, None, []
 
     def cache_prefill(self, req: Request) -> None:

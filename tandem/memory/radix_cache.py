@@ -93,13 +93,16 @@ class RadixCache:
         compares while its path stands."""
         if self._holds(walk, len(tokens)):
             return self._follow(walk)
+        known = _matched_spans(walk) if walk is not None and walk.end == len(tokens) else {}
         node, slots, i = self.root, [], 0
         now = next(_clock)
         while i < len(tokens):
             child = node.children.get(tokens[i])
             if child is None or not child.slots:  # the rest lives on the host: host_continuation
                 break
-            n = common_length(child.key, tokens, i)
+            seen = known.get(id(child))
+            n = seen[2] if seen is not None and seen[0] == i and seen[1] == len(child.key) \
+                else common_length(child.key, tokens, i)
             child = self._use(child, n, now)
             slots += child.slots
             node, i = child, i + n
@@ -145,7 +148,9 @@ class RadixCache:
         between tiers) or a new child where it stopped, and each of those is checked. A node's
         key never changes but by a split, which shortens it."""
         end = min(end, len(tokens))
-        return last if self._holds(last, end) else self._walk(tokens, end)
+        if last is None or last.end != end:
+            return self._walk(tokens, end)
+        return last if self._path_stands(last) else self._walk(tokens, end, _matched_spans(last))
 
     def _holds(self, walk: MatchWalk | None, end: int) -> bool:
         """A kept walk answers for tokens[:end] still: asked about as many tokens (a request's
@@ -161,14 +166,20 @@ class RadixCache:
             parent = node
         return walk.stop_token is None or walk.stop_token not in parent.children
 
-    def _walk(self, tokens: list[int], end: int) -> MatchWalk:
+    def _walk(self, tokens: list[int], end: int, known: dict | None = None) -> MatchWalk:
+        """`known`: `_matched_spans` of an earlier walk of the same tokens[:end]; a node met
+        again where it was met then, as long as then, matches as many tokens as then, without
+        comparing them (the re-walk of a waiting prompt whose path changed: ~9k-token compares
+        a walk on the CPU replay of issue 23, where only a node's tier had changed)."""
         node, i, gpu, path, stop = self.root, 0, 0, [], None
         while i < end:
             child = node.children.get(tokens[i])
             if child is None:
                 stop = tokens[i]
                 break
-            n = common_length(child.key, tokens, i, end)
+            seen = known.get(id(child)) if known else None
+            n = seen[2] if seen is not None and seen[0] == i and seen[1] == len(child.key) \
+                else common_length(child.key, tokens, i, end)
             i += n
             gpu = i if child.slots and gpu == i - n else gpu  # a GPU node's parent is on the GPU
             path.append((child, len(child.key), bool(child.slots)))
@@ -267,8 +278,12 @@ class RadixCache:
 
     @staticmethod
     def _gpu_evictable(node: Node) -> bool:
-        return (node.lock_ref == 0 and bool(node.slots) and attached(node)
-                and not any(c.slots for c in node.children.values()))
+        if node.lock_ref or not node.slots or not attached(node):
+            return False
+        for child in node.children.values():  # a loop, not any(genexpr): asked for each node a match uses
+            if child.slots:
+                return False
+        return True
 
     def evict(self, num_tokens: int, to_host: bool = True) -> int:
         """Free at least `num_tokens` GPU slots from unreferenced nodes without GPU children,
@@ -448,6 +463,22 @@ class RadixCache:
         assert not self.lru.missing(), "prefix cache: an evictable node is missing from the LRU heap"
         assert self.host_tier is None or not self.host_tier.lru.missing(), \
             "prefix cache: a droppable host copy is missing from the host tier's LRU heap"
+
+
+def _matched_spans(walk: MatchWalk) -> dict[int, tuple[int, int, int]]:
+    """id(node) -> (the token it starts at, its key length, tokens matched in it) along a
+    walk's path. A node whose key is as long as then still holds the same tokens (a key
+    changes only by a split, which shortens it), and its start cannot move (a split keeps the
+    tokens above a node), so the same tokens[:end] match it as far as they did. The walk keeps
+    its nodes alive: an id here is never a new node's."""
+    spans, start = {}, 0
+    for node, key_len, _ in walk.path:
+        spans[id(node)] = (start, key_len, key_len)
+        start += key_len
+    if walk.path:
+        node, key_len, _ = walk.path[-1]
+        spans[id(node)] = (start - key_len, key_len, walk.cached - (start - key_len))  # the last may end inside
+    return spans
 
 
 def common_length(key: list[int], tokens: list[int], start: int, end: int | None = None) -> int:
