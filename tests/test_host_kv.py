@@ -780,3 +780,111 @@ def test_a_match_along_a_kept_walk_does_what_a_walked_match_does():
         assert trees[1][0].evict(1)
         assert _tree_dump(trees[0][0]) == _tree_dump(trees[1][0])
     assert not trees[1][0].evict(1)
+
+
+# ---- kept walks: trusted while nothing under their first node changed, re-walked cheaply ----
+_HISTORY = list(range(1, 21))  # two nodes once inserted in two parts: [1..10], [11..20]
+_PROMPT = _HISTORY + [99]  # a waiting prompt: its history, then a token no child has
+
+
+def _history_tree():
+    """A tree holding _HISTORY as two GPU nodes, and an unrelated prompt [50..59] used after
+    it (so LRU eviction takes the history's leaf first); the waiting prompt's kept walk."""
+    tree, kv, host, copies = _tiered_tree(gpu=100, host=50)
+    slots = kv.alloc(20)
+    tree.insert(_HISTORY[:10], slots[:10])
+    tree.insert(_HISTORY, slots)
+    kv.free(slots[:10])  # the second insert's duplicates of the first ten
+    tree.insert(list(range(50, 60)), kv.alloc(10))
+    return tree, kv, slots, tree.match_lengths_again(_PROMPT, len(_PROMPT), None)
+
+
+def _to_host(tree, kv, walk):
+    assert tree.evict(10) == 10  # the history's leaf [11..20] (LRU) to the host
+    return tree.match_lengths_again(_PROMPT, len(_PROMPT), walk)
+
+
+def _load_back(tree, kv, walk):
+    walk = _to_host(tree, kv, walk)
+    slots, node = tree.match(_HISTORY)
+    (host_node,) = tree.host_continuation(node, _HISTORY, len(slots))
+    tree.mark_loaded(host_node, kv.alloc(10), copy_seq=1)
+    return walk
+
+
+def _split(tree, kv, walk):
+    present, _ = tree.insert(_HISTORY[:5] + [77, 78], kv.alloc(7))  # splits [1..10] after 5
+    assert present == 5
+    return walk
+
+
+def _new_child_where_it_stopped(tree, kv, walk):
+    tree.insert(_PROMPT + [100], kv.alloc(22))  # its own 20 duplicate the cached ones: no matter here
+    return walk
+
+
+def _host_drop(tree, kv, walk):
+    walk = _to_host(tree, kv, walk)
+    assert tree.evict_host(10) == 10  # the host-only leaf leaves the tree
+    return walk
+
+
+def _drop(tree, kv, walk):
+    assert tree.evict(10, to_host=False) == 10
+    return walk
+
+
+def _promote(tree, kv, walk):
+    walk = _to_host(tree, kv, walk)
+    tree.insert(_HISTORY, kv.alloc(20))  # a request computed it again: its slots make [11..20] GPU-resident
+    return walk
+
+
+@pytest.mark.parametrize("change", [_to_host, _load_back, _split, _new_child_where_it_stopped, _host_drop,
+                                    _drop, _promote])
+def test_every_change_a_kept_walk_depends_on_is_seen(change):
+    """Each way the tree changes a kept walk's answer or path (a tier move either way, a
+    split, a new child where it stopped, a host-tier drop, a drop, a promotion) reaches
+    `_path_stands` through `Node.changed` on the walk's first node: its answer and the match
+    along it equal a fresh walk's. Without the bump the kept walk is trusted as it was."""
+    tree, kv, _, walk = _history_tree()
+    walk = change(tree, kv, walk)
+    again = tree.match_lengths_again(_PROMPT, len(_PROMPT), walk)
+    assert (again.gpu, again.cached) == tree.match_lengths(_PROMPT)
+    slots, node = tree.match(_PROMPT, again)
+    assert (slots, node) == tree.match(_PROMPT)  # a second match: no split left to make
+    tree.check({})
+
+
+def test_a_kept_walk_is_trusted_without_its_path_while_its_subtree_stands(monkeypatch):
+    """Changes elsewhere (another prompt's subtree, write-ahead copies that keep the GPU
+    copies) leave the kept walk as it is, its path unread; the first change under its first
+    node checks the path again, and a path that still stands is trusted again after that."""
+    tree, kv, _, walk = _history_tree()
+    checked = []
+    real = tree._path_checked
+    monkeypatch.setattr(tree, "_path_checked", lambda w: checked.append(w) or real(w))
+    tree.insert(list(range(50, 65)), kv.alloc(15))  # the other prompt's subtree grows
+    assert tree.write_ahead(20) > 0  # host copies; every GPU copy stays
+    assert tree.match_lengths_again(_PROMPT, len(_PROMPT), walk) is walk and not checked
+    tree.insert(_HISTORY + [98], kv.alloc(21))  # a sibling of the stop token: the path stands
+    assert tree.match_lengths_again(_PROMPT, len(_PROMPT), walk) is walk and len(checked) == 1
+    assert tree.match_lengths_again(_PROMPT, len(_PROMPT), walk) is walk and len(checked) == 1  # stamped again
+
+
+def test_a_rewalk_compares_only_the_tokens_of_nodes_that_changed(monkeypatch):
+    """A kept walk whose path broke is walked again from its nodes: one that is still where
+    it was and as long takes its matched length as it was (a key changes only by a split,
+    which shortens it); only new or shortened nodes compare tokens."""
+    from tandem.memory import radix_cache
+    tree, kv, _, walk = _history_tree()
+    compared = []
+    real = radix_cache.common_length
+    monkeypatch.setattr(radix_cache, "common_length", lambda key, *a: compared.append(len(key)) or real(key, *a))
+    walk = _to_host(tree, kv, walk)  # only a tier changed: no token compared
+    assert (walk.gpu, walk.cached) == (10, 20) and compared == []
+    _split(tree, kv, walk)  # [1..10] -> [1..5] above [6..10]: both compare, [11..20] does not
+    compared.clear()  # the insert's own
+    walk = tree.match_lengths_again(_PROMPT, len(_PROMPT), walk)
+    assert (walk.gpu, walk.cached) == (10, 20) and compared == [5, 5]
+    assert tree.match_lengths(_PROMPT) == (10, 20)

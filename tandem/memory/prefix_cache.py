@@ -174,7 +174,7 @@ class PrefixCache:
             self._load_tokens_left -= len(loaded)
             if loaded:
                 self.tier_moves.admission_loaded_by[admission_load_reason(req, len(loaded))] += len(loaded)
-            slots = slots + loaded
+            slots += loaded  # match() gave a list of its own: no copy of a long match
         if slots:
             self.tree.lock(node)
             req.kv_slots, req.cached_len, req.cache_node = slots, len(slots), node

@@ -31,7 +31,7 @@ _clock = itertools.count()  # access order for LRU; a counter, so ties cannot ha
 
 class Node:
     __slots__ = ("key", "slots", "host_slots", "children", "parent", "lock_ref", "last_access", "loaded",
-                 "copy_seq")
+                 "copy_seq", "epoch")
 
     def __init__(self, key: list[int], slots: list[int], parent: "Node | None"):
         self.key, self.slots, self.parent = key, slots, parent
@@ -43,19 +43,34 @@ class Node:
         # The last host-tier copy that reads or writes its GPU slots (its number on the copy
         # stream; 0: none): a reader of a load, or a writer of the slots once evicted, waits for it.
         self.copy_seq = 0
+        # Of a child of the root: changes in its subtree so far (`changed`); a kept walk through
+        # it holds without a check while this stays (`RadixCache._path_stands`).
+        self.epoch = 0
+
+    def changed(self) -> None:
+        """Its key, its tier (GPU slots) or its children are about to change, or it is about to
+        leave the tree: kept walks through it, and any under the same child of the root, are
+        checked again. The caller calls it before relinking (a split moves a node down)."""
+        node = self
+        while node.parent is not None and node.parent.parent is not None:  # up to the root's child
+            node = node.parent
+        node.epoch += 1
 
 
-@dataclass(frozen=True)
+@dataclass
 class MatchWalk:
     """A `match_lengths` answer and the path that gave it (`RadixCache.match_lengths_again`):
     it still holds while every node on the path is where it was, as long and in the same tier,
-    and no child continues the match where it stopped."""
+    and no child continues the match where it stopped. Only `epoch` changes once made."""
 
     end: int  # the prefix length asked about
     gpu: int  # matched on the GPU
     cached: int  # matched in either tier
     path: tuple  # (node, len(node.key), on the GPU) from the root down
     stop_token: int | None  # the token no child matched (None: the walk ended inside a node or at `end`)
+    # The first path node's `epoch` when the path was last seen to stand (-1: no path). Every
+    # change a walk depends on is in that node's subtree (its path, or a new child where it stopped).
+    epoch: int = -1
 
 
 class RadixCache:
@@ -143,8 +158,9 @@ class RadixCache:
     def match_lengths_again(self, tokens: list[int], end: int, last: MatchWalk | None) -> MatchWalk:
         """`match_lengths` of tokens[:end] for a caller that asks about the same tokens again
         and again (a waiting prompt, every plan): `last` is the previous answer, returned as it
-        is when its path still stands (O(nodes on the path), no token compares), else walked
-        anew. Exact: a match changes only through its path's nodes (split, dropped, moved
+        is when its path still stands (O(1) while nothing under its first node changed, else
+        O(nodes on the path); no token compares), else walked anew, comparing only the tokens
+        of nodes that are new or shorter since (`_matched_spans`). Exact: a match changes only through its path's nodes (split, dropped, moved
         between tiers) or a new child where it stopped, and each of those is checked. A node's
         key never changes but by a split, which shortens it."""
         end = min(end, len(tokens))
@@ -158,6 +174,21 @@ class RadixCache:
         return walk is not None and walk.end == end and self._path_stands(walk)
 
     def _path_stands(self, walk: MatchWalk) -> bool:
+        """O(1) while nothing under the walk's first node changed (`Node.changed`): the waiting
+        prompts' checks, every plan, read one node each, not their paths (the CPU replay of
+        issue 23: ~27 paths of ~11 cold nodes a prefill plan, a fifth of its time)."""
+        path = walk.path
+        if path and path[0][0].epoch == walk.epoch:
+            return True
+        if not self._path_checked(walk):
+            return False
+        if path:
+            walk.epoch = path[0][0].epoch  # it stands now: until the next change under its first node
+        return True
+
+    def _path_checked(self, walk: MatchWalk) -> bool:
+        """Every node of the path where it was, as long and in the same tier, and no child
+        continuing the match where it stopped."""
         parent = self.root
         for node, key_len, on_gpu in walk.path:
             if (node.parent is not parent or len(node.key) != key_len or bool(node.slots) != on_gpu
@@ -186,7 +217,7 @@ class RadixCache:
             if n < len(child.key):
                 break
             node = child
-        return MatchWalk(end, gpu, i, tuple(path), stop)
+        return MatchWalk(end, gpu, i, tuple(path), stop, path[0][0].epoch if path else -1)
 
     # ---- insertion ----
     def insert(self, tokens: list[int], slots: list[int]) -> tuple[int, Node]:
@@ -200,6 +231,7 @@ class RadixCache:
             child = node.children.get(tokens[i])
             if child is None:
                 new = Node(list(tokens[i:]), list(slots[i:]), node)
+                node.changed()  # a new child: a walk that stopped at `node` goes further now
                 node.children[tokens[i]] = new
                 self.evictable_tokens += len(new.key)
                 self._touch(new)
@@ -224,6 +256,7 @@ class RadixCache:
     def _split(self, child: Node, n: int) -> Node:
         """Cut `child`'s edge after n tokens; returns the new upper node (same locks)."""
         self.splits += 1
+        child.changed()
         upper = Node(child.key[:n], child.slots[:n], child.parent)
         upper.lock_ref, upper.last_access, upper.loaded = child.lock_ref, child.last_access, child.loaded
         upper.copy_seq = child.copy_seq
@@ -240,6 +273,7 @@ class RadixCache:
         request); its host slots go back. Below a host node every node is on the host, so
         the GPU part stays closed under parents."""
         self.host_tier.forget(node)
+        node.changed()
         node.slots, node.host_slots, node.loaded = slots, None, False  # the caller's own KV: no host hit
         node.copy_seq = 0
         if node.lock_ref:
@@ -317,6 +351,7 @@ class RadixCache:
             self.evictable_tokens -= len(node.key)
             if to_host and self.host_tier is not None and node.host_slots is None:
                 self.host_tier.copy_to_host(node)
+            node.changed()  # to the host, or out of the tree
             if to_host and node.host_slots is not None:
                 node.slots, node.loaded = [], False  # it lives on in the host tier; an unread load goes unhit
             else:
@@ -330,7 +365,8 @@ class RadixCache:
 
     def _drop_subtree(self, node: Node) -> None:
         """Unlink `node`; its descendants are host-only (and unreferenced). Every host copy
-        among them goes back. The caller accounts for `node`'s own GPU slots."""
+        among them goes back. The caller accounts for `node`'s own GPU slots (and called
+        `node.changed()`)."""
         del node.parent.children[node.key[0]]
         stack = [node]
         while stack:
@@ -397,6 +433,7 @@ class RadixCache:
         lives in both tiers from now on (its first reader waits for the copy on the device:
         `take_loaded`; evicting it again needs no copy)."""
         assert node.host_slots is not None and not node.slots and len(gpu_slots) == len(node.key)
+        node.changed()
         node.slots, node.loaded, node.copy_seq = gpu_slots, True, copy_seq
         self._touch(node)
         if node.lock_ref:

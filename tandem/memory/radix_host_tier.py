@@ -112,6 +112,7 @@ class HostTierMoves:
                 continue
             parent = node.parent
             if not node.slots:
+                node.changed()  # leaves the tree (a node in both tiers keeps its GPU copy: no change)
                 del parent.children[node.key[0]]
             self.forget(node)  # later copies into its slots: same copy stream
             node.host_slots = None
