@@ -543,3 +543,46 @@ def test_a_staging_that_fails_in_the_wait_is_done_again_at_the_launch(tiny_text_
     assert tokens == run(fault=False)[0]
     assert_kv_conserved(engine)
     engine.close()
+
+
+def test_a_waiting_prompt_is_hashed_past_its_first_block_only_when_a_prefill_has_that_block():
+    """PendingPrefills keeps the running prefills by their prompts' first-block hashes: a
+    waiting prompt that shares a block the prefill is still computing waits for it; one whose
+    first block differs shares nothing, and its chained block hashes are not computed."""
+    from tandem.scheduler.scheduler import PendingPrefills
+
+    def req(rid: str, prompt: list[int]) -> Request:
+        return Request(rid, prompt, SamplingParams(max_tokens=2), seed=0, max_samples=2)
+
+    base = [(7 * i) % 250 + 3 for i in range(200)]
+    prefill = req("prefill", base)
+    prefill.cached_len = 64  # its pending block: 2, the first ending >= 32 tokens past it (96)
+    pending = PendingPrefills()
+    pending.add(prefill)
+    assert pending
+    same = req("same", base[:100] + [1] * 10)  # blocks 0..2 as the prefill's
+    diverges = req("diverges", base[:40] + [1] * 100)  # block 0 as the prefill's, then not
+    other = req("other", [2] + base[1:])  # the first block differs
+    short = req("short", base[:20])  # no whole block
+    assert pending.shared_by(same) and not pending.shared_by(diverges)
+    assert not pending.shared_by(other) and not pending.shared_by(short)
+    assert "prompt_block_hashes" not in other.__dict__  # ~80 us for a 9k-token prompt, saved
+    for r in (prefill, same, diverges, other):
+        assert r.first_block_hash == r.prompt_block_hashes[0]
+    assert short.first_block_hash is None and short.prompt_block_hashes == []
+    done = req("done", base)
+    done.cached_len = 190  # nothing pending: no block ends 32 tokens past what it cached
+    off = PendingPrefills(enabled=False)  # no prefix cache: nothing shared
+    for p in (off, PendingPrefills()):
+        p.add(done if p.enabled else prefill)
+        assert not p and not p.shared_by(same)
+
+
+def test_fill_slices_and_length_equal_the_fill_ids_ones():
+    """fill_len and fill_slice answer as fill_ids would, a preempted request's outputs included."""
+    r = Request("r", list(range(10, 20)), SamplingParams(max_tokens=4), seed=0, max_samples=4)
+    for outputs in ([], [1, 2, 3]):
+        r.output_token_ids = outputs
+        assert r.fill_len == len(r.fill_ids)
+        for a, b in [(0, 9), (3, 10), (8, 12), (10, 13), (0, 13)]:
+            assert r.fill_slice(a, b) == r.fill_ids[a:b]
