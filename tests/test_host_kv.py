@@ -459,6 +459,28 @@ def test_a_timed_fence_says_why_the_forward_waits_and_what_was_still_copying():
     assert copier.fence_wait is None  # nothing new required: no wait
 
 
+def test_a_copy_is_done_once_its_end_passed_or_it_was_collected():
+    """`done` finds a copy among those in flight by its number (they stay in copy order: a
+    bisection), whichever of them `collect` dropped."""
+    cpu = torch.device("cpu")
+    kv = KVCache(2, 20, 1, 4, torch.float32, cpu)
+    copier = KVTierCopier([kv], HostKVPool([kv], 10, pin=False), StreamSet.create(cpu))
+
+    class Running:  # an end event the copy stream has not reached
+        def query(self):
+            return False
+
+    seqs = [copier.write_back([1 + i], [i]) for i in range(6)]
+    running = {seqs[1], seqs[4], seqs[5]}
+    for record in copier._in_flight:
+        if record.seq in running:
+            record.end = Running()
+    copier.collect()  # drops the three whose end passed
+    assert [r.seq for r in copier._in_flight] == sorted(running)
+    assert [copier.done(s) for s in seqs] == [s not in running for s in seqs]
+    assert copier.done(seqs[-1] + 1) and copier.done(0)  # not in flight: nothing to wait for
+
+
 def test_admission_loads_say_why_they_were_not_held_for_prefetch():
     from tandem.memory.prefix_cache import MAX_PREFETCH_WAITS, MIN_LOAD_TOKENS, admission_load_reason
     req = Request("r", [1, 2, 3], SamplingParams(max_tokens=1), seed=0, max_samples=1)

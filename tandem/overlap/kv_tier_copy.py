@@ -33,6 +33,8 @@ On the CPU the stream and events are no-ops and every copy completes in order.
 """
 from __future__ import annotations
 
+import bisect
+import operator
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
@@ -83,6 +85,7 @@ class TierCopyStats:
 PACE_PERIODS = 9  # the step period is the median of this many: one stalled step does not move it
 MAX_PERIOD_S = 0.05  # an idle engine's gap between steps is not a step's length
 MEASURED_BYTES = 256 << 20  # below this a direction's timed copies are too few for a rate
+_SEQ = operator.attrgetter("seq")  # an in-flight record's copy number: `KVTierCopier._uncollected`
 # A window's share of the step period. While every forward waited for every copy queued, a
 # window that used it all stalled the forwards (H200, 37775e3: 1.36 s of 31.9), so it was 0.5.
 # Forwards now wait only for the copies they depend on (6fa100a), and a request is admitted
@@ -203,8 +206,12 @@ class KVTierCopier:
         return copy is None or copy.end.query()
 
     def _uncollected(self, seq: int) -> _InFlight | None:
-        """Copy `seq`'s record while `collect` has not dropped it (None: its end event passed)."""
-        return next((r for r in self._in_flight if r.seq == seq), None)
+        """Copy `seq`'s record while `collect` has not dropped it (None: its end event passed).
+        The records are in copy order (`_copy` appends, `collect` keeps the order): a bisection,
+        not a scan (a window's write-ahead queues a copy a node; asked for each admission)."""
+        records = self._in_flight
+        at = bisect.bisect_left(records, seq, key=_SEQ)
+        return records[at] if at < len(records) and records[at].seq == seq else None
 
     def _copy(self, kind: str, gpu_slots: list[int], host_slots: list[int]) -> _InFlight:
         assert len(gpu_slots) == len(host_slots)
