@@ -42,6 +42,11 @@ def test_the_row_says_where_the_time_and_the_slowest_requests_went(capsys):
     assert kinds["prefill"]["steps"] + kinds["decode"]["steps"] == row["steps"]
     assert kinds["decode"]["idle_s"] == 0 and kinds["decode"]["forward_ms"] is None  # the CPU has no device timings
     assert kinds["prefill"]["schedule_ms"] > 0 and kinds["prefill"]["launch_ms"] > 0
+    # Prefill steps after a decode step are planned in the wait before them (plan_ahead): their
+    # plans' [median, p90] ms; no decode step is.
+    prefill = kinds["prefill"]
+    assert 0 < prefill["planned_ahead"] <= prefill["steps"] and 0 < prefill["plan_ahead_ms"][0] <= prefill["plan_ahead_ms"][1]
+    assert kinds["decode"]["planned_ahead"] == 0 and kinds["decode"]["plan_ahead_ms"] is None
 
 
 def test_phase_timers_split_each_iterations_host_time_by_phase(capsys):

@@ -357,10 +357,15 @@ def by_tenth(records: list) -> tuple[list | None, list]:
 
 
 def by_kind(records: list) -> dict:
-    """Steps, idle seconds before them and median planning / launch / forward ms, per step kind."""
+    """Steps, idle seconds before them and median planning / launch / forward ms, per step kind;
+    and the steps planned in the wait before them (`Scheduler.plan_ahead`, a prefill after a
+    decode step) with their plans' [median, p90] ms: issue 23's prefill plans, on any device."""
     def median(values: list) -> float | None:
         values = [v for v in values if v is not None]
         return round(statistics.median(values), 2) if values else None
+
+    def median_p90(values: list) -> list | None:
+        return [round(statistics.median(values), 3), round(_percentile(values, 90), 3)] if values else None
 
     kinds = {}
     for kind, steps in (("prefill", [r for r in records if not r.is_decode]),
@@ -370,6 +375,8 @@ def by_kind(records: list) -> dict:
                        "schedule_ms": median([r.schedule_ms for r in steps]),
                        "launch_ms": median([r.launch_ms for r in steps]),
                        "forward_ms": median([r.gpu_forward_ms for r in steps])}
+        ahead = [r.plan_ahead_ms for r in steps if r.plan_ahead_ms is not None]
+        kinds[kind].update(planned_ahead=len(ahead), plan_ahead_ms=median_p90(ahead))
     return kinds
 
 
