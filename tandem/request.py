@@ -13,6 +13,12 @@ from tandem.text import RequestText
 PROMPT_HASH_BLOCK = 32  # tokens per block of `Request.prompt_block_hashes`
 
 
+def _chain_block_hash(previous: int, ids: list[int], start: int) -> int:
+    """The prefix hash through the block at `start`, chained on the previous block's
+    (0 before the first): `prompt_block_hashes` and `first_block_hash` must agree."""
+    return hash((previous, tuple(ids[start:start + PROMPT_HASH_BLOCK])))
+
+
 class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -122,7 +128,7 @@ class Request:
             hashes = self.prompt_block_hashes
             return hashes[0] if hashes else None
         ids = self.prompt_token_ids
-        return hash((0, tuple(ids[:PROMPT_HASH_BLOCK]))) if len(ids) >= PROMPT_HASH_BLOCK else None
+        return _chain_block_hash(0, ids, 0) if len(ids) >= PROMPT_HASH_BLOCK else None
 
     @functools.cached_property
     def prompt_block_hashes(self) -> list[int]:
@@ -131,7 +137,7 @@ class Request:
         hashes, h = [], 0
         ids = self.prompt_token_ids
         for start in range(0, len(ids) - PROMPT_HASH_BLOCK + 1, PROMPT_HASH_BLOCK):
-            h = hash((h, tuple(ids[start:start + PROMPT_HASH_BLOCK])))
+            h = _chain_block_hash(h, ids, start)
             hashes.append(h)
         return hashes
 

@@ -115,9 +115,8 @@ class RadixCache:
             child = node.children.get(tokens[i])
             if child is None or not child.slots:  # the rest lives on the host: host_continuation
                 break
-            seen = known.get(id(child))
-            n = seen[2] if seen is not None and seen[0] == i and seen[1] == len(child.key) \
-                else common_length(child.key, tokens, i)
+            n = _known_length(known, child, i) if known else None
+            n = common_length(child.key, tokens, i) if n is None else n
             child = self._use(child, n, now)
             slots += child.slots
             node, i = child, i + n
@@ -208,9 +207,8 @@ class RadixCache:
             if child is None:
                 stop = tokens[i]
                 break
-            seen = known.get(id(child)) if known else None
-            n = seen[2] if seen is not None and seen[0] == i and seen[1] == len(child.key) \
-                else common_length(child.key, tokens, i, end)
+            n = _known_length(known, child, i) if known else None
+            n = common_length(child.key, tokens, i, end) if n is None else n
             i += n
             gpu = i if child.slots and gpu == i - n else gpu  # a GPU node's parent is on the GPU
             path.append((child, len(child.key), bool(child.slots)))
@@ -516,6 +514,13 @@ def _matched_spans(walk: MatchWalk) -> dict[int, tuple[int, int, int]]:
         node, key_len, _ = walk.path[-1]
         spans[id(node)] = (start - key_len, key_len, walk.cached - (start - key_len))  # the last may end inside
     return spans
+
+
+def _known_length(known: dict, node: Node, start: int) -> int | None:
+    """Tokens `node` matched in the walk `known` came from (`_matched_spans`), if it is met
+    again where it was then and is as long as then; None: compare its tokens."""
+    seen = known.get(id(node))
+    return seen[2] if seen is not None and seen[0] == start and seen[1] == len(node.key) else None
 
 
 def common_length(key: list[int], tokens: list[int], start: int, end: int | None = None) -> int:
