@@ -533,6 +533,24 @@ def test_the_stream_takes_back_over_after_a_held_character(smollm):
     assert shown == "😀 and then some plain words follow here, enough of them to hand back"
 
 
+def test_the_stream_takes_back_over_soon_after_the_window_took_a_push(smollm):
+    """Once the window's text ends on a whole character, the stream takes back over as soon as
+    the window decoded `_STREAM_RETRY_AFTER` ids (each of its ids costs a decode of the window),
+    and the text is the same."""
+    from tandem.text import _STREAM_RETRY_AFTER
+    rt = RequestText(smollm, enc(smollm, "Say:"))
+    decoder = rt._decoder
+    emoji, words = enc(smollm, "😀"), enc(smollm, " and then some plain words follow")
+    assert len(emoji) < _STREAM_RETRY_AFTER < len(emoji) + len(words)
+    shown = "".join(rt.append_token(t)[0] for t in emoji)
+    assert decoder._window is not None
+    for k, token in enumerate(words[:_STREAM_RETRY_AFTER - len(emoji)]):
+        shown += rt.append_token(token)[0]
+        assert (decoder._window is None) == (k == _STREAM_RETRY_AFTER - len(emoji) - 1)
+    shown += "".join(rt.append_token(t)[0] for t in words[_STREAM_RETRY_AFTER - len(emoji):]) + rt.finish()
+    assert shown == "😀 and then some plain words follow"
+
+
 def test_byte_level_tokenizers_get_a_shared_table_and_sentencepiece_does_not(smollm, sp):
     """A SentencePiece decoder strips the leading space at the start of a text, so an id's text
     depends on what precedes it: no table. Nor for a tokenizer that decodes in Python."""
