@@ -123,6 +123,8 @@ def prefill_graph_metadata(batch: ScheduledBatch, bucket: PrefillBucket, block_r
 
 def graphable(batch: ScheduledBatch) -> bool:
     """Prefill rows only, and none owing prompt logprobs (their LM head runs over every token)."""
+    if batch.decode is not None:  # decode columns: no prefill row (and no rows to make)
+        return False
     return all(r.prefill_ids is not None and r.prompt_logprobs is None for r in batch.rows) and bool(batch.rows)
 
 

@@ -163,11 +163,12 @@ class ModelRunner:
                     ) -> PendingResult:
         """Sampling inputs, then the forward (eager, a decode graph's replay (`bucket`) or a
         prefill graph's (`prefill`)), then the sampling."""
-        rows, sample_rows = batch.rows, batch.sample_rows
+        size, sampled = batch.size, batch.num_sampled
         sampling = None
-        if sample_rows and all(r.req.plain_greedy for r in sample_rows):  # ~0.2 ms of host less at 256 rows
+        if sampled and all(r.plain_greedy for r in batch.sampled[0]):  # ~0.2 ms of host less at 256 rows
             sampling = SamplingInputs.plain_greedy()
-        elif sample_rows:
+        elif sampled:
+            sample_rows = batch.sample_rows
             sampling = SamplingInputs.from_rows(
                 [r.req.sampling_row for r in sample_rows],
                 [r.sample_index for r in sample_rows], [r.req.slot for r in sample_rows],
@@ -189,12 +190,12 @@ class ModelRunner:
                 sample_slots = dev["sample_slots"]
             else:
                 logits = self.graphs.replay(bucket, batch.step % self.stager.depth, dev["req_slots"],
-                                            cascade=CASCADE_FIELDS[0] in fields)[:len(rows)]
-                sample_slots = dev["req_slots"][:len(rows)]
+                                            cascade=CASCADE_FIELDS[0] in fields)[:size]
+                sample_slots = dev["req_slots"][:size]
             if self.spec is not None:  # the sampled rows' input positions (a decode graph samples every row)
                 pending.sampled_input_positions = (
-                    dev["positions"][:len(rows)] if bucket is not None
-                    else dev["positions"][dev["sample_token_idx"][:len(sample_rows)]])  # prefill graphs: padded
+                    dev["positions"][:size] if bucket is not None
+                    else dev["positions"][dev["sample_token_idx"][:sampled]])  # prefill graphs: padded
         pending.unsampled = (logits, sample_slots, sampling)
         if not defer_sampling:
             self.sample(pending)
@@ -216,7 +217,7 @@ class ModelRunner:
             try:
                 if pending.verify is not None:
                     result = self._finish_verify(pending, logits, sample_slots, sampling, bitmask)
-                elif batch.sample_rows:
+                elif batch.num_sampled:
                     out = self.sampler.sample(logits, sampling, bitmask)
                     self.future_map.stash(sample_slots, out.token_ids)
                     if sampling.need_penalties:  # only a request with penalties reads its slot's counts
@@ -356,18 +357,18 @@ class ModelRunner:
         """Groups for a plain decode step (host facts only: the rows' tree paths and slots)."""
         if self.cascade is None or not batch.is_decode or batch.is_verify:
             return None
-        plan = plan_cascade(batch.rows, self.cascade, self.cascade_memo, batch.tree_splits)
+        plan = plan_cascade(batch.reqs, self.cascade, self.cascade_memo, batch.tree_splits)
         if plan is not None:
             self.cascade_steps += 1
             self.cascade_rows += len(plan.group_rows)
         return plan
 
     def _graph_bucket(self, batch: ScheduledBatch, cascade: CascadePlan | None) -> int | None:
-        if self.graphs is None or not batch.is_decode or len(batch.rows) > self.graphs.max_batch:
+        if self.graphs is None or not batch.is_decode or batch.size > self.graphs.max_batch:
             return None
-        if cascade is not None and not self.graphs.has_cascade(self.graphs.bucket(len(batch.rows))):
+        if cascade is not None and not self.graphs.has_cascade(self.graphs.bucket(batch.size)):
             return None
-        return self.graphs.bucket(len(batch.rows))
+        return self.graphs.bucket(batch.size)
 
     def _prefill_bucket(self, batch: ScheduledBatch) -> PrefillBucket | None:
         return self.prefill_graphs.bucket(batch) if self.prefill_graphs is not None else None
@@ -498,13 +499,18 @@ def _cached_prefix_fields(rows: list) -> dict[str, list[int]]:
 
 def _decode_metadata(batch: ScheduledBatch, bucket: int) -> dict[str, list[int]]:
     """A decode step's inputs in the CUDA-graph layout, padded to `bucket` rows with zeros
-    (request slot 0, position 0, KV slot 0, length 0: harmless padding)."""
-    pad = [0] * (bucket - len(batch.rows))
+    (request slot 0, position 0, KV slot 0, length 0: harmless padding). Decode columns give
+    three of the four fields as they are."""
+    pad = [0] * (bucket - batch.size)
+    if batch.decode is not None:
+        positions, locs = batch.decode.positions, batch.decode.kv_locs
+    else:
+        positions, locs = [r.start for r in batch.rows], [r.kv_slots[0] for r in batch.rows]
     fields = {
-        "req_slots": [r.req.slot for r in batch.rows] + pad,
-        "positions": [r.start for r in batch.rows] + pad,
-        "out_cache_loc": [r.kv_slots[0] for r in batch.rows] + pad,
-        "seq_lens": [r.start + 1 for r in batch.rows] + pad,
+        "req_slots": [req.slot for req in batch.reqs] + pad,
+        "positions": positions + pad,
+        "out_cache_loc": locs + pad,
+        "seq_lens": [p + 1 for p in positions] + pad,
     }
     assert tuple(fields) == DECODE_FIELDS
     return fields

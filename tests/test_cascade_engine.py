@@ -11,7 +11,6 @@ from tandem.memory.allocator import SlotAllocator
 from tandem.memory.prefix_cache import PrefixCache
 from tandem.request import Request
 from tandem.sampling import SamplingParams
-from tandem.scheduler.batch import Row
 from tandem.scheduler.cascade import CascadeMemo, CascadeRule, plan_cascade
 from test_prefix_cache import shared_prefix_specs
 from tiny_models import TEST_DEVICE
@@ -93,10 +92,6 @@ def _admitted(cache: PrefixCache, tokens: list[int], slot: int, computed: int | 
     return req
 
 
-def _decode_row(req: Request) -> Row:
-    return Row(req, req.num_computed, [0], None, 0)
-
-
 def _one_prefix_four_readers(cache: PrefixCache) -> tuple[Request, list[Request]]:
     """A request that cached a 50-token prefix, and three admitted after it that read it."""
     prefix = list(range(100, 150))
@@ -109,11 +104,11 @@ def test_plan_groups_rows_reading_the_same_node():
     cache = PrefixCache(SlotAllocator(400))
     first, others = _one_prefix_four_readers(cache)
     lone = _admitted(cache, list(range(500, 560)), slot=9)
-    rows = [_decode_row(r) for r in [others[0], lone, first, others[1], others[2]]]
+    rows = [others[0], lone, first, others[1], others[2]]  # each row's request
     plan = plan_cascade(rows, CascadeRule.forced(max_group_rows=16))
     assert plan.group_indptr == [0, 4] and sorted(plan.group_rows) == [0, 2, 3, 4]
     assert plan.shared_lens == [50, 0, 50, 50, 50]
-    leader = rows[plan.group_rows[0]].req.slot
+    leader = rows[plan.group_rows[0]].slot
     assert plan.shared_src == [leader, 9, leader, leader, leader]
     # Larger groups are cut to the tile; the rule's thresholds drop short prefixes.
     cut = plan_cascade(rows, CascadeRule.forced(max_group_rows=2))
@@ -128,7 +123,7 @@ def test_plan_groups_rows_reading_the_same_node():
 def test_memo_reuses_the_plan_only_for_the_same_rows_on_the_same_paths():
     cache = PrefixCache(SlotAllocator(400))
     first, others = _one_prefix_four_readers(cache)
-    rows = [_decode_row(r) for r in [first, *others]]
+    rows = [first, *others]
     rule, memo = CascadeRule.forced(max_group_rows=16), CascadeMemo()
     plan = plan_cascade(rows, rule, memo)
     assert plan_cascade(rows, rule, memo) is plan  # steady decode: the same rows, the same paths
@@ -151,7 +146,7 @@ def test_copies_of_a_512_token_prompt_group_under_the_default_rule():
     cache.cache_prefill(first)
     copies = [_admitted(cache, prompt, slot=2 + i) for i in range(15)]
     assert {c.cached_len for c in copies} == {511}
-    rows = [_decode_row(r) for r in [first, *copies]]
+    rows = [first, *copies]
     plan = plan_cascade(rows, CascadeRule(min_saved_tokens=0))
     assert plan is not None and plan.group_indptr == [0, 16] and set(plan.shared_lens) == {511}
     assert plan_cascade(rows, CascadeRule(min_shared_len=512, min_saved_tokens=0)) is None
@@ -169,10 +164,10 @@ def test_a_path_read_before_a_split_is_read_again():
     rule, memo, stale = CascadeRule.forced(max_group_rows=16), CascadeMemo(), CascadeMemo()
     before = cache.tree.splits
     for m in (memo, stale):  # alone: nothing to group
-        assert plan_cascade([_decode_row(first)], rule, m, before) is None
+        assert plan_cascade([first], rule, m, before) is None
     others = [_admitted(cache, prefix + [3 + i, 9], slot=2 + i) for i in range(3)]
     assert cache.tree.splits > before and first.cache_node.parent is not cache.tree.root
-    rows = [_decode_row(r) for r in [first, *others]]
+    rows = [first, *others]
     assert plan_cascade(rows, rule, memo, cache.tree.splits).shared_lens == [50, 50, 50, 50]
     # Under the count it was read at, the first request's path from before the split is reused.
     assert plan_cascade(rows, rule, stale, before).shared_lens == [0, 50, 50, 50]
@@ -201,8 +196,8 @@ def test_rows_sharing_only_a_node_too_short_to_group_get_no_plan():
     head = [7]  # a one-token node all rows share: below min_shared_len, so no group
     rows = []
     for i in range(4):  # each cached before the next is admitted: the next matches the shared token
-        rows.append(_decode_row(_admitted(cache, head + [300 + 50 * i + j for j in range(300)], slot=1 + i)))
-        cache.cache_prefill(rows[-1].req)
+        rows.append(_admitted(cache, head + [300 + 50 * i + j for j in range(300)], slot=1 + i))
+        cache.cache_prefill(rows[-1])
     rule = CascadeRule(min_shared_len=256, min_group_rows=2, min_saved_tokens=0)
     assert plan_cascade(rows, rule) is None
     assert plan_cascade(rows, CascadeRule.forced(max_group_rows=16)).shared_lens == [1, 1, 1, 1]
@@ -219,7 +214,7 @@ def test_plan_excludes_duplicate_copies():
     cache.cache_prefill(b)  # b's first 50 slots duplicate a's
     assert b.duplicate_slots and b.cached_len == 51
     c = _admitted(cache, prefix + [3], slot=3)
-    plan = plan_cascade([_decode_row(r) for r in (a, b, c)], CascadeRule.forced(max_group_rows=16))
+    plan = plan_cascade([a, b, c], CascadeRule.forced(max_group_rows=16))
     assert plan.shared_lens == [50, 0, 50] and plan.group_rows == [0, 2]
 
 

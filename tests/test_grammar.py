@@ -286,6 +286,10 @@ class _RowsUnread:
     def sample_rows(self):
         raise AssertionError("the step's rows were scanned for masks")
 
+    @property
+    def sampled(self):
+        raise AssertionError("the step's rows were scanned for masks")
+
 
 def test_steps_look_for_masks_only_while_a_masked_request_lives(tiny_text_model):
     """`constrains` scans a step's rows only while some request given a mask is unfinished:

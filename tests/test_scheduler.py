@@ -220,6 +220,70 @@ def test_decode_only_steps_skip_prefill_work(monkeypatch, mixed):
     assert batch.sample_rows is batch.sample_rows and batch.num_tokens == len(reqs)
 
 
+def _decoding(mixed: bool, n: int = 8) -> tuple[Scheduler, list[Request], int]:
+    """`n` requests prefilled and decoding, nothing waiting; returns the next step number."""
+    sched = _scheduler(mixed)
+    reqs = [_request(f"r{i}", PROMPT_LEN, i * 7, max_samples=20) for i in range(n)]
+    for req in reqs:
+        sched.add(req)
+    step = 0
+    while any(not r.prefill_done for r in reqs) or sched.waiting or not all(r.output_token_ids for r in reqs):
+        _run_step(sched, step)
+        step += 1
+    return sched, reqs, step
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+def test_a_decode_step_comes_as_columns_and_its_rows_as_before(mixed):
+    """A plain decode step is handed over as columns (issue 21: no Row a row until asked);
+    the rows made from them are the rows the scheduler planned before, and its facts agree."""
+    sched, reqs, step = _decoding(mixed)
+    before = [(r.num_computed, r.num_scheduled_samples, len(r.kv_slots)) for r in reqs]
+    batch = sched.schedule(step, process_in_flight=lambda: None)
+    cols = batch.decode
+    assert cols is not None and cols.reqs == reqs and "rows" not in batch.__dict__
+    assert (batch.size, batch.num_sampled, batch.num_tokens) == (len(reqs),) * 3
+    assert batch.is_decode and not batch.is_verify and batch.reqs is cols.reqs
+    assert batch.sampled == (reqs, [s for _, s, _ in before])
+    for req, (computed, samples, kv_len), row, loc in zip(reqs, before, batch.rows, cols.kv_locs):
+        assert (row.req, row.start, row.kv_slots, row.prefill_ids, row.sample_index) == (req, computed, [loc], None,
+                                                                                          samples)
+        assert (req.num_computed, req.num_scheduled_samples, req.kv_slots[-1], len(req.kv_slots)) == (
+            computed + 1, samples + 1, loc, kv_len + 1)
+        assert req.last_step == step
+    assert batch.sample_rows == batch.rows
+
+
+def test_the_graph_layout_of_decode_columns_is_that_of_their_rows():
+    """The decode graphs' staged inputs (`_decode_metadata`, the GPU's path) read the columns
+    as they are; the same step given as rows lays out the same values."""
+    from tandem.runner import _decode_metadata
+    sched, reqs, step = _decoding(False)
+    batch = sched.schedule(step, process_in_flight=lambda: None)
+    as_rows = ScheduledBatch(step, batch.decode.rows())
+    assert _decode_metadata(batch, 16) == _decode_metadata(as_rows, 16)
+    fields = _decode_metadata(batch, 16)
+    assert fields["req_slots"] == [r.slot for r in reqs] + [0] * 8
+    assert fields["seq_lens"] == [p + 1 for p in batch.decode.positions] + [0] * 8
+    assert fields["out_cache_loc"] == batch.decode.kv_locs + [0] * 8
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+def test_a_rollback_undoes_decode_columns(mixed):
+    """A decode step's launch failed: its columns' commits are undone, its slots are free,
+    and the same step planned again gets the same columns."""
+    sched, reqs, step = _decoding(mixed)
+    state = [(r.num_computed, r.num_scheduled_samples, list(r.kv_slots), r.last_step) for r in reqs]
+    free = sched.cache.available()
+    first = sched.schedule(step, process_in_flight=lambda: None)
+    assert sched.cache.available() == free - len(reqs)
+    sched.rollback(step)
+    assert [(r.num_computed, r.num_scheduled_samples, list(r.kv_slots), r.last_step) for r in reqs] == state
+    assert sched.cache.available() == free
+    again = sched.schedule(step, process_in_flight=lambda: None)
+    assert (again.decode.reqs, again.decode.positions) == (first.decode.reqs, first.decode.positions)
+
+
 def test_requests_behind_a_head_waiting_for_prefetch_are_admitted():
     """While the queue's head waits for prefetch to load its prefix from the host tier, the
     requests behind it that need no load are admitted: the batch stays full instead of

@@ -166,7 +166,7 @@ class GrammarManager:
         if not self._masked:  # the common step: no masked request alive, no pass over the rows
             return False
         self._masked = [r for r in self._masked if not r.finished]
-        return bool(self._masked) and any(r.req.mask is not None for r in batch.sample_rows)
+        return bool(self._masked) and any(req.mask is not None for req in batch.sampled[0])
 
     def accept(self, req: Request, token: int) -> bool:
         """Advance the request's matcher; True when its output is complete."""

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tandem.cascade_layout import WORK_INTS, CascadeInputs, split_prefixes
-from tandem.scheduler.batch import Row
+from tandem.request import Request
 
 # A cascade step's fixed cost (two more kernels a layer), as KV bytes its groups must save (CascadeRule).
 STEP_COST_BYTES = 5 << 30
@@ -123,9 +123,10 @@ class CascadeMemo:
     tree_splits: int = -1  # the tree's split count when `paths` and `plan` were read
 
 
-def plan_cascade(rows: list[Row], rule: CascadeRule, memo: CascadeMemo | None = None,
+def plan_cascade(reqs: list[Request], rule: CascadeRule, memo: CascadeMemo | None = None,
                  tree_splits: int = 0) -> CascadePlan | None:
-    """Groups of decode rows sharing a prefix the rule finds worth it; None when there are none.
+    """Groups of decode rows (`reqs`: each row's request, in row order) sharing a prefix the
+    rule finds worth it; None when there are none.
     Each row joins the node on its read path that saves most (prefix length x (1 - 1/rows)).
     `memo` (the caller's, kept between steps, always with the same rule) is left holding only
     this step's rows; `tree_splits`: the tree's split count now (`ScheduledBatch.tree_splits`)."""
@@ -133,17 +134,16 @@ def plan_cascade(rows: list[Row], rule: CascadeRule, memo: CascadeMemo | None = 
     if memo.tree_splits != tree_splits:  # a node moved under a new one: every path is read again
         memo.paths.clear()
         memo.reqs, memo.nodes, memo.tree_splits = [], [], tree_splits
-    reqs = [row.req for row in rows]
     nodes = [req.cache_node for req in reqs]
     if (len(reqs) == len(memo.reqs) and all(map(operator.is_, reqs, memo.reqs))
             and all(map(operator.is_, nodes, memo.nodes))):
         return memo.plan
-    paths = _read_paths(rows, memo.paths, rule.min_shared_len)
-    memo.reqs, memo.nodes, memo.plan = reqs, nodes, _plan(rows, paths, rule)
+    paths = _read_paths(reqs, memo.paths, rule.min_shared_len)
+    memo.reqs, memo.nodes, memo.plan = reqs, nodes, _plan(reqs, paths, rule)
     return memo.plan
 
 
-def _plan(rows: list[Row], paths: list[list[tuple[int, int]]], rule: CascadeRule) -> CascadePlan | None:
+def _plan(reqs: list[Request], paths: list[list[tuple[int, int]]], rule: CascadeRule) -> CascadePlan | None:
     # A node's rows all read its ancestors too, so each row's first (shallowest) node is its
     # most shared one: when no first node is shared, nothing is. The common case without
     # sharing ends here, after one count a row (256 rows on the CPU: ~0.1 ms, not the ~0.4 of a
@@ -165,19 +165,19 @@ def _plan(rows: list[Row], paths: list[list[tuple[int, int]]], rule: CascadeRule
     if not groups or sum((len(members) - 1) * end for end, members in groups) < rule.min_saved_tokens:
         return None
     work, parts = split_prefixes([end for end, _ in groups], rule.work_items)
-    shared_lens, shared_parts = [0] * len(rows), [0] * len(rows)
-    shared_src = [row.req.slot for row in rows]
+    shared_lens, shared_parts = [0] * len(reqs), [0] * len(reqs)
+    shared_src = [req.slot for req in reqs]
     group_rows, indptr = [], [0]
     for (end, members), k in zip(groups, parts):
         for b in members:
-            shared_lens[b], shared_parts[b], shared_src[b] = end, k, rows[members[0]].req.slot
+            shared_lens[b], shared_parts[b], shared_src[b] = end, k, reqs[members[0]].slot
         group_rows += members
         indptr.append(len(group_rows))
     return CascadePlan(shared_lens, shared_parts, shared_src, group_rows, indptr, work)
 
 
-def _read_paths(rows: list[Row], memo: dict, min_end: int) -> list[list[tuple[int, int]]]:
-    """Each row's read path, without the nodes ending before `min_end` (too short to group:
+def _read_paths(reqs: list[Request], memo: dict, min_end: int) -> list[list[tuple[int, int]]]:
+    """Each row's (request's) read path, without the nodes ending before `min_end` (too short to group:
     `CascadeRule.worth`), reused from `memo` while its request keeps the same `cache_node`.
     A reused path stays true: the request's slots below a node it read change only through
     release, and a readmission at the same node reads the whole path; a split since it was read
@@ -185,8 +185,7 @@ def _read_paths(rows: list[Row], memo: dict, min_end: int) -> list[list[tuple[in
     parent links keep every node of the path alive."""
     old, paths = dict(memo), []
     memo.clear()
-    for row in rows:
-        req = row.req
+    for req in reqs:
         hit = old.get(id(req))
         if hit is None or hit[0] is not req or hit[1] is not req.cache_node or hit[2] != min_end:
             hit = (req, req.cache_node, min_end, [(node, end) for node, end in _read_path(req) if end >= min_end])

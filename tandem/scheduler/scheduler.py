@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Callable
 from tandem.memory.allocator import SlotAllocator
 from tandem.memory.prefix_cache import Hold, PrefixCache
 from tandem.request import PROMPT_HASH_BLOCK, Request, Status
-from tandem.scheduler.batch import Row, ScheduledBatch
+from tandem.scheduler.batch import DecodeColumns, Row, ScheduledBatch
 
 if TYPE_CHECKING:  # the engine builds the planner; the scheduler only calls it
     from tandem.speculative.planner import VerifyPlanner
@@ -68,6 +68,11 @@ class _Journal:
     admitted: list[Request] = field(default_factory=list)
     # (row, the request's last_step before, its len(kv_slots) before)
     committed: list[tuple[Row, int, int]] = field(default_factory=list)
+    # A plan of decode columns, committed as columns: the columns, and per row the request's
+    # last_step and len(kv_slots) before.
+    decode: DecodeColumns | None = None
+    decode_last_steps: list[int] = field(default_factory=list)
+    decode_kv_lens: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -223,7 +228,7 @@ class Scheduler:
                     self._preempt(self.running[-1])
                     rows = self._plan(step, process_in_flight)
             self._commit(rows, step)
-            batch = ScheduledBatch(step=step, rows=rows, tree_splits=self.cache.tree.splits)
+            batch = _batch(step, rows, tree_splits=self.cache.tree.splits)
             self._count_prefill_steps(batch)
         except BaseException:
             self.rollback(step)
@@ -301,6 +306,12 @@ class Scheduler:
         step = journal.step
         self._prefill_steps_in_a_row = journal.prefill_steps_in_a_row
         self.prefill_pace.forget(step)
+        if journal.decode is not None:
+            for req, last_step, kv_len in zip(journal.decode.reqs, journal.decode_last_steps, journal.decode_kv_lens):
+                del req.kv_slots[kv_len:]
+                req.num_computed -= 1
+                req.num_scheduled_samples -= 1
+                req.last_step = last_step
         for row, last_step, kv_len in reversed(journal.committed):
             req = row.req
             del req.kv_slots[kv_len:]
@@ -325,14 +336,16 @@ class Scheduler:
             if req not in self.waiting:
                 self.waiting.appendleft(req)
 
-    def _plan(self, step: int, process_in_flight: Callable[[], None]) -> list[Row]:
+    def _plan(self, step: int, process_in_flight: Callable[[], None]) -> "list[Row] | DecodeColumns":
+        """The step's rows; a plain decode step's as columns."""
         prefilling, decoding = self._prune_running()
         if self.cfg.enable_mixed_batch:
             decode = self._decode_rows(step, process_in_flight, decoding,
                                        beside_prefill=bool(self.waiting or prefilling))
-            if decode and decode[0].spec_k is not None:
+            if not isinstance(decode, DecodeColumns):
                 return decode  # a verify step carries no prefill
-            return decode + self._prefill_rows(self._mixed_prefill_budget(len(decode)), prefilling)
+            prefill = self._prefill_rows(self._mixed_prefill_budget(len(decode)), prefilling)
+            return decode.rows() + prefill if prefill else decode
         if self._decode_turn():
             return (self._decode_rows(step, process_in_flight, decoding)
                     or self._prefill_rows(self.cfg.max_prefill_tokens, prefilling))
@@ -392,6 +405,10 @@ class Scheduler:
                 and any(r.can_decode for r in self.running))
 
     def _count_prefill_steps(self, batch: ScheduledBatch) -> None:
+        if batch.decode is not None:  # decode rows only, no prefill tokens to pace
+            if batch.decode.reqs:
+                self._prefill_steps_in_a_row = 0
+            return
         rows = batch.rows
         if any(r.prefill_ids is None for r in rows):
             self._prefill_steps_in_a_row = 0
@@ -417,7 +434,10 @@ class Scheduler:
             budget = min(budget, self.cfg.chunked_prefill_size)
         return min(budget - num_decodes, self.prefill_pace.tokens_within(self.cfg.prefill_step_target_s, budget))
 
-    def _commit(self, rows: list[Row], step: int) -> None:
+    def _commit(self, rows: "list[Row] | DecodeColumns", step: int) -> None:
+        if isinstance(rows, DecodeColumns):
+            self._commit_decode(rows, step)
+            return
         committed = self._journal.committed
         for row in rows:  # per row per step: one loop, no call a row
             req = row.req
@@ -440,9 +460,25 @@ class Scheduler:
                 req.table_pending = 0
             req.last_step = step
 
+    def _commit_decode(self, decode: DecodeColumns, step: int) -> None:
+        """`_commit` of decode columns: one token a row, journaled as columns."""
+        journal = self._journal
+        journal.decode = decode
+        journal.decode_last_steps = [req.last_step for req in decode.reqs]
+        journal.decode_kv_lens = kv_lens = [len(req.kv_slots) for req in decode.reqs]
+        for req, start, loc, kv_len in zip(decode.reqs, decode.positions, decode.kv_locs, kv_lens):
+            if start == kv_len:  # the common row: its slot follows the request's
+                req.kv_slots.append(loc)
+            else:  # a slot a verify reserved at this position (the same slot: `_decode_rows`)
+                req.kv_slots[start] = loc
+            req.num_computed += 1
+            req.num_scheduled_samples += 1
+            req.last_step = step
+
     def _decode_rows(self, step: int, process_in_flight: Callable[[], None], decoding: list[Request],
-                     beside_prefill: bool = False) -> list[Row]:
-        """`decoding`: the running requests that can decode, as `_prune_running` found them.
+                     beside_prefill: bool = False) -> "list[Row] | DecodeColumns":
+        """The decode step's rows: verify rows, or plain rows as columns.
+        `decoding`: the running requests that can decode, as `_prune_running` found them.
         Rule: nothing between that scan and this call processes the step in flight or
         preempts (a prefill plan only admits, and its new rows cannot decode yet); processing
         it here scans again."""
@@ -468,7 +504,7 @@ class Scheduler:
             fresh = iter(slots)
             slots = [next(fresh) if _needs_slot(r) else r.kv_slots[r.num_computed] for r in reqs]
         # else every row takes a new slot (no verify reserved one): no second test a row
-        return [Row(r, r.num_computed, [slot], None, r.num_scheduled_samples) for r, slot in zip(reqs, slots)]
+        return DecodeColumns(reqs, [r.num_computed for r in reqs], slots, [r.num_scheduled_samples for r in reqs])
 
     def _preempt(self, req: Request) -> None:
         assert not req.spec_extra, "preempting a request whose verify is in flight"
@@ -639,3 +675,10 @@ class PendingPrefills:
 def _needs_slot(req: Request) -> bool:
     """Its next decode row needs a new KV slot (none was reserved at that position)."""
     return len(req.kv_slots) <= req.num_computed
+
+
+def _batch(step: int, plan: "list[Row] | DecodeColumns", **facts) -> ScheduledBatch:
+    """The batch of a plan: rows, or decode columns."""
+    if isinstance(plan, DecodeColumns):
+        return ScheduledBatch(step, decode=plan, **facts)
+    return ScheduledBatch(step, plan, **facts)
