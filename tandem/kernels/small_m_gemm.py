@@ -18,11 +18,8 @@ qkv and gate/up projections can take the residual add + RMSNorm in front of them
 so the kernel multiplies the loaded tile by the norm weight g, sums h^2 over its K range and
 scales the accumulator by rstd at the end: by itself without split-K, else the reduce kernel
 sums the splits' squares (written, like h, by the first column block only) before applying it.
-With `tl.dot` (M > 1, not per lane) the kernel scales the x tile by g and rounds it to x's
-dtype, so the weight tile reaches the dot as loaded, with no [BLOCK_N, BLOCK_K] multiply in
-registers in front of it (at M = 16 the weight-side fused kernel lost to two launches). In
-fp16, where h * g could overflow before rstd shrinks it, g goes on the weight tile instead
-(W * g cannot). Either way results differ from norm-then-GEMM by rounding. FP8 (e4m3) weights are converted in
+The normed row is never rounded to 16 bits (`tl.dot` takes h exactly and W * g rounded: h * g
+could overflow fp16), so results differ from norm-then-GEMM by rounding. FP8 (e4m3) weights are converted in
 registers and their per-output-channel scale is applied to the accumulator (it commutes with
 the sum over K, as rstd does).
 Every launch has a host-fixed grid and no device reads: CUDA-graph capturable.
@@ -88,7 +85,7 @@ def _small_m_gemm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, SILU_MUL: tl.constexpr,
-    NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, NORM_ON_X: tl.constexpr,
+    NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
     DOT_PRECISION: tl.constexpr, PER_LANE: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     pdl_prologue(USE_PDL)
@@ -135,9 +132,7 @@ def _small_m_gemm_kernel(
             ssq += sq
             if BLOCK_M == 1 or PER_LANE:  # fp32 products: h * g is never rounded
                 x = x.to(tl.float32) * g[None, :]
-            elif NORM_ON_X:  # bf16 / fp32 cannot overflow: the weight tile goes to the dot as loaded
-                x = (x.to(tl.float32) * g[None, :]).to(x.dtype)
-            else:  # fp16: the dot takes h as is and g on the weight: h * g could overflow
+            else:  # the dot takes h as is and g on the weight: h * g could overflow fp16
                 w = w.to(tl.float32) * g[None, :]  # (before rstd shrinks it), W * g cannot
         if BLOCK_M == 1:
             acc2 += x.to(tl.float32) * w.to(tl.float32)
@@ -253,7 +248,6 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, sc
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=splits > 1,
         HAS_SCALE=scale is not None, HAS_BIAS=bias is not None, EVEN_K=even_k,
         EVEN_N=n % cfg.block_n == 0, SILU_MUL=silu_mul, NORM=norm is not None, HAS_RESIDUAL=add,
-        NORM_ON_X=x.dtype != torch.float16,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # fp32 tests: exact
         PER_LANE=cfg.per_lane, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_options(x.device),
     )
