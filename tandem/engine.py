@@ -898,22 +898,30 @@ class Engine:
                                              top_lps, pending.record)
             return read
         reqs, sample_indices = pending.batch.sampled
-        if logprobs is None and with_text:
-            self._read_plain_step(reqs, sample_indices, tokens, read.outputs)
-            return read
         # Per row per step, kept lean (issue 21): a row's request is cold in the CPU's caches
         # after the forward, so each attribute a row reads costs; locals are bound once.
         finished, take, output = Status.FINISHED, self._take_token, self._token_output
+        plain_output = self._plain_token_output
         add_output, add_taken = read.outputs.append, read.taken.append
         speculating = self.speculative is not None  # only its verify steps pause a request's proposals
+        # A step without logprobs whose text is made now: a row whose token only joins its request
+        # (not a stop id, not its first or last sample, no grammar) takes it inline, two calls
+        # and their checks fewer (~4% of the result's host time at 256 rows on the CPU box).
+        inline = logprobs is None and with_text
         lps = itertools.repeat(None) if logprobs is None else _row_logprobs(reqs, tokens, logprobs, top_ids, top_lps)
         for req, emitted, token, lp in zip(reqs, sample_indices, tokens, lps):
             if req.status is finished:
                 continue  # one-step lag: the token after a finish is dropped, never emitted
-            assert emitted == len(req.output_token_ids), "result out of order"
+            out_ids = req.output_token_ids
+            assert emitted == len(out_ids), "result out of order"
             if speculating and req.spec_pause:
                 note_plain(req)
             try:
+                if (inline and emitted + 1 < req.max_samples and token not in req.stop_ids and req.mask is None
+                        and req.first_token_time is not None):
+                    out_ids.append(token)  # `_take_token` where nothing finishes the request
+                    add_output(plain_output(req, token))
+                    continue
                 reason = take(req, token, lp)
                 if with_text:
                     add_output(output(req, token, lp, reason))
@@ -922,32 +930,6 @@ class Engine:
             except Exception as exc:  # noqa: BLE001 (ends only this request: _token_failed)
                 add_output(self._token_failed(req, token, emitted, exc))
         return read
-
-    def _read_plain_step(self, reqs: list[Request], sample_indices: list[int], tokens: list[int],
-                         outputs: list[StepOutput]) -> None:
-        """`_read_result`'s loop for a step without logprobs whose text is made now: a row
-        whose token only joins its request (not a stop id, not its first or last sample, no
-        grammar) takes it inline, with its text (`_plain_token_output`); every other row goes
-        through `_take_token` and `_token_output`. Per row per step (issue 21): two calls and
-        their checks a row fewer (~4% of the result's host time at 256 rows on the CPU box)."""
-        finished, take, output, add = Status.FINISHED, self._take_token, self._token_output, outputs.append
-        speculating = self.speculative is not None  # only its verify steps pause a request's proposals
-        for req, emitted, token in zip(reqs, sample_indices, tokens):
-            if req.status is finished:
-                continue  # one-step lag: the token after a finish is dropped, never emitted
-            out_ids = req.output_token_ids
-            assert emitted == len(out_ids), "result out of order"
-            if speculating and req.spec_pause:
-                note_plain(req)
-            try:
-                if (emitted + 1 < req.max_samples and token not in req.stop_ids and req.mask is None
-                        and req.first_token_time is not None):
-                    out_ids.append(token)  # `_take_token` where nothing finishes the request
-                    add(self._plain_token_output(req, token))
-                else:
-                    add(output(req, token, None, take(req, token, None)))
-            except Exception as exc:  # noqa: BLE001 (ends only this request: _token_failed)
-                add(self._token_failed(req, token, emitted, exc))
 
     def _plain_token_output(self, req: Request, token: int) -> StepOutput:
         """`_token_output` of a token that is not a stop id, taken without a finish."""
@@ -1249,12 +1231,9 @@ class _ReadStep:
 
 def _step_record(batch: ScheduledBatch, t_start: float, t_launch: float, t_end: float) -> StepRecord:
     """A timeline record of a launched step: its shape (for rooflines) and host times."""
-    if batch.decode is not None:  # one new token a row: one sum (every step, every row)
+    if batch.is_decode and not batch.is_verify:  # one new token a row: one sum (every step, every row)
         tokens = batch.size
-        context = pairs = sum(batch.decode.positions) + tokens
-    elif batch.is_decode and not batch.is_verify:
-        tokens = batch.size
-        context = pairs = sum(r.start for r in batch.rows) + tokens
+        context = pairs = sum(batch.columns.positions) + tokens
     else:
         tokens = context = pairs = 0
         for r in batch.rows:

@@ -501,16 +501,13 @@ def _decode_metadata(batch: ScheduledBatch, bucket: int) -> dict[str, list[int]]
     """A decode step's inputs in the CUDA-graph layout, padded to `bucket` rows with zeros
     (request slot 0, position 0, KV slot 0, length 0: harmless padding). Decode columns give
     three of the four fields as they are."""
-    pad = [0] * (bucket - batch.size)
-    if batch.decode is not None:
-        positions, locs = batch.decode.positions, batch.decode.kv_locs
-    else:
-        positions, locs = [r.start for r in batch.rows], [r.kv_slots[0] for r in batch.rows]
+    cols = batch.columns
+    pad = [0] * (bucket - len(cols))
     fields = {
-        "req_slots": [req.slot for req in batch.reqs] + pad,
-        "positions": positions + pad,
-        "out_cache_loc": locs + pad,
-        "seq_lens": [p + 1 for p in positions] + pad,
+        "req_slots": [req.slot for req in cols.reqs] + pad,
+        "positions": cols.positions + pad,
+        "out_cache_loc": cols.kv_locs + pad,
+        "seq_lens": [p + 1 for p in cols.positions] + pad,
     }
     assert tuple(fields) == DECODE_FIELDS
     return fields

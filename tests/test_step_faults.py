@@ -182,7 +182,7 @@ def test_a_fault_while_processing_a_token_fails_only_its_request(tiny_text_model
     """The fault fires inside the processing of step N, i.e. after step N+1 was launched with
     overlap on: step N+1 stays in flight and is processed normally. Any phase: taking the
     token (its outputs, its grammar, its finish), making its text, or both for a token that
-    only joins its request (`Engine._read_plain_step`)."""
+    only joins its request (`Engine._read_result`'s inline path)."""
     engine = _engine(tiny_text_model, disable_overlap=not overlap)
     faults = Faults(engine, phase, {5, 60, 61, 200, 333}, lambda: RuntimeError("injected"))
     results = run_workload(engine, specs)

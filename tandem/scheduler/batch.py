@@ -93,6 +93,16 @@ class ScheduledBatch:
         return len(self.decode) if self.decode is not None else len(self.rows)
 
     @cached_property
+    def columns(self) -> DecodeColumns:
+        """A plain decode step's rows as columns: the ones it was planned as, else read once
+        from its rows (a worker's or a test's batch; one KV slot a row)."""
+        if self.decode is not None:
+            return self.decode
+        rows = self.rows
+        return DecodeColumns([r.req for r in rows], [r.start for r in rows], [r.kv_slots[0] for r in rows],
+                             [r.sample_index for r in rows])
+
+    @cached_property
     def reqs(self) -> list[Request]:
         """Each row's request, in row order."""
         return self.decode.reqs if self.decode is not None else [r.req for r in self.rows]
