@@ -15,6 +15,7 @@ logprobs, more tokens or rows than the largest bucket holds, and steps of an eng
 draft model (its attention tiles can differ from the block table's).
 """
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -25,7 +26,7 @@ from tandem.kernels.grid import cdiv
 from tandem.memory.kv_cache import KVCache
 from tandem.memory.req_to_token import ReqToTokenTable
 from tandem.models.decoder import DecoderModel
-from tandem.overlap.staging import InputStager
+from tandem.overlap.staging import InputStager, ragged_columns
 from tandem.overlap.streams import StreamSet
 from tandem.scheduler.batch import ScheduledBatch
 
@@ -80,17 +81,16 @@ def prefill_buckets(max_tokens: int, max_rows: int, block_rows: int) -> list[Pre
     return out
 
 
-def prefill_graph_metadata(batch: ScheduledBatch, bucket: PrefillBucket, block_rows: int) -> dict[str, list[int]]:
+def prefill_graph_metadata(batch: ScheduledBatch, bucket: PrefillBucket, block_rows: int) -> dict[str, Sequence[int]]:
     """A prefill-only step's inputs in the graph's layout (module docstring), padded to `bucket`."""
-    ids, positions, locs, token_req = [], [], [], []
+    ids, locs, lengths = [], [], []
     req_slots, seq_lens, prefix_lens, qo_indptr = [], [], [], [0]
     rows_of_block, index_of_block, sample_idx, sample_slots = [], [], [], []
     for i, row in enumerate(batch.rows):
         slot, start, n = row.req.slot, row.start, len(row.kv_slots)
         ids += row.prefill_ids
-        positions += range(start, start + n)
         locs += row.kv_slots
-        token_req += [slot] * n
+        lengths.append(n)
         req_slots.append(slot)
         seq_lens.append(start + n)
         prefix_lens.append(start)
@@ -106,9 +106,10 @@ def prefill_graph_metadata(batch: ScheduledBatch, bucket: PrefillBucket, block_r
     assert pad_tokens >= 0 and pad_row <= bucket.rows and len(rows_of_block) <= bucket.blocks
     unused_block = cdiv(bucket.tokens, block_rows)  # past every row's end: no work
     empty_rows = bucket.rows - pad_row  # the padding row, then rows without tokens
+    positions, token_req = ragged_columns(prefix_lens, lengths, req_slots, pad=pad_tokens)
     fields = {
-        "input_ids": ids + [0] * pad_tokens, "positions": positions + [0] * pad_tokens,
-        "out_cache_loc": locs + [0] * pad_tokens, "token_req_slots": token_req + [0] * pad_tokens,
+        "input_ids": ids + [0] * pad_tokens, "positions": positions,
+        "out_cache_loc": locs + [0] * pad_tokens, "token_req_slots": token_req,
         "req_slots": req_slots + [0] * (empty_rows + 1), "seq_lens": seq_lens + [0] * (empty_rows + 1),
         "prefix_lens": prefix_lens + [0] * (empty_rows + 1),
         "qo_indptr": qo_indptr + [bucket.tokens] * (empty_rows + 1),
@@ -153,7 +154,7 @@ class PrefillGraphs:
         tokens, rows = batch.num_tokens, len(batch.rows)
         return next((b for b in self.buckets if b.tokens >= tokens and b.rows >= rows), None)
 
-    def metadata(self, batch: ScheduledBatch, bucket: PrefillBucket) -> dict[str, list[int]]:
+    def metadata(self, batch: ScheduledBatch, bucket: PrefillBucket) -> dict[str, Sequence[int]]:
         return prefill_graph_metadata(batch, bucket, self.block_rows)
 
     def forward(self, views: dict[str, torch.Tensor], bucket: PrefillBucket) -> torch.Tensor:

@@ -4,6 +4,7 @@
 metadata is staged on the schedule stream, the forward stream waits for it (read-after-
 write), runs the model and the sampler, and the copy stream brings results to pinned memory.
 """
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from time import perf_counter
 
@@ -16,7 +17,7 @@ from tandem.memory.req_to_token import ReqToTokenTable
 from tandem.models.decoder import DecoderModel
 from tandem.overlap.future_map import FutureMap
 from tandem.overlap.results import HostResult, ResultCopier
-from tandem.overlap.staging import InputStager
+from tandem.overlap.staging import InputStager, ragged_columns
 from tandem.overlap.streams import StreamSet, device_int64
 from tandem.prefill_graphs import PrefillBucket, PrefillGraphs
 from tandem.request import Request
@@ -69,7 +70,7 @@ class StagedStep:
     batch: ScheduledBatch
     bucket: int | None  # a decode or verify graph's rows; None: no such graph
     prefill: PrefillBucket | None  # a prefill graph's bucket; None: no prefill graph
-    fields: dict[str, list[int]]  # the host lists staged
+    fields: dict[str, Sequence[int]]  # the host lists (or int64 arrays) staged
     dev: dict[str, torch.Tensor]  # their device views
     ahead_ms: float | None = None  # host ms staging it took in an earlier wait; None: staged at launch
 
@@ -159,7 +160,7 @@ class ModelRunner:
         return StagedStep(batch, bucket, prefill, fields, self.stager.stage(batch.step, fields))
 
     def _queue_step(self, batch: ScheduledBatch, bucket: int | None, prefill: PrefillBucket | None,
-                    fields: dict[str, list[int]], dev: dict[str, torch.Tensor], defer_sampling: bool
+                    fields: dict[str, Sequence[int]], dev: dict[str, torch.Tensor], defer_sampling: bool
                     ) -> PendingResult:
         """Sampling inputs, then the forward (eager, a decode graph's replay (`bucket`) or a
         prefill graph's (`prefill`)), then the sampling."""
@@ -373,7 +374,7 @@ class ModelRunner:
     def _prefill_bucket(self, batch: ScheduledBatch) -> PrefillBucket | None:
         return self.prefill_graphs.bucket(batch) if self.prefill_graphs is not None else None
 
-    def _replay_prefill(self, batch: ScheduledBatch, bucket: PrefillBucket, fields: dict[str, list[int]],
+    def _replay_prefill(self, batch: ScheduledBatch, bucket: PrefillBucket, fields: dict[str, Sequence[int]],
                         dev: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """The sampled rows' logits and slots of a graphed prefill step (on the forward stream)."""
         self._write_cached_prefixes(fields, dev)  # the graph's attention reads them
@@ -381,13 +382,13 @@ class ModelRunner:
         n = len(batch.sample_rows)
         return logits[:n], dev["sample_slots"][:n]
 
-    def _write_cached_prefixes(self, fields: dict[str, list[int]], dev: dict[str, torch.Tensor]) -> None:
+    def _write_cached_prefixes(self, fields: dict[str, Sequence[int]], dev: dict[str, torch.Tensor]) -> None:
         """Rows reusing cached prefixes: their table rows, on the forward stream before the attention."""
         if fields["cached_locs"]:
             self.table.write_prefixes_on_device(dev["cached_req_slots"], dev["cached_lens"],
                                                 dev["cached_locs"], len(fields["cached_locs"]))
 
-    def _eager_logits(self, batch: ScheduledBatch, fields: dict[str, list[int]], dev: dict[str, torch.Tensor]
+    def _eager_logits(self, batch: ScheduledBatch, fields: dict[str, Sequence[int]], dev: dict[str, torch.Tensor]
                       ) -> tuple[torch.Tensor | None, PromptLogprobs | None]:
         """The sampled rows' logits, and the prompt logprobs of the scored prefill rows."""
         input_ids = self._input_ids(batch, dev)
@@ -449,9 +450,9 @@ class ModelRunner:
                 self.sampler.record(torch.full_like(ids, slot), ids)
 
 
-def _metadata(batch: ScheduledBatch) -> dict[str, list[int]]:
-    """Every integer the step's device work needs, as host lists (staged in one copy)."""
-    input_ids, positions, locs, token_req = [], [], [], []
+def _metadata(batch: ScheduledBatch) -> dict[str, Sequence[int]]:
+    """Every integer the step's device work needs, as host lists or int64 arrays (staged in one copy)."""
+    input_ids, locs, lengths = [], [], []
     req_slots, seq_lens, prefix_lens, qo_indptr = [], [], [], [0]
     decode_idx, decode_slots, sample_idx, sample_slots = [], [], [], []
     lp_idx, lp_targets = [], []  # prompt logprobs: scored rows (flat token index) and their tokens
@@ -461,17 +462,14 @@ def _metadata(batch: ScheduledBatch) -> dict[str, list[int]]:
             decode_idx.append(len(input_ids))
             decode_slots.append(slot)
             input_ids.append(0)
-            positions.append(start)
-            token_req.append(slot)
         else:
             if row.prompt_logprobs is not None:
                 a, b = row.prompt_logprobs
                 lp_idx += range(len(input_ids) + a - start, len(input_ids) + b - start)
                 lp_targets += row.req.prompt_token_ids[a + 1:b + 1]
             input_ids += row.prefill_ids
-            positions += range(start, start + n)
-            token_req += [slot] * n
         locs += row.kv_slots
+        lengths.append(n)
         req_slots.append(slot)
         seq_lens.append(start + n)
         prefix_lens.append(start)
@@ -479,6 +477,7 @@ def _metadata(batch: ScheduledBatch) -> dict[str, list[int]]:
         if row.sample_index is not None:
             sample_idx.append(len(input_ids) - 1)
             sample_slots.append(slot)
+    positions, token_req = ragged_columns(prefix_lens, lengths, req_slots)
     return {"input_ids": input_ids, "positions": positions, "out_cache_loc": locs,
             "token_req_slots": token_req, "req_slots": req_slots, "seq_lens": seq_lens,
             "prefix_lens": prefix_lens, "qo_indptr": qo_indptr, "decode_token_idx": decode_idx,

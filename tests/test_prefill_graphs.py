@@ -68,7 +68,11 @@ def test_metadata_pads_the_step_and_its_block_table_covers_every_query_block_onc
     assert tuple(f) == PREFILL_FIELDS and {k: len(v) for k, v in f.items()} == bucket.sizes()
     real, pad = sum(lens), bucket.tokens - sum(lens)
     assert f["input_ids"][:real] == [t for r in batch.rows for t in r.prefill_ids]
-    assert f["out_cache_loc"][real:] == f["token_req_slots"][real:] == f["positions"][real:] == [0] * pad
+    positions, token_req = list(f["positions"]), list(f["token_req_slots"])
+    assert f["out_cache_loc"][real:] == token_req[real:] == positions[real:] == [0] * pad
+    # Real tokens: each row's positions from its cached prefix on, and its request slot.
+    assert positions[:real] == [p + j for p, e in zip(prefixes, lens) for j in range(e)]
+    assert token_req[:real] == [r.req.slot for r in batch.rows for _ in range(len(r.kv_slots))]
     # Rows: the real ones, the padding row (length 0, holding the padding tokens), then empty rows.
     n = len(lens)
     assert f["qo_indptr"][n] == real and f["qo_indptr"][n + 1:] == [bucket.tokens] * (bucket.rows + 1 - n)

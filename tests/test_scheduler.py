@@ -11,6 +11,7 @@ from tandem.memory.prefix_cache import PrefixCache
 from tandem.request import Request, Status
 from tandem.sampling import SamplingParams
 from tandem.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from tandem.scheduler.batch import Row
 from tiny_models import TEST_DEVICE
 
 BURST = 40
@@ -650,3 +651,19 @@ def test_fill_slices_and_length_equal_the_fill_ids_ones():
         assert r.fill_len == len(r.fill_ids)
         for a, b in [(0, 9), (3, 10), (8, 12), (10, 13), (0, 13)]:
             assert r.fill_slice(a, b) == r.fill_ids[a:b]
+
+
+def test_a_mixed_steps_token_columns_follow_its_rows():
+    """`_metadata`'s positions and request slots (made in numpy: `ragged_columns`) are each
+    row's positions from its start and its request's slot, a decode row's one token included."""
+    from tandem.runner import _metadata
+    reqs = [Request(f"m{i}", list(range(1, 40)), SamplingParams(max_tokens=4), seed=0, max_samples=4) for i in range(4)]
+    for slot, req in enumerate(reqs, start=3):
+        req.slot = slot
+    rows = [Row(reqs[0], 17, [5], None, 0), Row(reqs[1], 0, list(range(100, 109)), list(range(9)), 0),
+            Row(reqs[2], 30, [7], None, 0), Row(reqs[3], 4, list(range(200, 205)), list(range(5)), None)]
+    fields = _metadata(ScheduledBatch(9, rows))
+    assert list(fields["positions"]) == [17, *range(9), 30, *range(4, 9)]
+    assert list(fields["token_req_slots"]) == [3] + [4] * 9 + [5] + [6] * 5
+    assert fields["out_cache_loc"] == [5, *range(100, 109), 7, *range(200, 205)]
+    assert fields["decode_token_idx"] == [0, 10] and fields["sample_token_idx"] == [0, 9, 10]
