@@ -138,8 +138,9 @@ class Experiments:
     # where it is loaded, before its trip through shared memory (`kernels.kv_dtype.f16_where_loaded`).
     # Off, Triton stages V as bytes and, since the PV dot reads it transposed, reads it back a byte
     # at a time (64 `ld.shared.b8` a thread a 64-key tile; PTX 3,323 lines against bf16's 2,680);
-    # on, V takes `ldmatrix.trans` as a bf16 pool's does (2,778 lines). Off until measured on CUDA.
-    fp8_v_f16_where_loaded: bool = False
+    # on, V takes `ldmatrix.trans` as a bf16 pool's does (2,778 lines). On since session 48: the
+    # split kernel 0.90x on the H100 (b256, 768-token contexts; e4m3 -> f16 is exact).
+    fp8_v_f16_where_loaded: bool = True
     # Split-K decode attention: each row picks its split count from its own length (on the
     # device); off spreads every row over the grid's splits, sized for the longest context.
     attention_split_by_context: bool = True
