@@ -759,29 +759,39 @@ def _tree_dump(tree) -> list:
     return sorted(out)
 
 
-def test_a_match_along_a_kept_walk_does_what_a_walked_match_does():
-    """Two trees take the same random operations; admissions match with the kept walk on one
-    and walk the tokens on the other: same slots, same end node, same tree (splits, tiers),
-    and the same eviction order afterwards (the same touches)."""
-    rng = random.Random(7)
+def _twin_trees(seed: int, rounds: int):
+    """Two tiered trees that take the same random operations: each round, an insertion,
+    eviction, host eviction or write-ahead is done on both, or else it is an admission of
+    prompts[i][:end] for the caller to do on each. Yields (trees, prompts, admission, i, end)."""
+    rng = random.Random(seed)
     trees = [_tiered_tree(gpu=300, host=150) for _ in range(2)]
     prompts = [[rng.randrange(3) for _ in range(rng.randint(4, 20))] for _ in range(10)]
-    walks: list = [None] * len(prompts)
-    followed = 0
-    for _ in range(500):
+    for _ in range(rounds):
         op, tokens = rng.random(), [rng.randrange(3) for _ in range(rng.randint(1, 16))]
         i, evict = rng.randrange(len(prompts)), rng.randint(1, 10)
         end = len(prompts[i]) - rng.randint(0, 1)
-        for side, (tree, kv, host, _) in enumerate(trees):
-            if op < 0.3 and kv.num_free >= len(tokens):
-                tree.insert(tokens, kv.alloc(len(tokens)))
+        for tree, kv, _, _ in trees:
+            if op < 0.3:
+                if kv.num_free >= len(tokens):
+                    tree.insert(tokens, kv.alloc(len(tokens)))
             elif op < 0.5:
                 tree.evict(evict)
             elif op < 0.6:
                 tree.evict_host(3)
             elif op < 0.7:
                 tree.write_ahead(10)
-            else:  # an admission's match, then a load of its host part
+        yield trees, prompts, op >= 0.7, i, end
+
+
+def test_a_match_along_a_kept_walk_does_what_a_walked_match_does():
+    """Two trees take the same random operations; admissions match with the kept walk on one
+    and walk the tokens on the other: same slots, same end node, same tree (splits, tiers),
+    and the same eviction order afterwards (the same touches)."""
+    walks: list = [None] * 10
+    followed = 0
+    for trees, prompts, admission, i, end in _twin_trees(7, 500):
+        for side, (tree, kv, host, _) in enumerate(trees):
+            if admission:  # an admission's match, then a load of its host part
                 prefix = prompts[i][:end]
                 if side == 0:
                     walks[i] = tree.match_lengths_again(prompts[i], end, walks[i])
@@ -910,3 +920,85 @@ def test_a_rewalk_compares_only_the_tokens_of_nodes_that_changed(monkeypatch):
     walk = tree.match_lengths_again(_PROMPT, len(_PROMPT), walk)
     assert (walk.gpu, walk.cached) == (10, 20) and compared == [5, 5]
     assert tree.match_lengths(_PROMPT) == (10, 20)
+
+
+def _node_by_node_match(tree, tokens: list[int]):
+    """`RadixCache.match` as it was before `_use_path`: every node of the path split, marked and
+    touched in both LRU heaps one by one (`_use`). The reference its shortcuts must equal."""
+    from tandem.memory import radix_cache
+    node, slots, i = tree.root, [], 0
+    now = next(radix_cache._clock)
+    while i < len(tokens):
+        child = node.children.get(tokens[i])
+        if child is None or not child.slots:
+            break
+        n = radix_cache.common_length(child.key, tokens, i)
+        child = tree._use(child, n, now)
+        slots += child.slots
+        node, i = child, i + n
+    return slots, node
+
+
+def _use_order(tree) -> list:
+    """Every node's last use as its rank among them (the clock is shared by all trees)."""
+    ranks = {t: r for r, t in enumerate(sorted({n.last_access for n in tree._nodes()}))}
+    return [ranks[n.last_access] for n in tree._nodes()]
+
+
+def _live_entries(tree, heap) -> list:
+    """The heap's live entries in its pop order, each as its node's path of keys."""
+    return [tuple(tuple(n.key) for n in _path(tree, node)) for key, _, node in sorted(heap._heap)
+            if key == node.last_access and heap.eligible(node)]
+
+
+def test_a_match_touches_the_heaps_as_node_by_node_touches_did():
+    """`match` (walked or along a kept walk) pushes only the entries that can be live (the
+    path's last node for GPU eviction, its nodes with host copies for the host tier): both
+    heaps' live entries, in order, and every node's last use equal those of touching every
+    node of the path in both heaps."""
+    walks: list = [None] * 10
+    for trees, prompts, admission, i, end in _twin_trees(5, 400):
+        for side, (tree, kv, host, _) in enumerate(trees):
+            if admission:  # an admission's match (kept walk or not), then a load of its host part
+                kept = i % 2 == 0
+                if side == 0:
+                    if kept:
+                        walks[i] = tree.match_lengths_again(prompts[i], end, walks[i])
+                    slots, node = tree.match(prompts[i], walks[i] if kept else None, end)
+                else:
+                    slots, node = _node_by_node_match(tree, prompts[i][:end])
+                path = tree.host_continuation(node, prompts[i], len(slots), end)
+                if path and kv.num_free >= len(path[0].key):
+                    tree.mark_loaded(path[0], kv.alloc(len(path[0].key)), copy_seq=1)
+        (a, *_), (b, *_) = trees
+        assert _tree_dump(a) == _tree_dump(b)
+        assert _use_order(a) == _use_order(b)
+        assert _live_entries(a, a.lru) == _live_entries(b, b.lru)
+        assert _live_entries(a, a.host_tier.lru) == _live_entries(b, b.host_tier.lru)
+
+
+def test_slots_come_out_in_the_order_they_always_did():
+    """`alloc` hands out the free list's last slots in pop() order (low slots first from a
+    fresh pool, the earliest freed first after a free), then cooling slots oldest first: the
+    same slots in the same order as popping one by one, over random allocs and frees."""
+    kv = SlotAllocator(10)
+    assert kv.alloc(3) == [1, 2, 3]
+    kv.free([2, 1])
+    assert kv.alloc(3) == [2, 1, 4]
+    rng = random.Random(3)
+    kv, free, cooling, held = SlotAllocator(200), list(range(200, 0, -1)), [], []
+    for _ in range(2000):
+        if held and rng.random() < 0.5:
+            slots = held.pop(rng.randrange(len(held)))
+            seq = rng.choice([0, 0, 1])
+            kv.free(slots, after_copy=seq)
+            if seq:
+                cooling += slots
+            else:
+                free += reversed(slots)
+        else:
+            n = rng.randint(0, min(30, len(free) + len(cooling)))
+            want = [free.pop() for _ in range(min(n, len(free)))]
+            want += [cooling.pop(0) for _ in range(n - len(want))]
+            assert kv.alloc(n) == want
+            held.append(want)

@@ -30,6 +30,10 @@ class LruHeap:
         if self.eligible(node):
             heapq.heappush(self._heap, (node.last_access, next(self._seq), node))
 
+    def push(self, node) -> None:
+        """`touch` of a node the caller knows to be eligible: the entry without the check."""
+        heapq.heappush(self._heap, (node.last_access, next(self._seq), node))
+
     def rebuild(self) -> None:
         self._heap = [(n.last_access, next(self._seq), n) for n in self.nodes() if self.eligible(n)]
         heapq.heapify(self._heap)

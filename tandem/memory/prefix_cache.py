@@ -88,6 +88,14 @@ def admission_load_reason(req: Request, loaded: int) -> str:
     return "small" if loaded < MIN_LOAD_TOKENS else "not_held"
 
 
+def _input(req: Request) -> list[int]:
+    """`req.fill_ids`, the tokens its cached prefix is matched against (up to
+    `max_cached_prefix`, passed as an end: no copy to cut them). A waiting request's outputs
+    are empty unless it was preempted: no copy of its prompt then (~4-8k tokens a long-match
+    admission on the CPU replay of issue 23)."""
+    return req.fill_ids if req.output_token_ids else req.prompt_token_ids
+
+
 class PrefixCache:
     def __init__(self, kv_slots: SlotAllocator, enabled: bool = True, debug: bool = False,
                  host: HostTier | None = None):
@@ -167,10 +175,10 @@ class PrefixCache:
         self.queried_tokens += req.fill_len
         if not self.enabled:
             return 0
-        prefix = req.fill_slice(0, req.max_cached_prefix)
-        slots, node = self.tree.match(prefix, req.host_match_walk)
+        tokens, end = _input(req), req.max_cached_prefix
+        slots, node = self.tree.match(tokens, req.host_match_walk, end)
         if self.host is not None:
-            loaded, node = self._load_host_part(node, prefix, len(slots), self._load_tokens_left)
+            loaded, node = self._load_host_part(node, tokens, end, len(slots), self._load_tokens_left)
             self._load_tokens_left -= len(loaded)
             if loaded:
                 self.tier_moves.admission_loaded_by[admission_load_reason(req, len(loaded))] += len(loaded)
@@ -227,8 +235,10 @@ class PrefixCache:
     def _loads_running(self, req: Request) -> bool:
         """A load the request's admission would read first (its match's unread loads, on the
         kept walk of `_host_only_tokens`) has not completed: its forward would wait for it."""
-        seq = max((node.copy_seq for node, _, on_gpu in req.host_match_walk.path if on_gpu and node.loaded),
-                  default=0)
+        seq = 0
+        for node, _, on_gpu in req.host_match_walk.path:  # a loop, not max(genexpr): asked ~17 times a plan
+            if on_gpu and node.loaded and node.copy_seq > seq:
+                seq = node.copy_seq
         return seq > 0 and not self.host.copy_done(seq)
 
     def _host_only_tokens(self, req: Request) -> int:
@@ -236,19 +246,18 @@ class PrefixCache:
         plan (admission) and window (prefetch): the walk is kept on the request and checked,
         not redone, while its path stands (H200, 64 waiting ~10k-token histories: the walks
         were 1.07 ms of a prefill step's plan)."""
-        # A waiting request's outputs are empty unless it was preempted: no copy of its prompt then.
-        tokens = req.fill_ids if req.output_token_ids else req.prompt_token_ids
-        req.host_match_walk = walk = self.tree.match_lengths_again(tokens, req.max_cached_prefix,
+        req.host_match_walk = walk = self.tree.match_lengths_again(_input(req), req.max_cached_prefix,
                                                                    req.host_match_walk)
         return walk.cached - walk.gpu
 
-    def _load_host_part(self, node: Node, tokens: list[int], start: int, most: int) -> tuple[list[int], Node]:
-        """Load the host-resident continuation of a match (tokens[:start] ending at `node`)
-        into GPU slots (evicting colder prefixes for them), at most `most` tokens (a node that
-        does not fit is split: `_fitting`).
+    def _load_host_part(self, node: Node, tokens: list[int], end: int, start: int,
+                        most: int) -> tuple[list[int], Node]:
+        """Load the host-resident continuation within tokens[:end] of a match (tokens[:start]
+        ending at `node`) into GPU slots (evicting colder prefixes for them), at most `most`
+        tokens (a node that does not fit is split: `_fitting`).
         Returns the loaded slots and the node where the match now ends. The loaded nodes stay
         cached (in both tiers) even if the admission they were loaded for does not go ahead."""
-        path = self.tree.host_continuation(node, tokens, start)
+        path = self.tree.host_continuation(node, tokens, start, end)
         if not path:
             return [], node
         self.tree.lock(node)  # the GPU part of the match stays while eviction makes room
@@ -288,9 +297,9 @@ class PrefixCache:
             if not self._host_only_tokens(req):
                 continue  # nothing to load: no match, which would mark its path as used
             room = (self.available() if evict else self.kv_slots.num_free) - keep
-            prefix = req.fill_slice(0, req.max_cached_prefix)
-            slots, node = self.tree.match(prefix, req.host_match_walk)
-            loaded, _ = self._load_host_part(node, prefix, len(slots), min(most - queued, room))
+            tokens, end = _input(req), req.max_cached_prefix
+            slots, node = self.tree.match(tokens, req.host_match_walk, end)
+            loaded, _ = self._load_host_part(node, tokens, end, len(slots), min(most - queued, room))
             queued += len(loaded)
             if loaded:  # walked again here, beside the forward, not by the next plan's admission scan
                 self._host_only_tokens(req)

@@ -101,38 +101,62 @@ class RadixCache:
         return self.host_tier.tokens if self.host_tier is not None else 0
 
     # ---- lookup ----
-    def match(self, tokens: list[int], walk: "MatchWalk | None" = None) -> tuple[list[int], Node]:
-        """The slots of the longest cached prefix of `tokens` and the node where it ends (a
+    def match(self, tokens: list[int], walk: "MatchWalk | None" = None,
+              end: int | None = None) -> tuple[list[int], Node]:
+        """The slots of the longest cached prefix of tokens[:end] and the node where it ends (a
         node boundary: a match ending inside an edge splits it). Marks the path as used.
-        `walk`: a kept `match_lengths_again` answer for these tokens; followed without token
-        compares while its path stands."""
-        if self._holds(walk, len(tokens)):
+        `end`: no copy of a long prompt to cut it. `walk`: a kept `match_lengths_again` answer
+        for these tokens; followed without token compares while its path stands."""
+        end = len(tokens) if end is None else min(end, len(tokens))
+        if self._holds(walk, end):
             return self._follow(walk)
-        known = _matched_spans(walk) if walk is not None and walk.end == len(tokens) else {}
-        node, slots, i = self.root, [], 0
-        now = next(_clock)
-        while i < len(tokens):
+        known = _matched_spans(walk) if walk is not None and walk.end == end else {}
+        node, i, taken = self.root, 0, []
+        while i < end:
             child = node.children.get(tokens[i])
             if child is None or not child.slots:  # the rest lives on the host: host_continuation
                 break
             n = _known_length(known, child, i) if known else None
-            n = common_length(child.key, tokens, i) if n is None else n
-            child = self._use(child, n, now)
-            slots += child.slots
+            n = common_length(child.key, tokens, i, end) if n is None else n
+            taken.append((child, n))
+            if n < len(child.key):  # the match ends inside it: nothing below continues it
+                break
             node, i = child, i + n
-        return slots, node
+        return self._use_path(taken)
 
     def _follow(self, walk: "MatchWalk") -> tuple[list[int], Node]:
         """`match` along a walk whose path stands: the same splits, touches and slots."""
-        node, slots, i = self.root, [], 0
-        now = next(_clock)
+        taken, i = [], 0
         for child, key_len, on_gpu in walk.path:
             if not on_gpu:
                 break
             n = min(key_len, walk.cached - i)
-            child = self._use(child, n, now)
+            taken.append((child, n))
+            i += n
+        return self._use_path(taken)
+
+    def _use_path(self, taken: list[tuple[Node, int]]) -> tuple[list[int], Node]:
+        """Use a match's GPU path, given as (node, tokens matched in it) from the root down: split
+        the last node where the match ends inside it, mark every node as used at one time, and
+        join their slots. Returns the slots and the last node (the root if none).
+        The LRU heaps hear only of nodes that can be eligible: each node but the last has the
+        next as a GPU child, so only the last can be GPU-evictable (`_gpu_evictable`); each is
+        attached and on the GPU, so it is droppable iff it has a host copy (`_droppable`). The
+        ~8 calls a node of touching each in both heaps were two thirds of a long-match
+        admission's match under cProfile (CPU replay of issue 23)."""
+        node, slots = self.root, []
+        now = next(_clock)  # before a split's new node reads the clock: the same values as node by node
+        host_lru = self.host_tier.lru if self.host_tier is not None else None
+        for child, n in taken:
+            if n < len(child.key):
+                child = self._split(child, n)
+            child.last_access = now
+            if host_lru is not None and child.host_slots is not None:
+                host_lru.push(child)
             slots += child.slots
-            node, i = child, i + n
+            node = child
+        if node is not self.root:
+            self.lru.touch(node)
         return slots, node
 
     def _use(self, child: Node, n: int, now: int) -> Node:
@@ -410,17 +434,19 @@ class RadixCache:
         return self.host_tier.evict(num_tokens, colder_than)
 
     # ---- load-back ----
-    def host_continuation(self, node: Node, tokens: list[int], start: int) -> list[Node]:
+    def host_continuation(self, node: Node, tokens: list[int], start: int, end: int | None = None) -> list[Node]:
         """The host-resident nodes that continue a match ending at `node` (which matched
-        tokens[:start]), the last one split where the match ends. Marks them as used."""
+        tokens[:start]) within tokens[:end], the last one split where the match ends. Marks
+        them as used."""
+        end = len(tokens) if end is None else min(end, len(tokens))
         path, i = [], start
         now = next(_clock)
-        while i < len(tokens):
+        while i < end:
             child = node.children.get(tokens[i])
             if child is None:
                 break
             assert not child.slots, "a GPU node under the end of a GPU match"
-            child = self._use(child, common_length(child.key, tokens, i), now)
+            child = self._use(child, common_length(child.key, tokens, i, end), now)
             n = len(child.key)
             path.append(child)
             node, i = child, i + n
