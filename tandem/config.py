@@ -182,6 +182,9 @@ class Experiments:
     # CPU replay of the host tier's workload, 26 of 34 prefills found the running set full in
     # the wait (docs/benchmarks.md, session 34).
     admit_beside_leaving: bool = True
+    # The garbage collector's passes run in the host's wait for a long step (lifetime.ShadowCollector),
+    # not wherever an allocation trips them (off: CPython's automatic passes only).
+    collect_in_shadow: bool = False
     # Graphed verify steps of at most this many rows (bucket) score each row's k + 1 queries
     # in the extend layout (one extend attention launch a layer), larger ones as one decode
     # row per query. H200, built-in shape, one row, 512 cached tokens (`tandem bench

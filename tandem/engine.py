@@ -132,6 +132,7 @@ class Engine:
         self.step_id = 0
         self.completed_step = -1
         self.fatal = FatalErrorGuard(log)
+        self.collector = lifetime.ShadowCollector(cfg.experiments.collect_in_shadow)
         self.warm_up_s = self._warm_up()
         self.builds_while_serving = Compiles()  # Triton builds after the warm-up (none expected)
         self._stop_build_watch = (watch_compiles(_warn_of_build(self.builds_while_serving))
@@ -856,6 +857,7 @@ class Engine:
     def _process_tokens(self, pending: PendingResult, with_text: bool = False) -> "_ReadStep":
         """Wait for the step's result and take its tokens (`_take_token`); their text too
         `with_text`, else `_process_text` makes it later."""
+        self.collector.before_wait(pending.batch.num_tokens, pending.host.copy_done)  # host time the wait would idle
         t0 = perf_counter()
         pending.host.wait()
         t_wait = perf_counter() - t0

@@ -121,6 +121,25 @@ def test_prefill_gaps_split_the_idle_before_a_prefill_that_follows_a_decode():
     assert prefill_gaps(cpu) is None
 
 
+def test_idle_steps_split_the_idle_by_what_ran_before_each_step():
+    """After the first tenth: an idle step whose iteration ran the collector is "gc", one that
+    waited for a tier copy "tier_stall", any other "other"; the worst come first."""
+    from tandem.bench.prefix import idle_steps
+    records = [_record(i, True, 5.0 * i, 0.1, 5.0 * i + 4, idle=9.0 if i == 0 else 0.0, forward=4.0)
+               for i in range(10)]  # the first step's 9 ms is in the first tenth: left out
+    records[3].gc_ms, records[3].gc_generation = 0.5, 0  # a pass that idled nothing
+    records[5].gpu_idle_before_ms, records[5].gc_ms, records[5].gc_generation = 2.0, 6.0, 1
+    records[7].gpu_idle_before_ms, records[7].gpu_tier_stall_ms = 1.0, 1.0
+    records[8].gpu_idle_before_ms = 0.5
+    out = idle_steps(records)
+    assert out["causes"] == {"gc": {"steps": 1, "idle_s": 0.002}, "tier_stall": {"steps": 1, "idle_s": 0.001},
+                             "other": {"steps": 1, "idle_s": 0.0005}}
+    assert out["gc_s"] == 0.0065 and out["gc_passes"] == {"0": 1, "1": 1}
+    assert out["worst"][0] == [2.0, "decode", 6.0, 1, 0.0, 5.0, 4.0, None, None]
+    assert [w[0] for w in out["worst"]] == [2.0, 1.0, 0.5]
+    assert idle_steps([_record(i, True, 5.0 * i, 0.1, 5.0 * i + 4) for i in range(10)]) is None
+
+
 def test_tier_stalls_add_up_the_forwards_waits_by_cause():
     from tandem.bench.prefix import tier_stalls
     records = [_record(i, True, 10.0 * i, 0.1, 10.0 * i + 9, idle=0.0, forward=4.0, stall=s)

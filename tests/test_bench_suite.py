@@ -223,6 +223,7 @@ def test_host_tier_figures_and_the_on_over_off_ratios(tmp_path):
     assert "host_tier.m.tier_off.tier_stall_s" not in figs and "host_tier.m.tier_off.idle_before_prefill_s" not in figs
     idle = figs["host_tier.m.tier_on.gpu_idle_s"]
     assert (idle.value, idle.better) == (1.0, "lower") and "host_tier.m.tier_off.gpu_idle_s" not in figs
+    assert figs["host_tier.m.tier_on.gpu_idle_after_first_tenth_s"].value == 0.75
     ratios = derived(figs)
     assert ratios["host_tier.m.tier_on_over_off"].value == 1.25
     assert abs(ratios["host_tier.m.gpu_busy_tier_on_over_off"].value - 0.976 / 0.995) < 1e-12

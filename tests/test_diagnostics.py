@@ -161,6 +161,25 @@ def test_timeline_bounded_memory():
     assert tl.steps_recorded == 55 and 10 <= len(tl.records) <= 20 and tl.records[-1].step == 54
 
 
+def test_timeline_gives_each_step_the_collector_time_before_its_launch():
+    """A collection between two launches is the later step's (it delayed that launch); the
+    oldest generation collected comes with it, and close() stops the timing."""
+    import gc
+    tl = Timeline()
+    first, second, third = _record(0, 1.0), _record(1, 2.0), _record(2, 3.0)
+    tl.add(first)
+    gc.collect(1)
+    tl.add(second)
+    tl.add(third)
+    assert first.gc_generation == -1 and second.gc_generation == 1 and second.gc_ms > 0
+    assert third.gc_ms == 0.0 and third.gc_generation == -1
+    tl.close()
+    gc.collect(0)
+    after = _record(3, 4.0)
+    tl.add(after)
+    assert after.gc_generation == -1 and tl._collector not in gc.callbacks
+
+
 # ---- tandem profile ----
 def test_profile_writes_traces_and_png(tmp_path, capsys):
     from matplotlib.image import imread

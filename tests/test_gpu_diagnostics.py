@@ -177,3 +177,33 @@ def test_graph_launch_probe_measures_every_pattern(capsys):
     assert len(rows) == 6
     for row in rows:
         assert all(float(cell) > 0 for cell in row.strip("| ").split(" | ")[1:])
+
+
+def test_collector_runs_in_the_wait_for_a_step_still_running(tiny_text_model):
+    """With the experiment on, the host's wait for a step the device is still running holds a
+    collector pass (the device kept busy by a sleep queued on the forward stream before it);
+    the outputs are the plain run's."""
+    import gc
+    from tandem.config import Experiments
+    prompt, params = [5, 6, 7, 8] * 8, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    plain = LLM(str(tiny_text_model), device="cuda", dtype="float32")
+    want = plain.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    plain.close()
+    engine = _engine(tiny_text_model, experiments=Experiments(collect_in_shadow=True))
+    engine.collector.min_tokens = 1
+    seen = []
+
+    def on_gc(phase, info):
+        if phase == "start":
+            seen.append(info["generation"])
+    rid = engine.add_request(prompt, params)
+    with torch.cuda.stream(engine.streams.forward):
+        torch.cuda._sleep(200_000_000)  # ~0.1 s of device time ahead of the step
+    gc.callbacks.append(on_gc)
+    try:
+        while engine.has_unfinished():
+            engine.step()
+    finally:
+        gc.callbacks.remove(on_gc)
+    assert engine.collector.passes >= 1 and {1, 2} & set(seen)
+    assert engine.output(rid).token_ids == want

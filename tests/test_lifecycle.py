@@ -90,3 +90,46 @@ def test_an_engine_taken_from_a_dropped_llm_keeps_working(tiny_text_model):
     refs, engine_ref = _kv_refs(engine), weakref.ref(engine)
     del engine
     assert engine_ref() is None and all(r() is None for r in refs)
+
+
+class _Event:
+    def __init__(self, ready: bool):
+        self.ready = ready
+
+    def query(self) -> bool:
+        return self.ready
+
+
+def _generations_collected(fn) -> list[int]:
+    seen = []
+
+    def on_gc(phase, info):
+        if phase == "start":
+            seen.append(info["generation"])
+    gc.callbacks.append(on_gc)
+    try:
+        fn()
+    finally:
+        gc.callbacks.remove(on_gc)
+    return seen
+
+
+def test_shadow_collector_collects_only_in_the_wait_for_a_long_running_step():
+    """A young pass before waiting for a long step still running; none for a short step, a
+    finished one, or with the experiment off; the full pass once the third generation's count
+    is at its threshold."""
+    from tandem.lifetime import ShadowCollector
+    shadow = ShadowCollector(True, min_tokens=100)
+    assert _generations_collected(lambda: shadow.before_wait(99, _Event(False))) == []
+    assert _generations_collected(lambda: shadow.before_wait(100, _Event(True))) == []
+    assert _generations_collected(lambda: ShadowCollector(False, 100).before_wait(4096, _Event(False))) == []
+    gc.collect()  # the third generation's count back to 0
+    assert _generations_collected(lambda: shadow.before_wait(100, _Event(False))) == [1]
+    assert gc.get_count()[0] < 50 and gc.get_count()[2] == 1
+    threshold = gc.get_threshold()
+    try:
+        gc.set_threshold(threshold[0], threshold[1], 2)
+        seen = _generations_collected(lambda: [shadow.before_wait(100, _Event(False)) for _ in range(2)])
+    finally:
+        gc.set_threshold(*threshold)
+    assert seen == [1, 2] and shadow.passes == 3

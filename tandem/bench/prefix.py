@@ -180,6 +180,9 @@ class PrefixRow:
     # for (`tier_stalls`). Which rule lets a forward wait for a copy?
     admission_loaded_by: dict | None = None
     tier_stall_by_cause: dict | None = None
+    # The GPU's idle after the first tenth of the steps, by what the host did before the step
+    # that waited (`idle_steps`): the garbage collector, a host-tier copy, or neither.
+    idle_steps: dict | None = None
 
     @property
     def output_tok_s(self) -> float:
@@ -324,7 +327,7 @@ def run_one(args: argparse.Namespace) -> PrefixRow:
                      slowest(firsts, ttft_p99), by_kind(engine.timeline.records[first:]),
                      prefill_gaps(engine.timeline.records[first:]),
                      phase_log.summary() if phase_log is not None else None, delta["prefill_graph_steps"],
-                     round(s1["cuda_graph_memory_mib"], 1))
+                     round(s1["cuda_graph_memory_mib"], 1), idle_steps=idle_steps(engine.timeline.records[first:]))
     if engine.kv_tier is not None:
         row.admission_loaded_by, row.tier_stall_by_cause = loaded_by, tier_stalls(engine.timeline.records[first:])
     return row
@@ -342,6 +345,39 @@ def tier_stalls(records: list) -> dict:
         entry["ms"] = round(entry["ms"] + r.gpu_tier_stall_ms, 2)
         entry["pending_mb"] = round(entry["pending_mb"] + (r.tier_stall_pending_mb or 0.0), 1)
     return out
+
+
+def idle_steps(records: list, worst: int = 8) -> dict | None:
+    """Where the GPU idles after the first tenth of the steps (CUDA records; None on the CPU).
+    A step idles when the host's iteration before it (previous launch to its launch) outlasts
+    the previous forward. Per cause: steps and idle seconds where the garbage collector ran in
+    that iteration (`gc`), else where the forward waited for a host-tier copy (`tier_stall`),
+    else the rest; the collector's whole time and passes by generation; and the `worst` idle
+    steps as [idle ms, kind, gc ms, gc generation, tier stall ms, iteration ms, previous forward
+    ms, tier window ms, plan ahead ms]."""
+    if not any(r.gpu_forward_ms is not None for r in records):
+        return None
+    skip = max(len(records) // 10, 1)
+    causes = {c: {"steps": 0, "idle_s": 0.0} for c in ("gc", "tier_stall", "other")}
+    passes, rows = Counter(), []
+    for before, r in zip(records[skip - 1:], records[skip:]):
+        if r.gc_generation >= 0:
+            passes[r.gc_generation] += 1
+        idle = r.gpu_idle_before_ms or 0.0
+        if idle <= IDLE_EPS_MS:
+            continue
+        cause = "gc" if r.gc_ms > 0 else "tier_stall" if r.gpu_tier_stall_ms else "other"
+        causes[cause]["steps"] += 1
+        causes[cause]["idle_s"] += idle / 1e3
+        rows.append([round(idle, 2), "decode" if r.is_decode else "prefill", round(r.gc_ms, 2), r.gc_generation,
+                     round(r.gpu_tier_stall_ms or 0.0, 2), round((r.launch_end - before.launch_end) * 1e3, 2),
+                     before.gpu_forward_ms and round(before.gpu_forward_ms, 2), r.tier_window_ms and round(r.tier_window_ms, 2),
+                     r.plan_ahead_ms and round(r.plan_ahead_ms, 2)])
+    for c in causes.values():
+        c["idle_s"] = round(c["idle_s"], 4)
+    return {"causes": causes, "gc_s": round(sum(r.gc_ms for r in records[skip:]) / 1e3, 4),
+            "gc_passes": {str(g): n for g, n in sorted(passes.items())},
+            "worst": sorted(rows, reverse=True)[:worst]}
 
 
 def by_tenth(records: list) -> tuple[list | None, list]:

@@ -218,6 +218,8 @@ def _host_tier_figures(log: Path, key: str) -> Figures:
         # Seconds, beside the busy fraction: the tier's run is shorter (less prefill) with the same
         # start-up idle, so its fraction is lower at equal idle (H100, 09c9a7f: 0.178 against 0.177 s).
         figs[f"{key}.gpu_idle_s"] = _lo(sum(row["gpu_idle_s_by_tenth"]), "s")
+        # After the first tenth (its first step waits for the run to start): the steady state's idle.
+        figs[f"{key}.gpu_idle_after_first_tenth_s"] = _lo(round(sum(row["gpu_idle_s_by_tenth"][1:]), 3), "s")
     return figs
 
 

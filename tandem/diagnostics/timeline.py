@@ -12,6 +12,7 @@ Derived per step (CUDA only; None on the CPU, where the "device" work runs insid
   that gap (negated) is used instead, because a wait that did not block only bounds the
   moment the previous step finished.
 """
+import gc
 import json
 import os
 from collections import deque
@@ -61,6 +62,10 @@ class StepRecord:
     # Host ms of this step's inputs staged in that wait (ModelRunner.stage_ahead); launch_ms is
     # then only its queueing. None: staged at its launch.
     stage_ahead_ms: float | None = None
+    # Host ms the garbage collector ran between the previous step's launch and this one's (a
+    # pause there delays this launch), and the oldest generation it collected (-1: none).
+    gc_ms: float = 0.0
+    gc_generation: int = -1
 
     @property
     def launch_end(self) -> float:
@@ -68,10 +73,32 @@ class StepRecord:
         return self.host_start + (self.schedule_ms + self.launch_ms) / 1e3
 
 
+class CollectorTime:
+    """A `gc.callbacks` entry: host ms the garbage collector ran, and the oldest generation it
+    collected, since the last `take()`. A collection stops the host wherever it allocates, so a
+    long one can idle the GPU whatever the step was doing."""
+
+    def __init__(self):
+        self.ms, self.generation, self._start = 0.0, -1, 0.0
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = perf_counter()
+        else:
+            self.ms += (perf_counter() - self._start) * 1e3
+            self.generation = max(self.generation, info["generation"])
+
+    def take(self) -> tuple[float, int]:
+        out = self.ms, self.generation
+        self.ms, self.generation = 0.0, -1
+        return out
+
+
 class Timeline:
     """Records every launched step (`add`) and fills it in when its result was processed
     (`completed`). `max_records` bounds memory in long-running servers (oldest dropped);
-    `steps_recorded` keeps counting."""
+    `steps_recorded` keeps counting. While open, it times the garbage collector (each record's
+    `gc_ms`)."""
 
     def __init__(self, path: str | Path | None = None, max_records: int | None = None,
                  flush_every: int = 64, recent_window: int = 256):
@@ -86,8 +113,11 @@ class Timeline:
         self._recent: deque = deque(maxlen=recent_window)
         self._sums = [0.0, 0.0, 0.0, 0.0]
         self._counts = [0, 0, 0, 0]
+        self._collector = CollectorTime()
+        gc.callbacks.append(self._collector)  # removed by close()
 
     def add(self, record: StepRecord) -> None:
+        record.gc_ms, record.gc_generation = self._collector.take()
         self.records.append(record)
         self.steps_recorded += 1
         if self.max_records is not None and len(self.records) > 2 * self.max_records:
@@ -178,6 +208,8 @@ class Timeline:
         return out
 
     def close(self) -> None:
+        if self._collector in gc.callbacks:
+            gc.callbacks.remove(self._collector)
         if self._file:
             self._file.close()
             self._file = None
