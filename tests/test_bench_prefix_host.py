@@ -67,6 +67,10 @@ def test_phase_timers_split_each_iterations_host_time_by_phase(capsys):
     assert any(p.get("Engine._move_between_tiers", [0, 0])[1] > 0 for p in (prefill, decode))
     assert any("Engine.add_request" in p for p in (prefill, decode, phases["before_prefill"]))  # the next turns
     assert any(p.get("Scheduler.prepare_waiting", [0, 0])[1] > 0 for p in (prefill, decode, phases["before_prefill"]))
+    slow = phases["slowest"]  # whole iterations, the longest (with the caller's time before them) first
+    assert len(slow) == 6 and all("iteration" in it for it in slow)
+    totals = [it["iteration"] + it.get("caller", 0.0) for it in slow]  # each rounded to 0.01 ms
+    assert all(a >= b - 0.02 for a, b in zip(totals, totals[1:])) and any("caller" in it for it in slow)
     assert _row(capsys, "--host-kv-cache-gb", "0.05")["phases"] is None  # off by default
 
 

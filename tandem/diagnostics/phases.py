@@ -49,14 +49,17 @@ class PhaseLog:
 
     iterations: list[dict] = field(default_factory=list)
 
-    def summary(self) -> dict:
-        """Per-phase [median, mean] ms per iteration, by the kind of step planned."""
+    def summary(self, slowest: int = 6) -> dict:
+        """Per-phase [median, mean] ms per iteration, by the kind of step planned; and the
+        `slowest` iterations (their own time plus the caller's before them), whole."""
         its = self.iterations
         prefill = [i for i, it in enumerate(its) if it.get("kind") == "prefill"]
+        slow = sorted(its, key=lambda it: it.get("iteration", 0.0) + it.get("caller", 0.0), reverse=True)[:slowest]
         return {"iterations": len(its), "prefill_iterations": len(prefill),
                 "prefill": _medians([its[i] for i in prefill]),
                 "before_prefill": _medians([its[i - 1] for i in prefill if i > 0]),
-                "decode": _medians([it for it in its if it.get("kind") == "decode"])}
+                "decode": _medians([it for it in its if it.get("kind") == "decode"]),
+                "slowest": [{k: (round(v, 2) if isinstance(v, float) else v) for k, v in it.items()} for it in slow]}
 
 
 def _medians(records: list[dict]) -> dict[str, list[float]]:
@@ -108,13 +111,17 @@ def phase_timers(engine) -> Iterator[PhaseLog]:
                 wrap(obj, name, f"{type(obj).__name__}.{name}", kind if (path, name) == ("scheduler", "schedule") else None)
     run_step = engine._run_step
 
+    last_end = [None]
+
     def iteration(outputs):
-        current[0] = {}
         t = perf_counter()
+        # The caller's time since the last iteration (its own code between step() calls).
+        current[0] = {} if last_end[0] is None else {"caller": (t - last_end[0]) * 1e3}
         try:
             return run_step(outputs)
         finally:
-            current[0]["iteration"] = (perf_counter() - t) * 1e3
+            last_end[0] = perf_counter()
+            current[0]["iteration"] = (last_end[0] - t) * 1e3
             log.iterations.append(current[0])
 
     engine._run_step = iteration
