@@ -162,20 +162,29 @@ def test_timeline_bounded_memory():
 
 
 def test_timeline_gives_each_step_the_collector_time_before_its_launch():
-    """A collection between two launches is the later step's (it delayed that launch); the
-    oldest generation collected comes with it, and close() stops the timing."""
+    """A collection is the step's whose launch it delayed: one between two launches is the
+    later step's, even when the earlier step's record is added after it (the engine adds a
+    record once its processing window is over); close() stops the timing."""
     import gc
+    from time import perf_counter
     tl = Timeline()
-    first, second, third = _record(0, 1.0), _record(1, 2.0), _record(2, 3.0)
-    tl.add(first)
-    gc.collect(1)
-    tl.add(second)
-    tl.add(third)
-    assert first.gc_generation == -1 and second.gc_generation == 1 and second.gc_ms > 0
+    gc.disable()  # no automatic pass in between: only the one collected here
+    try:
+        first = _record(0, perf_counter(), 0.0, 0.0)
+        gc.collect(1)  # in the window after the first launch: it delays the second
+        second = _record(1, perf_counter(), 0.0, 0.0)
+        tl.add(first)
+        tl.add(second)
+        third = _record(2, perf_counter(), 0.0, 0.0)
+        tl.add(third)
+    finally:
+        gc.enable()
+    assert first.gc_generation == -1 and first.gc_ms == 0.0
+    assert second.gc_generation == 1 and second.gc_ms > 0
     assert third.gc_ms == 0.0 and third.gc_generation == -1
     tl.close()
     gc.collect(0)
-    after = _record(3, 4.0)
+    after = _record(3, perf_counter(), 0.0, 0.0)
     tl.add(after)
     assert after.gc_generation == -1 and tl._collector not in gc.callbacks
 

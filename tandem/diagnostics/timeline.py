@@ -74,24 +74,26 @@ class StepRecord:
 
 
 class CollectorTime:
-    """A `gc.callbacks` entry: host ms the garbage collector ran, and the oldest generation it
-    collected, since the last `take()`. A collection stops the host wherever it allocates, so a
-    long one can idle the GPU whatever the step was doing."""
+    """A `gc.callbacks` entry: the garbage collector's passes, as (end time, ms, generation),
+    until a launch takes the ones that delayed it (`take`). A collection stops the host wherever
+    it allocates, so a long one can idle the GPU whatever the step was doing."""
 
     def __init__(self):
-        self.ms, self.generation, self._start = 0.0, -1, 0.0
+        self.passes: list[tuple[float, float, int]] = []
+        self._start = 0.0
 
     def __call__(self, phase: str, info: dict) -> None:
         if phase == "start":
             self._start = perf_counter()
         else:
-            self.ms += (perf_counter() - self._start) * 1e3
-            self.generation = max(self.generation, info["generation"])
+            end = perf_counter()
+            self.passes.append((end, (end - self._start) * 1e3, info["generation"]))
 
-    def take(self) -> tuple[float, int]:
-        out = self.ms, self.generation
-        self.ms, self.generation = 0.0, -1
-        return out
+    def take(self, until: float) -> tuple[float, int]:
+        """(ms, oldest generation; -1: none) of the passes that ended by `until`, taken."""
+        done = [p for p in self.passes if p[0] <= until]
+        self.passes = self.passes[len(done):]  # in end order: the rest ended later
+        return sum(p[1] for p in done), max((p[2] for p in done), default=-1)
 
 
 class Timeline:
@@ -117,7 +119,9 @@ class Timeline:
         gc.callbacks.append(self._collector)  # removed by close()
 
     def add(self, record: StepRecord) -> None:
-        record.gc_ms, record.gc_generation = self._collector.take()
+        # Added once its step's processing window is over: the passes in that window delayed the
+        # next launch, not this one.
+        record.gc_ms, record.gc_generation = self._collector.take(record.launch_end)
         self.records.append(record)
         self.steps_recorded += 1
         if self.max_records is not None and len(self.records) > 2 * self.max_records:
