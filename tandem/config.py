@@ -184,8 +184,9 @@ class Experiments:
     admit_beside_leaving: bool = True
     # The garbage collector's passes run in the host's wait for a long step (lifetime.ShadowCollector),
     # not wherever an allocation trips them (off: CPython's automatic passes only). On since session
-    # 49: the host-tier workload on an H100 (8cb6e54), GPU busy tier on 0.9976 -> 0.9993 (idle after
-    # the first tenth 0.062 -> 0.018 s), tier off 0.9988 -> 0.9992.
+    # 49: the host-tier workload on H100s, GPU busy tier on 0.9976 / 0.9973 / 0.9974 automatic,
+    # 0.9993 / 0.9994 / 0.9973 with it (in the third, two forced full passes of 15-21 ms ran in
+    # waits with less left to run); tier off 0.9988 automatic, 0.9992 / 0.9997 with it.
     collect_in_shadow: bool = True
     # Graphed verify steps of at most this many rows (bucket) score each row's k + 1 queries
     # in the extend layout (one extend attention launch a layer), larger ones as one decode

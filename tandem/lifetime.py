@@ -43,10 +43,12 @@ class ShadowCollector:
     """Runs the garbage collector in the host's wait for a long step, where the device still has
     that step to run, instead of wherever an allocation trips it. A running request's token and
     slot lists are young for a while, and a young pass visits each of their elements: on the
-    host-tier workload a pass took up to 9 ms between two 4 ms decode steps (session 49, CPU
-    replay), longer than the host is ahead. A young pass (generations 0 and 1) before every wait
-    for a step of `min_tokens` or more keeps the automatic ones rare; the full pass runs there
-    too once it is due (the third generation's count at its threshold)."""
+    host-tier workload automatic passes took 10-15 ms between two 4 ms decode steps (H100 host,
+    session 49), longer than the host is ahead. A young pass (generations 0 and 1) before every
+    wait for a step of `min_tokens` or more keeps the automatic ones rare; the full pass runs
+    there too once it is due (the third generation's count at its threshold). The step's size
+    stands for its remaining time: a full pass (15-21 ms there) in the wait for a step nearly
+    done still idles the GPU (docs/async-model.md)."""
 
     def __init__(self, enabled: bool, min_tokens: int = SHADOW_MIN_TOKENS):
         self.enabled, self.min_tokens = enabled, min_tokens
