@@ -53,9 +53,15 @@ from tandem.sampling import SamplingParams
 
 @dataclass
 class Turn:
-    """One request to send: its prompt and output length; `conversation` chains turns."""
+    """One request to send: its prompt and output length; `conversation` chains turns.
 
-    prompt: list[int]
+    Prompts are tuples: a workload holds every prompt it will send (up to ~0.5M drawn tokens for
+    the host tier's), and in lists a full pass of the garbage collector would walk them all,
+    several ms a pass that a server, whose clients hold their own prompts, never pays (the
+    engine copies a prompt it admits). The collector stops tracking a tuple of ints once a pass
+    has seen it (session 49)."""
+
+    prompt: tuple[int, ...]
     output_len: int
     conversation: int | None = None
     temperature: float = 0.0
@@ -67,7 +73,7 @@ class SharedPrefix:
                  output_len: int, vocab: int, seed: int):
         rng = random.Random(seed)
         systems = [[rng.randrange(vocab) for _ in range(system_len)] for _ in range(groups)]
-        self.turns = [Turn(system + [rng.randrange(vocab) for _ in range(question_len)], output_len)
+        self.turns = [Turn(tuple(system + [rng.randrange(vocab) for _ in range(question_len)]), output_len)
                       for _ in range(per_group) for system in systems]
         rng.shuffle(self.turns)
 
@@ -88,8 +94,8 @@ class MultiTurn:
         # Drawn now, not between engine steps: 1,024 draws took 3 ms of the measured loop's host time.
         self.questions = [[self._tokens(question_len) for _ in range(turns - 1)] for _ in range(conversations)]
 
-    def _tokens(self, n: int) -> list[int]:
-        return [self.rng.randrange(self.vocab) for _ in range(n)]
+    def _tokens(self, n: int) -> tuple[int, ...]:
+        return tuple(self.rng.randrange(self.vocab) for _ in range(n))
 
     def initial(self) -> list[Turn]:
         return self.first
@@ -100,14 +106,14 @@ class MultiTurn:
             return None
         question = self.questions[c][self.sent[c] - 1]
         self.sent[c] += 1
-        return Turn(turn.prompt + output_ids + question, self.output_len, c)
+        return Turn((*turn.prompt, *output_ids, *question), self.output_len, c)
 
 
 class Samples:
     def __init__(self, prompts: int, n: int, prompt_len: int, output_len: int, vocab: int, seed: int):
         rng = random.Random(seed)
         texts = [[rng.randrange(vocab) for _ in range(prompt_len)] for _ in range(prompts)]
-        self.turns = [Turn(text, output_len, temperature=1.0, seed=rng.randrange(1 << 30))
+        self.turns = [Turn(tuple(text), output_len, temperature=1.0, seed=rng.randrange(1 << 30))
                       for text in texts for _ in range(n)]
 
     def initial(self) -> list[Turn]:
@@ -120,7 +126,7 @@ class Samples:
 class Standard:
     def __init__(self, num_requests: int, vocab: int, seed: int, min_len: int = 100, max_len: int = 1024):
         rng = random.Random(seed)
-        self.turns = [Turn([rng.randrange(vocab) for _ in range(rng.randint(min_len, max_len))],
+        self.turns = [Turn(tuple(rng.randrange(vocab) for _ in range(rng.randint(min_len, max_len))),
                            rng.randint(min_len, max_len)) for _ in range(num_requests)]
 
     def initial(self) -> list[Turn]:
