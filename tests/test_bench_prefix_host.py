@@ -161,3 +161,18 @@ def test_step_records_are_written_as_json_lines(capsys, tmp_path):
     lines = [json.loads(line) for line in path.read_text().splitlines()]
     assert len(lines) > row["steps"] and {"schedule_ms", "host_done", "gpu_tier_stall_ms"} <= set(lines[-1])
     assert row["prefill_gaps"] is None  # the CPU has no device timings
+
+
+def test_tier_replay_times_the_plans_in_the_wait_and_the_collector(capsys):
+    """`tandem bench tier-replay` at toy sizes: prefill plans made in the wait, their staging,
+    the collector's passes and the two timed full passes; the probes leave the engine as it was
+    (the run's outputs all arrive, the hits come from both tiers)."""
+    from tandem.entrypoints.cli import bench_main
+    assert bench_main(["tier-replay", "--conversations", "4", "--turns", "3", "--turn-len", "48", "--output-len", "4",
+                       "--running", "2", "--pool", "256", "--host-tokens", "2048", "--full-pass-at", "5"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["outputs"] == 4 * 3 * 4 and out["hit_tokens"] > 0 and 0 < out["host_hit_tokens"] <= out["hit_tokens"]
+    assert out["prefill_plans"]["n"] > 0 and out["stage_ahead"]["n"] == out["prefill_plans"]["n"]
+    assert out["long_match_plans"] == {"n": 0}  # no 4k-token prefix at these sizes
+    assert out["full_pass_mid_ms"] > 0 and out["full_pass_end_ms"] > 0
+    assert set(out["gc_passes"]) == {"0", "1", "2"} and out["gc_passes"]["2"]["n"] >= 1  # the timed ones at least

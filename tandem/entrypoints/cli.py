@@ -200,7 +200,8 @@ def bench_main(argv: list[str]) -> int:
              "suite": "tandem.bench.suite:main", "wheels": "tandem.bench.wheels:main",
              "spec-verify": "tandem.bench.spec_verify:main", "spec": "tandem.bench.spec_tasks:main",
              "spec-steps": "tandem.bench.spec_steps:main", "truncated-draft": "tandem.bench.truncated_draft:main",
-             "spec-overlap": "tandem.bench.spec_overlap:main", "host-steps": "tandem.bench.host_steps:main"}
+             "spec-overlap": "tandem.bench.spec_overlap:main", "host-steps": "tandem.bench.host_steps:main",
+             "tier-replay": "tandem.bench.tier_replay:main"}
     if not argv or argv[0] not in kinds:
         print(f"usage: tandem bench {{{','.join(kinds)}}} [options]", file=sys.stderr)
         return 2
@@ -234,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
               "  generate    generate text from a prompt, streamed to the terminal\n"
               "  chat        interactive chat on the same engine\n"
               "  serve       OpenAI-compatible HTTP server\n"
-              "  bench       benchmarks: latency | offline | serve | prefix | grammar | soak | suite | spec-verify | spec | spec-steps | spec-overlap | truncated-draft | host-steps\n"
+              "  bench       benchmarks: latency | offline | serve | prefix | grammar | soak | suite | spec-verify | spec | spec-steps | spec-overlap | truncated-draft | host-steps | tier-replay\n"
               "  profile     traces and a timeline plot, overlap on vs off\n"
               "  sync-audit  find host syncs in the engine loop (CUDA)\n\n"
               "examples:\n"

@@ -1,0 +1,157 @@
+"""`tandem bench tier-replay`: issue 23's host path on the CPU, at the GPU run's sizes.
+
+The host-tier suite run (`tandem bench suite --parts host_tier`: 64 conversations x 8 turns of
+1,024 tokens, 128 outputs, 12 running, a 147,456-token pool, a 48 GB host tier) replayed on a
+tiny model with dummy weights: the same plans, the same tree, the same copies' bookkeeping
+(every copy completes as it is queued: no device), so the host's own work can be timed where
+the GPU run only shows its idle. It reports
+
+- the plans made in the wait (`Scheduler.plan_ahead`) that planned a prefill, all of them and
+  those admitting a cached prefix of >= 4,096 tokens, and the staging that follows them
+  (`ModelRunner.stage_ahead`): wall ms, median / p90;
+- the garbage collector: its passes by generation (count, total and worst ms) over the run, and
+  one full pass timed mid-run (`--full-pass-at`) and one at the end (the tree at its largest).
+
+Run it on both sides of a change, alternating (this box drifts by tens of percent between
+runs). The hit tokens must match between sides that should plan alike.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from tandem.bench.prefix import MultiTurn, drive
+from tandem.bench.presets import PRESETS
+from tandem.config import EngineConfig
+from tandem.engine import Engine
+from tandem.memory.host_kv import HostKVPool
+
+LONG_MATCH = 4096  # a plan "long-match" when a row reuses at least this many cached tokens
+
+
+def build_engine(args: argparse.Namespace) -> Engine:
+    model = Path(tempfile.mkdtemp(prefix="tandem-tier-replay-"))
+    (model / "config.json").write_text(json.dumps({**PRESETS["tiny"], "max_position_embeddings": 16384}))
+    common = dict(model=str(model), dummy_weights=True, device="cpu", dtype="float32",
+                  max_running_requests=args.running, seed=0)
+    probe = Engine(EngineConfig(max_total_tokens=256, **common))
+    token_bytes = HostKVPool.bytes_per_token([probe.kv])
+    probe.close()
+    return Engine(EngineConfig(max_total_tokens=args.pool, host_kv_cache_gb=args.host_tokens * token_bytes / 2**30,
+                               **common))
+
+
+class Probes:
+    """Instance wrappers around the plan made in the wait, its staging and `Engine.step` (the
+    mid-run full pass), and a `gc.callbacks` entry; `close()` removes them all."""
+
+    def __init__(self, engine: Engine, full_pass_at: int):
+        self.engine, self.full_pass_at = engine, full_pass_at
+        self.plans: list[tuple[float, int]] = []  # (ms, longest cached prefix among its rows)
+        self.stages: list[float] = []
+        self.passes: list[tuple[int, float]] = []  # (generation, ms)
+        self.full_pass_mid_ms: float | None = None
+        self._steps, self._gc_start = 0, 0.0
+        sched, runner = engine.scheduler, engine.runner
+        plan, stage, step = sched.plan_ahead, runner.stage_ahead, engine.step
+
+        def plan_ahead(n):
+            t0 = time.perf_counter()
+            batch = plan(n)
+            if batch is not None:
+                longest = max((len(r.cached_prefix) for r in batch.rows if r.cached_prefix is not None), default=0)
+                self.plans.append(((time.perf_counter() - t0) * 1e3, longest))
+            return batch
+
+        def stage_ahead(batch):
+            t0 = time.perf_counter()
+            stage(batch)
+            self.stages.append((time.perf_counter() - t0) * 1e3)
+
+        def timed_step():
+            self._steps += 1
+            if self._steps == self.full_pass_at:
+                self.full_pass_mid_ms = _full_pass_ms()
+            return step()
+
+        sched.plan_ahead, runner.stage_ahead, engine.step = plan_ahead, stage_ahead, timed_step
+        gc.callbacks.append(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._gc_start = time.perf_counter()
+        else:
+            self.passes.append((info["generation"], (time.perf_counter() - self._gc_start) * 1e3))
+
+    def close(self) -> None:
+        gc.callbacks.remove(self._on_gc)
+        for obj, name in ((self.engine.scheduler, "plan_ahead"), (self.engine.runner, "stage_ahead"),
+                          (self.engine, "step")):
+            delattr(obj, name)
+
+
+def _full_pass_ms() -> float:
+    t0 = time.perf_counter()
+    gc.collect()
+    return round((time.perf_counter() - t0) * 1e3, 2)
+
+
+def _summary(ms: list[float]) -> dict:
+    if not ms:
+        return {"n": 0}
+    ordered = sorted(ms)
+    return {"n": len(ms), "median_ms": round(statistics.median(ms), 3),
+            "p90_ms": round(ordered[min(len(ms) - 1, round(0.9 * (len(ms) - 1)))], 3)}
+
+
+def replay(args: argparse.Namespace) -> dict:
+    engine = build_engine(args)
+    vocab = engine.model_config.vocab_size
+    drive(engine, MultiTurn(2, 2, args.turn_len, args.turn_len, 8, vocab, seed=1000), "warm")
+    engine.reset_prefix_cache()
+    probes = Probes(engine, args.full_pass_at)
+    try:
+        t0 = time.perf_counter()
+        _, outputs, _, _ = drive(engine, MultiTurn(args.conversations, args.turns, args.turn_len, args.turn_len,
+                                                   args.output_len, vocab, seed=0), "run")
+        wall = time.perf_counter() - t0
+    finally:
+        probes.close()
+    stats = engine.stats()
+    full_pass_end = _full_pass_ms()  # the tree at its largest: what a full pass walks
+    by_generation = {str(g): {"n": sum(1 for x, _ in probes.passes if x == g),
+                              "total_ms": round(sum(ms for x, ms in probes.passes if x == g), 1),
+                              "worst_ms": round(max((ms for x, ms in probes.passes if x == g), default=0.0), 2)}
+                     for g in (0, 1, 2)}
+    engine.close()
+    return {"wall_s": round(wall, 1), "outputs": outputs, "hit_tokens": stats["prefix_cache_hit_tokens"],
+            "host_hit_tokens": stats["host_cache_hit_tokens"],
+            "prefill_plans": _summary([ms for ms, _ in probes.plans]),
+            "long_match_plans": _summary([ms for ms, longest in probes.plans if longest >= LONG_MATCH]),
+            "stage_ahead": _summary(probes.stages),
+            "gc_passes": by_generation, "full_pass_mid_ms": probes.full_pass_mid_ms, "full_pass_end_ms": full_pass_end}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="tandem bench tier-replay", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--conversations", type=int, default=40)
+    ap.add_argument("--turns", type=int, default=8)
+    ap.add_argument("--turn-len", type=int, default=1024)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--running", type=int, default=12)
+    ap.add_argument("--pool", type=int, default=147456, help="KV pool tokens (the GPU run's)")
+    ap.add_argument("--host-tokens", type=int, default=450_000, help="host tier tokens (~the GPU run's 48 GB)")
+    ap.add_argument("--full-pass-at", type=int, default=1500, help="engine step at which one full pass is timed")
+    args = ap.parse_args(argv)
+    print(json.dumps(replay(args)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
