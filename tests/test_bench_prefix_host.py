@@ -144,6 +144,16 @@ def test_idle_steps_split_the_idle_by_what_ran_before_each_step():
     assert idle_steps([_record(i, True, 5.0 * i, 0.1, 5.0 * i + 4) for i in range(10)]) is None
 
 
+def test_gc_census_at_a_step_of_the_measured_run(capsys):
+    """`--gc-census-at`: the census comes with the row (the requests' token lists among the
+    owners), the step wrapper is gone afterwards, and without the flag there is none."""
+    row = _row(capsys, "--host-kv-cache-gb", "0.05", "--gc-census-at", "3")
+    got = row["gc_census"]
+    assert got["objects"] > 0 and got["elements"] > 0 and got["full_pass_ms"] > 0
+    assert any(owner.startswith(("Request.", "Node.", "Turn.")) for owner in got["largest_by_owner"])
+    assert _row(capsys, "--host-kv-cache-gb", "0.05")["gc_census"] is None
+
+
 def test_tier_stalls_add_up_the_forwards_waits_by_cause():
     from tandem.bench.prefix import tier_stalls
     records = [_record(i, True, 10.0 * i, 0.1, 10.0 * i + 9, idle=0.0, forward=4.0, stall=s)
@@ -174,5 +184,5 @@ def test_tier_replay_times_the_plans_in_the_wait_and_the_collector(capsys):
     assert out["outputs"] == 4 * 3 * 4 and out["hit_tokens"] > 0 and 0 < out["host_hit_tokens"] <= out["hit_tokens"]
     assert out["prefill_plans"]["n"] > 0 and out["stage_ahead"]["n"] == out["prefill_plans"]["n"]
     assert out["long_match_plans"] == {"n": 0}  # no 4k-token prefix at these sizes
-    assert out["full_pass_mid_ms"] > 0 and out["full_pass_end_ms"] > 0
+    assert out["census_mid"]["full_pass_ms"] > 0 and out["census_mid"]["elements"] > 0 and out["full_pass_end_ms"] > 0
     assert set(out["gc_passes"]) == {"0", "1", "2"} and out["gc_passes"]["2"]["n"] >= 1  # the timed ones at least

@@ -189,6 +189,28 @@ def test_timeline_gives_each_step_the_collector_time_before_its_launch():
     assert after.gc_generation == -1 and tl._collector not in gc.callbacks
 
 
+class _Holder:
+    def __init__(self, n: int):
+        self.tokens = list(range(1000, 1000 + n))
+
+
+class _Slotted:
+    __slots__ = ("key",)
+
+    def __init__(self, n: int):
+        self.key = list(range(2000, 2000 + n))
+
+
+def test_gc_census_counts_the_elements_a_full_pass_walks_and_names_their_owners():
+    from tandem.diagnostics.gc_census import census
+    held = [_Holder(50_000), _Slotted(40_000)]
+    out = census()
+    assert out["elements"] >= 90_000 and out["by_type"]["list"][1] >= 90_000 and out["full_pass_ms"] > 0
+    owners = out["largest_by_owner"]
+    assert owners["_Holder.tokens"] >= 50_000 and owners["_Slotted.key"] >= 40_000
+    assert len(held) == 2
+
+
 # ---- tandem profile ----
 def test_profile_writes_traces_and_png(tmp_path, capsys):
     from matplotlib.image import imread

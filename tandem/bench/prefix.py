@@ -44,6 +44,7 @@ import torch
 from tandem.bench.presets import preset_dir
 from tandem.config import EngineConfig, Experiments
 from tandem.diagnostics.compiles import count_compiles
+from tandem.diagnostics.gc_census import census
 from tandem.diagnostics.profile import step_window
 from tandem.diagnostics.phases import phase_timers
 from tandem.diagnostics.timeline import IDLE_EPS_MS
@@ -189,6 +190,9 @@ class PrefixRow:
     # The GPU's idle after the first tenth of the steps, by what the host did before the step
     # that waited (`idle_steps`): the garbage collector, a host-tier copy, or neither.
     idle_steps: dict | None = None
+    # `--gc-census-at STEP`: what a full collector pass walked at that step of the measured run
+    # (`diagnostics.gc_census`): tracked objects and elements by type, the biggest by owner.
+    gc_census: dict | None = None
 
     @property
     def output_tok_s(self) -> float:
@@ -303,7 +307,9 @@ def run_one(args: argparse.Namespace) -> PrefixRow:
     host_window = (step_window(engine, *args.host_profile_steps, rows=40, host=True) if args.host_profile_steps
                    else contextlib.nullcontext([]))
     timers = phase_timers(engine) if args.phase_timers else contextlib.nullcontext(None)
-    with count_compiles() as compiles, window as tables, host_window as host_tables, timers as phase_log:
+    at_step = census_at(engine, args.gc_census_at) if args.gc_census_at else contextlib.nullcontext({})
+    with count_compiles() as compiles, window as tables, host_window as host_tables, timers as phase_log, \
+            at_step as gc_census:
         inputs, outputs, wall, firsts = drive(engine, make_workload(args, vocab, args.seed), "run")
     ttft = [f.ttft_ms for f in firsts]
     ttft_p99 = _percentile(ttft, 99)
@@ -336,7 +342,27 @@ def run_one(args: argparse.Namespace) -> PrefixRow:
                      round(s1["cuda_graph_memory_mib"], 1), idle_steps=idle_steps(engine.timeline.records[first:]))
     if engine.kv_tier is not None:
         row.admission_loaded_by, row.tier_stall_by_cause = loaded_by, tier_stalls(engine.timeline.records[first:])
+    row.gc_census = gc_census.get("census")
     return row
+
+
+@contextlib.contextmanager
+def census_at(engine: Engine, step: int):
+    """For the block: the collector's census (`gc_census.census`) taken before the engine's
+    `step`-th `step()` call from now, into the yielded dict's "census"."""
+    taken, calls, step_fn = {}, [0], engine.step
+
+    def counted():
+        calls[0] += 1
+        if calls[0] == step:
+            taken["census"] = census()
+        return step_fn()
+
+    engine.step = counted  # an instance attribute: shadows the method until deleted
+    try:
+        yield taken
+    finally:
+        del engine.step
 
 
 def tier_stalls(records: list) -> dict:
@@ -522,6 +548,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--phase-timers", action="store_true",
                     help="time the host phases of every engine iteration of the measured run (planning, admission, "
                          "eviction, tier copies, launch, processing); the row's `phases`")
+    ap.add_argument("--gc-census-at", type=int, metavar="STEP",
+                    help="at this engine step of the measured run, count what a full collector pass walks (by type, "
+                         "the biggest containers by owner) and time one; the row's `gc_census`")
     ap.add_argument("--experiment", action="append", default=[], metavar="NAME=VALUE",
                     help="an Experiments field for an A/B (repeatable; booleans on/off)")
     ap.add_argument("--json", help="write the rows here")

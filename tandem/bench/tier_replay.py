@@ -9,8 +9,9 @@ the GPU run only shows its idle. It reports
 - the plans made in the wait (`Scheduler.plan_ahead`) that planned a prefill, all of them and
   those admitting a cached prefix of >= 4,096 tokens, and the staging that follows them
   (`ModelRunner.stage_ahead`): wall ms, median / p90;
-- the garbage collector: its passes by generation (count, total and worst ms) over the run, and
-  one full pass timed mid-run (`--full-pass-at`) and one at the end (the tree at its largest).
+- the garbage collector: its passes by generation (count, total and worst ms) over the run; what
+  a full pass walks mid-run (`--full-pass-at`: `diagnostics.gc_census`, one pass timed) and one
+  full pass timed at the end (the tree at its largest).
 
 Run it on both sides of a change, alternating (this box drifts by tens of percent between
 runs). The hit tokens must match between sides that should plan alike.
@@ -29,6 +30,7 @@ from pathlib import Path
 from tandem.bench.prefix import MultiTurn, drive
 from tandem.bench.presets import PRESETS
 from tandem.config import EngineConfig
+from tandem.diagnostics.gc_census import census
 from tandem.engine import Engine
 from tandem.memory.host_kv import HostKVPool
 
@@ -56,7 +58,7 @@ class Probes:
         self.plans: list[tuple[float, int]] = []  # (ms, longest cached prefix among its rows)
         self.stages: list[float] = []
         self.passes: list[tuple[int, float]] = []  # (generation, ms)
-        self.full_pass_mid_ms: float | None = None
+        self.census_mid: dict | None = None
         self._steps, self._gc_start = 0, 0.0
         sched, runner = engine.scheduler, engine.runner
         plan, stage, step = sched.plan_ahead, runner.stage_ahead, engine.step
@@ -77,7 +79,7 @@ class Probes:
         def timed_step():
             self._steps += 1
             if self._steps == self.full_pass_at:
-                self.full_pass_mid_ms = _full_pass_ms()
+                self.census_mid = census()
             return step()
 
         sched.plan_ahead, runner.stage_ahead, engine.step = plan_ahead, stage_ahead, timed_step
@@ -135,7 +137,7 @@ def replay(args: argparse.Namespace) -> dict:
             "prefill_plans": _summary([ms for ms, _ in probes.plans]),
             "long_match_plans": _summary([ms for ms, longest in probes.plans if longest >= LONG_MATCH]),
             "stage_ahead": _summary(probes.stages),
-            "gc_passes": by_generation, "full_pass_mid_ms": probes.full_pass_mid_ms, "full_pass_end_ms": full_pass_end}
+            "gc_passes": by_generation, "census_mid": probes.census_mid, "full_pass_end_ms": full_pass_end}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -147,7 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--running", type=int, default=12)
     ap.add_argument("--pool", type=int, default=147456, help="KV pool tokens (the GPU run's)")
     ap.add_argument("--host-tokens", type=int, default=450_000, help="host tier tokens (~the GPU run's 48 GB)")
-    ap.add_argument("--full-pass-at", type=int, default=1500, help="engine step at which one full pass is timed")
+    ap.add_argument("--full-pass-at", type=int, default=1500,
+                    help="engine step at which what a full pass walks is counted and one pass timed")
     args = ap.parse_args(argv)
     print(json.dumps(replay(args)))
     return 0
