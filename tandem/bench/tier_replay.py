@@ -27,10 +27,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from tandem.bench.prefix import MultiTurn, drive
+from tandem.bench.prefix import MultiTurn, _percentile, census_at, drive
 from tandem.bench.presets import PRESETS
 from tandem.config import EngineConfig
-from tandem.diagnostics.gc_census import census
+from tandem.diagnostics.gc_census import full_pass_ms
+from tandem.diagnostics.timeline import CollectorTime
 from tandem.engine import Engine
 from tandem.memory.host_kv import HostKVPool
 
@@ -50,18 +51,16 @@ def build_engine(args: argparse.Namespace) -> Engine:
 
 
 class Probes:
-    """Instance wrappers around the plan made in the wait, its staging and `Engine.step` (the
-    mid-run full pass), and a `gc.callbacks` entry; `close()` removes them all."""
+    """Instance wrappers around the plan made in the wait and its staging, and the collector's
+    passes (a `CollectorTime` in `gc.callbacks`); `close()` removes them all."""
 
-    def __init__(self, engine: Engine, full_pass_at: int):
-        self.engine, self.full_pass_at = engine, full_pass_at
+    def __init__(self, engine: Engine):
+        self.engine = engine
         self.plans: list[tuple[float, int]] = []  # (ms, longest cached prefix among its rows)
         self.stages: list[float] = []
-        self.passes: list[tuple[int, float]] = []  # (generation, ms)
-        self.census_mid: dict | None = None
-        self._steps, self._gc_start = 0, 0.0
+        self.collector = CollectorTime()  # its passes: (end time, ms, generation)
         sched, runner = engine.scheduler, engine.runner
-        plan, stage, step = sched.plan_ahead, runner.stage_ahead, engine.step
+        plan, stage = sched.plan_ahead, runner.stage_ahead
 
         def plan_ahead(n):
             t0 = time.perf_counter()
@@ -76,40 +75,19 @@ class Probes:
             stage(batch)
             self.stages.append((time.perf_counter() - t0) * 1e3)
 
-        def timed_step():
-            self._steps += 1
-            if self._steps == self.full_pass_at:
-                self.census_mid = census()
-            return step()
-
-        sched.plan_ahead, runner.stage_ahead, engine.step = plan_ahead, stage_ahead, timed_step
-        gc.callbacks.append(self._on_gc)
-
-    def _on_gc(self, phase: str, info: dict) -> None:
-        if phase == "start":
-            self._gc_start = time.perf_counter()
-        else:
-            self.passes.append((info["generation"], (time.perf_counter() - self._gc_start) * 1e3))
+        sched.plan_ahead, runner.stage_ahead = plan_ahead, stage_ahead
+        gc.callbacks.append(self.collector)
 
     def close(self) -> None:
-        gc.callbacks.remove(self._on_gc)
-        for obj, name in ((self.engine.scheduler, "plan_ahead"), (self.engine.runner, "stage_ahead"),
-                          (self.engine, "step")):
+        gc.callbacks.remove(self.collector)
+        for obj, name in ((self.engine.scheduler, "plan_ahead"), (self.engine.runner, "stage_ahead")):
             delattr(obj, name)
-
-
-def _full_pass_ms() -> float:
-    t0 = time.perf_counter()
-    gc.collect()
-    return round((time.perf_counter() - t0) * 1e3, 2)
 
 
 def _summary(ms: list[float]) -> dict:
     if not ms:
         return {"n": 0}
-    ordered = sorted(ms)
-    return {"n": len(ms), "median_ms": round(statistics.median(ms), 3),
-            "p90_ms": round(ordered[min(len(ms) - 1, round(0.9 * (len(ms) - 1)))], 3)}
+    return {"n": len(ms), "median_ms": round(statistics.median(ms), 3), "p90_ms": round(_percentile(ms, 90), 3)}
 
 
 def replay(args: argparse.Namespace) -> dict:
@@ -117,19 +95,21 @@ def replay(args: argparse.Namespace) -> dict:
     vocab = engine.model_config.vocab_size
     drive(engine, MultiTurn(2, 2, args.turn_len, args.turn_len, 8, vocab, seed=1000), "warm")
     engine.reset_prefix_cache()
-    probes = Probes(engine, args.full_pass_at)
+    probes = Probes(engine)
     try:
-        t0 = time.perf_counter()
-        _, outputs, _, _ = drive(engine, MultiTurn(args.conversations, args.turns, args.turn_len, args.turn_len,
-                                                   args.output_len, vocab, seed=0), "run")
-        wall = time.perf_counter() - t0
+        with census_at(engine, args.full_pass_at) as mid:
+            t0 = time.perf_counter()
+            _, outputs, _, _ = drive(engine, MultiTurn(args.conversations, args.turns, args.turn_len, args.turn_len,
+                                                       args.output_len, vocab, seed=0), "run")
+            wall = time.perf_counter() - t0
     finally:
         probes.close()
     stats = engine.stats()
-    full_pass_end = _full_pass_ms()  # the tree at its largest: what a full pass walks
-    by_generation = {str(g): {"n": sum(1 for x, _ in probes.passes if x == g),
-                              "total_ms": round(sum(ms for x, ms in probes.passes if x == g), 1),
-                              "worst_ms": round(max((ms for x, ms in probes.passes if x == g), default=0.0), 2)}
+    full_pass_end = full_pass_ms()  # the tree at its largest: what a full pass walks
+    passes = [(g, ms) for _, ms, g in probes.collector.passes]
+    by_generation = {str(g): {"n": sum(1 for x, _ in passes if x == g),
+                              "total_ms": round(sum(ms for x, ms in passes if x == g), 1),
+                              "worst_ms": round(max((ms for x, ms in passes if x == g), default=0.0), 2)}
                      for g in (0, 1, 2)}
     engine.close()
     return {"wall_s": round(wall, 1), "outputs": outputs, "hit_tokens": stats["prefix_cache_hit_tokens"],
@@ -137,7 +117,7 @@ def replay(args: argparse.Namespace) -> dict:
             "prefill_plans": _summary([ms for ms, _ in probes.plans]),
             "long_match_plans": _summary([ms for ms, longest in probes.plans if longest >= LONG_MATCH]),
             "stage_ahead": _summary(probes.stages),
-            "gc_passes": by_generation, "census_mid": probes.census_mid, "full_pass_end_ms": full_pass_end}
+            "gc_passes": by_generation, "census_mid": mid.get("census"), "full_pass_end_ms": full_pass_end}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -38,12 +38,16 @@ def census(top: int = 10, largest: int = 200) -> dict:
     for held in big:
         owners[_owner(held, skip=big)] += len(held)
     del big, held
-    t0 = time.perf_counter()
-    gc.collect()
-    full_pass_ms = (time.perf_counter() - t0) * 1e3
-    return {"objects": sum(count.values()), "elements": sum(elements.values()), "full_pass_ms": round(full_pass_ms, 2),
+    return {"objects": sum(count.values()), "elements": sum(elements.values()), "full_pass_ms": full_pass_ms(),
             "by_type": {name: [count[name], elements[name]] for name, _ in elements.most_common(top)},
             "largest_by_owner": dict(owners.most_common(top))}
+
+
+def full_pass_ms() -> float:
+    """One full pass of the collector, timed (ms)."""
+    t0 = time.perf_counter()
+    gc.collect()
+    return round((time.perf_counter() - t0) * 1e3, 2)
 
 
 def _owner(obj: object, skip: list) -> str:
