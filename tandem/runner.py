@@ -439,7 +439,7 @@ class ModelRunner:
             self.mirror.admit(slot, prompt_ids, params, outputs, seed)
         if self.spec is not None:
             with self.streams.use(self.streams.forward):  # ordered before the prefill's sample
-                self.spec.admit(slot, device_int64(prompt_ids + outputs, self.streams.device), len(prompt_ids),
+                self.spec.admit(slot, device_int64([*prompt_ids, *outputs], self.streams.device), len(prompt_ids),
                                 params.temperature, seed)
         if not params.uses_penalties:
             return
