@@ -536,7 +536,7 @@ class Engine:
             self._eos_ids = eos
         return self._eos_ids
 
-    def _check_prompt(self, ids: list[int], params: SamplingParams) -> None:
+    def _check_prompt(self, ids: tuple[int, ...], params: SamplingParams) -> None:
         if not ids:
             raise ValueError("prompt is empty")
         vocab = self.model_config.vocab_size

@@ -432,7 +432,7 @@ class ModelRunner:
         with self.streams.use(self.streams.forward):  # ordered before the retry's reads
             self.future_map.stash(device_int64(slots, self.streams.device), device_int64(token_ids, self.streams.device))
 
-    def start_request(self, slot: int, prompt_ids: list[int], params: SamplingParams,
+    def start_request(self, slot: int, prompt_ids: Sequence[int], params: SamplingParams,
                       outputs: list[int], seed: int = 0) -> None:
         """Reset per-slot sampling state; on the forward stream so it orders before sampling."""
         if self.mirror is not None:
