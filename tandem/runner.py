@@ -432,14 +432,14 @@ class ModelRunner:
         with self.streams.use(self.streams.forward):  # ordered before the retry's reads
             self.future_map.stash(device_int64(slots, self.streams.device), device_int64(token_ids, self.streams.device))
 
-    def start_request(self, slot: int, prompt_ids: list[int], params: SamplingParams,
+    def start_request(self, slot: int, prompt_ids: Sequence[int], params: SamplingParams,
                       outputs: list[int], seed: int = 0) -> None:
         """Reset per-slot sampling state; on the forward stream so it orders before sampling."""
         if self.mirror is not None:
             self.mirror.admit(slot, prompt_ids, params, outputs, seed)
         if self.spec is not None:
             with self.streams.use(self.streams.forward):  # ordered before the prefill's sample
-                self.spec.admit(slot, device_int64(prompt_ids + outputs, self.streams.device), len(prompt_ids),
+                self.spec.admit(slot, device_int64([*prompt_ids, *outputs], self.streams.device), len(prompt_ids),
                                 params.temperature, seed)
         if not params.uses_penalties:
             return

@@ -37,7 +37,7 @@ def test_eviction_writes_back_and_a_match_continues_on_the_host():
     slots, node = tree.match([1, 2, 3, 4, 5, 6, 7])
     assert slots == a[:3]  # the GPU part
     path = tree.host_continuation(node, [1, 2, 3, 4, 5], 3)  # ends inside [4, 5, 6]: split
-    assert [n.key for n in path] == [[4, 5]] and path[0].host_slots == [0, 1]
+    assert [n.key for n in path] == [(4, 5)] and path[0].host_slots == (0, 1)
     loaded = kv.alloc(2)
     tree.mark_loaded(path[0], loaded, copy_seq=2)
     assert tree.match([1, 2, 3, 4, 5])[0] == a[:3] + loaded and tree.host_tokens == 3  # in both tiers

@@ -23,7 +23,7 @@ def test_match_returns_longest_cached_prefix_and_splits_edges():
     slots = alloc.alloc(6)
     assert tree.insert([1, 2, 3, 4, 5, 6], slots) == (0, tree.match([1, 2, 3, 4, 5, 6])[1])
     got, node = tree.match([1, 2, 3, 9])
-    assert got == slots[:3] and node.key == [1, 2, 3]  # the edge was cut after 3 tokens
+    assert got == slots[:3] and node.key == (1, 2, 3)  # the edge was cut after 3 tokens
     assert tree.match([7])[0] == [] and tree.match_length([1, 2, 3, 4, 8]) == 4
     present, _ = tree.insert([1, 2, 3, 7, 8], slots[:3] + alloc.alloc(2))
     assert present == 3  # the caller keeps its 3 duplicate slots

@@ -148,7 +148,7 @@ class StepReceiver:
         """The slot's request as this rank knows it: what sampling reads, and the tokens so far.
         It never ends by itself (no stop ids, no length): rank 0 decides that, and stops
         sending its rows."""
-        req = Request("", a.prompt_ids, a.params, a.seed, max_samples=sys.maxsize, slot=a.slot,
+        req = Request("", tuple(a.prompt_ids), a.params, a.seed, max_samples=sys.maxsize, slot=a.slot,
                       output_token_ids=list(a.outputs))
         self.reqs[a.slot] = req
         return req

@@ -54,7 +54,7 @@ class HostTierMoves:
         if host_slots is None:
             return False
         node.copy_seq = self.hooks.write_back(node.slots, host_slots)  # its slots' reuse waits for it
-        node.host_slots = host_slots
+        node.host_slots = tuple(host_slots)  # untracked once seen: `Node`
         self.tokens += len(node.key)
         self.lru.touch(node)
         return True

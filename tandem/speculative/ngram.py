@@ -124,7 +124,7 @@ class HostNgramIndex:
         if self.indexed is None:
             self.indexed = max(0, total - self.window)
         first = max(0, min(self.indexed, total) - self.max_n)  # the new tokens and the n-grams ending there
-        tail = (prompt[first:] + outputs) if first < len(prompt) else outputs[first - len(prompt):]
+        tail = [*prompt[first:], *outputs] if first < len(prompt) else outputs[first - len(prompt):]
         for end in range(max(self.indexed, self.min_n, first), total):  # windows followed by a token
             for n in range(self.min_n, min(self.max_n, end - first) + 1):
                 self.seen.add(hash((n, *tail[end - first - n:end - first])))
