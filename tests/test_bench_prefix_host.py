@@ -139,11 +139,11 @@ def test_idle_steps_split_the_idle_by_what_ran_before_each_step():
     assert out["causes"] == {"gc": {"steps": 1, "idle_s": 0.002}, "tier_stall": {"steps": 1, "idle_s": 0.001},
                              "other": {"steps": 1, "idle_s": 0.0005}}
     assert out["gc_s"] == 0.0065 and out["gc_passes"] == {"0": 1, "1": 1}
-    # step 5 planned at 25 ms, step 4's result seen at 24 ms: after it (+1 ms), the overlap broken
-    assert out["worst"][0] == [2.0, "decode", 6.0, 1, 0.0, 5.0, 4.0, None, None, 8, 0.1, 1.0, 1.0]
-    records[6].host_start, records[5].host_done = 0.028, 0.0295  # planned while step 5 ran
+    # step 5 queued at 26.1 ms (25 + 0.1 + 1.0), step 4's result seen at 24 ms: after it, the overlap broken
+    assert out["worst"][0] == [2.0, "decode", 6.0, 1, 0.0, 5.0, 4.0, None, None, 8, 0.1, 1.0, 2.1]
+    records[6].host_start, records[5].host_done = 0.028, 0.0295  # queued at 29.1 ms, while step 5 ran
     records[6].gpu_idle_before_ms = 3.0
-    assert idle_steps(records)["worst"][0][-1] == -1.5
+    assert idle_steps(records)["worst"][0][-1] == -0.4
     assert [w[0] for w in out["worst"]] == [2.0, 1.0, 0.5]
     assert idle_steps([_record(i, True, 5.0 * i, 0.1, 5.0 * i + 4) for i in range(10)]) is None
 

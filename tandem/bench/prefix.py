@@ -386,11 +386,10 @@ def idle_steps(records: list, worst: int = 8) -> dict | None:
     that iteration (`gc`), else where the forward waited for a host-tier copy (`tier_stall`),
     else the rest; the collector's whole time and passes by generation; and the `worst` idle
     steps as [idle ms, kind, gc ms, gc generation, tier stall ms, iteration ms, previous forward
-    ms, tier window ms, plan ahead ms, previous step's tokens, schedule ms, launch ms, plan start
+    ms, tier window ms, plan ahead ms, previous step's tokens, schedule ms, launch ms, queued
     after the previous result ms]. The last says whether the overlap held for that step: negative,
-    it was planned while the previous step ran; positive, only after the previous result was
-    processed (a plan that had to process the step in flight first: the GPU then idles by the
-    plan and the launch at least)."""
+    it was queued before the host had the previous step's result; positive, only after (a plan
+    that processed the step in flight first: the GPU then idles by the plan and the launch)."""
     if not any(r.gpu_forward_ms is not None for r in records):
         return None
     skip = max(len(records) // 10, 1)
@@ -410,7 +409,7 @@ def idle_steps(records: list, worst: int = 8) -> dict | None:
                      before.gpu_forward_ms and round(before.gpu_forward_ms, 2), r.tier_window_ms and round(r.tier_window_ms, 2),
                      r.plan_ahead_ms and round(r.plan_ahead_ms, 2), before.num_tokens, round(r.schedule_ms, 2),
                      round(r.launch_ms, 2),
-                     None if before.host_done is None else round((r.host_start - before.host_done) * 1e3, 2)])
+                     None if before.host_done is None else round((r.launch_end - before.host_done) * 1e3, 2)])
     for c in causes.values():
         c["idle_s"] = round(c["idle_s"], 4)
     return {"causes": causes, "gc_s": round(sum(r.gc_ms for r in records[skip:]) / 1e3, 4),
