@@ -40,28 +40,49 @@ def free_port() -> int:
 def running_servers(*specs: tuple[str | Path, Path, list[str]], device: str = "auto",
                     env: dict[str, str] | None = None, start_timeout: float = 300.0) -> Iterator[list[ServerProcess]]:
     """Servers on 127.0.0.1, one per (model, log file, extra options), started together (they
-    load at the same time) and stopped with SIGINT (SIGKILL after 30 s)."""
-    procs: list[tuple[subprocess.Popen, str, Path]] = []
+    load at the same time) and stopped with SIGINT (SIGKILL after 30 s). A server that finds
+    its port taken (another launcher picked the same free port) starts again on a new one."""
+    started: list[tuple[subprocess.Popen, str]] = []
     try:
-        for model, log, extra in specs:
-            port = free_port()
-            cmd = [sys.executable, "-m", "tandem.server", "--model", str(model), "--port", str(port),
-                   "--device", device, *extra]
-            with open(log, "w") as out:
-                procs.append((subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
-                                               env={**os.environ, **(env or {})}),
-                              f"http://127.0.0.1:{port}", log))
-        yield [ServerProcess(url, proc, _wait_healthy(url, proc, log, start_timeout), log)
-               for proc, url, log in procs]
+        started = [_start(model, log, extra, device, env) for model, log, extra in specs]
+        servers = []
+        for i, (model, log, extra) in enumerate(specs):
+            for attempt in range(PORT_ATTEMPTS):
+                proc, url = started[i]
+                try:
+                    servers.append(ServerProcess(url, proc, _wait_healthy(url, proc, log, start_timeout), log))
+                    break
+                except PortTaken:
+                    if attempt == PORT_ATTEMPTS - 1:
+                        raise
+                    started[i] = _start(model, log, extra, device, env)
+        yield servers
     finally:
-        for proc, _, _ in procs:
+        for proc, _ in started:
             proc.send_signal(signal.SIGINT)
-        for proc, _, _ in procs:
+        for proc, _ in started:
             try:
                 proc.wait(30)
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+
+PORT_ATTEMPTS = 3
+
+
+class PortTaken(RuntimeError):
+    """The server exited because another process listens on the port it was given."""
+
+
+def _start(model: str | Path, log: Path, extra: list[str], device: str,
+           env: dict[str, str] | None) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    cmd = [sys.executable, "-m", "tandem.server", "--model", str(model), "--port", str(port),
+           "--device", device, *extra]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+    return proc, f"http://127.0.0.1:{port}"
 
 
 def stop_server(proc: subprocess.Popen) -> None:
@@ -75,14 +96,18 @@ def stop_server(proc: subprocess.Popen) -> None:
 
 
 def _wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout: float) -> int:
-    """The engine's pid, once /health answers 200."""
+    """The engine's pid, once `proc` itself answers 200 on /health: free_port gives the port up
+    before the server listens, so another launcher's server may answer there first (PortTaken
+    once `proc` exits for it)."""
     deadline = time.monotonic() + timeout
     while True:
         if proc.poll() is not None:
-            raise RuntimeError(f"server exited early ({proc.returncode}):\n{log.read_text()[-3000:]}")
+            text = log.read_text(errors="replace")
+            error = PortTaken if re.search("address already in use", text, re.I) else RuntimeError
+            raise error(f"server exited early ({proc.returncode}):\n{text[-3000:]}")
         try:
             r = httpx.get(url + "/health", timeout=1)
-            if r.status_code == 200:
+            if r.status_code == 200 and r.json().get("server_pid") == proc.pid:
                 return int(r.json()["engine_pid"])
         except httpx.HTTPError:
             pass

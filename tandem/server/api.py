@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import uuid
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
@@ -262,7 +263,8 @@ def create_app(state: ServerState, api_key: str | None = None,
             return _json(error_body(503, state.client.dead), 503)
         if state.draining:  # load balancers stop sending here while the requests finish
             return _json(error_body(503, "the server is shutting down", code="shutting_down"), 503)
-        return _json({"status": "ok", "engine_pid": state.client.proc.pid})
+        # server_pid: a launcher that picked the port tells its own server from another one there
+        return _json({"status": "ok", "server_pid": os.getpid(), "engine_pid": state.client.proc.pid})
 
     @app.get("/metrics")
     async def metrics() -> Response:
