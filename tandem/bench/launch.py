@@ -107,9 +107,10 @@ def _wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout: float) -
             raise error(f"server exited early ({proc.returncode}):\n{text[-3000:]}")
         try:
             r = httpx.get(url + "/health", timeout=1)
-            if r.status_code == 200 and r.json().get("server_pid") == proc.pid:
-                return int(r.json()["engine_pid"])
-        except httpx.HTTPError:
+            body = r.json() if r.status_code == 200 else None
+            if isinstance(body, dict) and body.get("server_pid") == proc.pid:
+                return int(body["engine_pid"])
+        except (httpx.HTTPError, ValueError):  # ValueError: another service's answer, not JSON
             pass
         if time.monotonic() > deadline:
             raise RuntimeError(f"server did not come up in {timeout:.0f} s:\n{log.read_text()[-3000:]}")
