@@ -2,12 +2,15 @@
 before the server listens, so another launcher's server can answer on it first (CI, run 68:
 a test with --api-key got 200 from another test's server without a key)."""
 import json
+import os
 import subprocess
 import sys
 import threading
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
+import httpx
 import pytest
 
 from tandem.bench import launch
@@ -78,3 +81,21 @@ def test_running_servers_starts_again_on_a_new_port_when_its_port_was_taken(tmp_
         with launch.running_servers(("m", log, []), start_timeout=30) as (srv,):
             assert (srv.url, srv.proc, srv.engine_pid) == (our_url, ours, ours.pid + 1)
     assert starts == ["m", "m"] and ours.poll() is not None  # stopped on the way out
+
+
+def test_a_real_server_given_a_taken_port_starts_again_on_a_free_one(tiny_text_model, tmp_path, monkeypatch):
+    """The fault as it happens: another server listens on the port the launcher picked. The
+    real server fails to listen there ("address already in use"), and the launcher starts it
+    again on a free port, where it answers as itself."""
+    repo = Path(__file__).resolve().parents[1]
+    with health_server(server_pid=-1) as foreign:
+        taken = int(foreign.rsplit(":", 1)[1])
+        picks, real_free_port = [], launch.free_port
+        monkeypatch.setattr(launch, "free_port", lambda: picks.append(0) or (taken if len(picks) == 1 else real_free_port()))
+        env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")])),
+               "OMP_NUM_THREADS": "1"}
+        log = tmp_path / "server.log"
+        with launch.running_servers((tiny_text_model, log, ["--max-model-len", "128", "--log-level", "warning"]),
+                                    device="cpu", env=env, start_timeout=120) as (srv,):
+            assert len(picks) == 2 and not srv.url.endswith(f":{taken}")
+            assert httpx.get(srv.url + "/health").json()["server_pid"] == srv.proc.pid
