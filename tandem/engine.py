@@ -362,7 +362,8 @@ class Engine:
             SchedulerConfig(rows, cfg.max_prefill_tokens, cfg.chunked_prefill_size, cfg.enable_mixed_batch,
                             cfg.schedule_policy, max_reused_tokens_per_step=reused,
                             mixed_prefill_budget=cfg.mixed_prefill_budget,
-                            admit_beside_leaving=cfg.experiments.admit_beside_leaving),
+                            admit_beside_leaving=cfg.experiments.admit_beside_leaving,
+                            held_places=cfg.experiments.host_kv_held_places),
             self.prefix_cache, self.req_slots, on_admit=self.runner.admit,
             verify=VerifyPlanner(spec, cfg.experiments.spec_verify_min_match) if spec is not None else None)
 

@@ -12,16 +12,20 @@ from workload import Spec, assert_kv_conserved, run_workload
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("overlap,host_tokens,ahead", [(True, 4096, True), (False, 4096, True),
-                                                      (True, 300, True), (True, 4096, False)])
-def test_small_pool_with_host_tier_equals_unbounded_pool(tiny_text_model, overlap, host_tokens, ahead):
+@pytest.mark.parametrize("overlap,host_tokens,ahead,held", [(True, 4096, True, 0), (False, 4096, True, 0),
+                                                           (True, 300, True, 0), (True, 4096, False, 0),
+                                                           (True, 4096, True, 1)])
+def test_small_pool_with_host_tier_equals_unbounded_pool(tiny_text_model, overlap, host_tokens, ahead, held):
     """300 host tokens: the host tier evicts too (less than the working set). `ahead`: write-ahead
-    and prefetch on (the default) or both off (copies only at eviction and admission)."""
+    and prefetch on (the default) or both off (copies only at eviction and admission). `held`:
+    Experiments.host_kv_held_places."""
     from tandem.config import Experiments
     rounds = chat_specs(conversations=10, turns=4, seed=3)
     want = run_chats(make_engine(tiny_text_model, max_total_tokens=20000), rounds)
+    exp = Experiments(host_kv_write_ahead=ahead, host_kv_prefetch=ahead, host_kv_held_places=held)
     engine = small_tiered_engine(tiny_text_model, host_tokens, disable_overlap=not overlap, timeline=True,
-                                 experiments=Experiments(host_kv_write_ahead=ahead, host_kv_prefetch=ahead))
+                                 experiments=exp)
+    assert engine.scheduler.cfg.held_places == held
     prefetched, prefetch = [], engine.prefix_cache.prefetch
     engine.prefix_cache.prefetch = lambda *a, **k: prefetched.append(prefetch(*a, **k)) or prefetched[-1]
     written_ahead, write_ahead = [], engine.prefix_cache.write_ahead

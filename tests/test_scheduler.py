@@ -311,6 +311,37 @@ def test_requests_behind_a_head_waiting_for_prefetch_are_admitted():
     assert admitted == {"fresh"} and head.prefetch_waits == 1 and head in sched.waiting
 
 
+@pytest.mark.parametrize("held", [0, 1, 2])
+def test_a_request_held_for_its_load_keeps_a_running_place(held):
+    """With `held_places` (Experiments.host_kv_held_places), the first requests admission holds
+    while prefetch loads their host parts keep a running place: the requests behind them fill
+    only the places left. Then, when a held request's load ends, it finds a place."""
+    from host_tier import instant_tier
+    kv, host_pool = SlotAllocator(1 << 13), SlotAllocator(1 << 13, first=0)
+    cache = PrefixCache(kv, enabled=True, debug=True, host=instant_tier(host_pool, admit_after_prefetch=True))
+    cfg = SchedulerConfig(max_running_requests=4, max_prefill_tokens=4096, chunked_prefill_size=None,
+                          enable_mixed_batch=True, held_places=held)
+    sched = Scheduler(cfg, cache, SlotAllocator(4), on_admit=lambda req: None)
+    histories = [[(i * 7 + c * 13) % 250 + 3 for i in range(300)] for c in range(2)]
+    for h in histories:
+        cache.tree.insert(h, kv.alloc(300))
+    cache.tree.evict(cache.tree.evictable_tokens)  # both histories on the host only
+    sched.add(_request("stream", 8, 0, max_samples=100))
+    _run_step(sched, 0)  # requests run, so a request may be held back for prefetch: 3 places left
+    cold = [Request(f"cold{c}", h + [9], SamplingParams(max_tokens=4), seed=0, max_samples=4)
+            for c, h in enumerate(histories)]
+    fresh = [_request(f"fresh{i}", 40, 100 + 50 * i, max_samples=4) for i in range(3)]
+    for req in cold + fresh:
+        sched.add(req)
+    batch = _run_step(sched, 1)
+    admitted = {r.req.rid for r in batch.rows if r.prefill_ids is not None}
+    assert admitted == {f"fresh{i}" for i in range(3 - held)}
+    assert all(req in sched.waiting for req in cold)
+    cache.prefetch(cold, keep=0, most=1 << 12)  # the loads end: the held ones come in
+    batch = _run_step(sched, 2)
+    assert {r.req.rid for r in batch.rows if r.prefill_ids is not None} == {f"cold{c}" for c in range(held)}
+
+
 @pytest.mark.parametrize("fifo", [True, False])
 def test_a_request_prefetch_has_not_reached_keeps_its_place(fifo):
     """With the FIFO experiment, a request behind the PREFETCH_REQUESTS that prefetch loads

@@ -44,6 +44,9 @@ class SchedulerConfig:
     # admission before its finish is processed (`Scheduler._free_places`). Off: admissions wait
     # for the finish (Experiments.admit_beside_leaving).
     admit_beside_leaving: bool = True
+    # Host tier: the first this many requests a plan holds for their prefetch loads keep a
+    # running place (Experiments.host_kv_held_places).
+    held_places: int = 0
 
 
 # Request slots beyond max_running_requests: an admission beside a leaving request takes one
@@ -540,6 +543,7 @@ class Scheduler:
         reused = sum(len(r.cached_prefix) for r in rows if r.cached_prefix is not None)
         prefetched = set(map(id, itertools.islice(self.waiting, self.cache.prefetch_requests)))  # its loads
         places = self._free_places()
+        held_places = self.cfg.held_places
         for req in self._admission_order():
             if budget <= 0 or places <= 0:
                 break
@@ -552,6 +556,9 @@ class Scheduler:
                 # Its prefix loads from the host tier beside the running steps first; the ones
                 # behind it go ahead meanwhile (bounded: it waits MAX_PREFETCH_WAITS plans at most).
                 # A `break` here emptied the batch while the copies ran (H200: 35% more steps).
+                if held_places > 0 and id(req) in prefetched:
+                    held_places -= 1
+                    places -= 1  # kept for it: its load ends within a plan or two
                 continue
             if hold is Hold.STOP:
                 break  # its turn to be prefetched comes first (`PrefixCache.prefetch_hold`)
