@@ -174,8 +174,9 @@ class Experiments:
     # them are admitted only into the places left, so a held request whose load ends finds a place
     # instead of a running set filled by later conversations whose histories stayed on the GPU
     # (the TTFT p99 tail). On the CPU replay of the multiturn workload (docs/benchmarks.md,
-    # session 52): 1 cut the modeled p99 7.61 -> 5.37 s (tier off 6.10) for a run 5% longer.
-    host_kv_held_places: int = 0
+    # session 52): 1 cut the modeled p99 7.61 -> 5.37 s (tier off 6.10) for a run 5% longer;
+    # the GPU A/B is in session 53's entry. 0: none (the admission before session 53).
+    host_kv_held_places: int = 1
     # n-gram speculation: a row verifies when its known tokens end in an n-gram of at least this
     # many tokens (clamped to prompt_lookup_min..max) seen earlier, followed by a token. On the
     # built-in model's tasks, the proposals after a one-token match were accepted 12-17 % of the
