@@ -174,8 +174,10 @@ class Experiments:
     # them are admitted only into the places left, so a held request whose load ends finds a place
     # instead of a running set filled by later conversations whose histories stayed on the GPU
     # (the TTFT p99 tail). On the CPU replay of the multiturn workload (docs/benchmarks.md,
-    # session 52): 1 cut the modeled p99 7.61 -> 5.37 s (tier off 6.10) for a run 5% longer;
-    # the GPU A/B is in session 53's entry. 0: none (the admission before session 53).
+    # session 52): 1 cut the modeled p99 7.61 -> 5.37 s (tier off 6.10) for a run 5% longer.
+    # H100 at c3dd75a (session 53), 0 against 1: TTFT p99 8.47-8.49 -> 4.67-4.69 s (tier off
+    # 6.32), p50 1.04 -> 2.14-2.17 s (tier off 2.92), output tok/s 0.96x (1.23x tier off), GPU
+    # busy 0.995 -> 0.9986. 0: none (the admission before session 53).
     host_kv_held_places: int = 1
     # n-gram speculation: a row verifies when its known tokens end in an n-gram of at least this
     # many tokens (clamped to prompt_lookup_min..max) seen earlier, followed by a token. On the
