@@ -35,6 +35,7 @@ def test_the_row_says_where_the_time_and_the_slowest_requests_went(capsys):
     assert len(batch) == 10 and all(1 <= b <= 2 for b in batch)  # --max-running-requests 2
     slowest = row["slowest"]
     assert slowest and slowest[0][0] == max(t for t, _, _ in slowest) >= row["ttft_p99_ms"] - 0.05  # rounded to 0.1 ms
+    assert row["ttft_p50_ms"] <= row["ttft_p90_ms"] <= row["ttft_p99_ms"]
     assert all(0 <= turn < 3 and waits >= 0 for _, turn, waits in slowest)
     assert [t for t, _, _ in slowest] == sorted((t for t, _, _ in slowest), reverse=True)
     kinds = row["by_kind"]

@@ -193,6 +193,7 @@ class PrefixRow:
     # `--gc-census-at STEP`: what a full collector pass walked at that step of the measured run
     # (`diagnostics.gc_census`): tracked objects and elements by type, the biggest by owner.
     gc_census: dict | None = None
+    ttft_p90_ms: float | None = None  # the tail's shoulder: did a change move p99 alone, or the tail?
 
     @property
     def output_tok_s(self) -> float:
@@ -343,6 +344,7 @@ def run_one(args: argparse.Namespace) -> PrefixRow:
     if engine.kv_tier is not None:
         row.admission_loaded_by, row.tier_stall_by_cause = loaded_by, tier_stalls(engine.timeline.records[first:])
     row.gc_census = gc_census.get("census")
+    row.ttft_p90_ms = _percentile(ttft, 90)
     return row
 
 
@@ -614,7 +616,7 @@ def _without_compare(argv: list[str]) -> list[str]:
 
 def format_table(rows: list[dict], compared: str = "cache") -> str:
     cols = ["workload", "cache", "cascade", "host_kv_cache_gb", "requests", "output_tok_s", "ttft_p50_ms",
-            "ttft_p99_ms", "hit_rate", "gpu_hit_rate", "host_hit_rate", "load_gb_s", "write_back_gb_s",
+            "ttft_p90_ms", "ttft_p99_ms", "hit_rate", "gpu_hit_rate", "host_hit_rate", "load_gb_s", "write_back_gb_s",
             "host_ms_per_step", "gpu_busy", "tier_stall_s", "tier_window_ms", "moved_tokens", "cascade_steps", "kernel_compiles",
             "compile_s", "alloc_retries", "preemptions", "wall_s"]
     lines = [" | ".join(cols)]

@@ -359,8 +359,9 @@ def plan(ctx: Ctx) -> list[RunSpec]:
             prefix(ctx, "qwen3-0.6b", "off", 45),
             prefix(ctx, "qwen3-0.6b", "on", 45, cascade="off"),  # issue 22: cascade's own share
             grammar(ctx, "qwen3-0.6b", 50),
-            latency(ctx, "qwen3-0.6b", "fp8", 45),
-            offline(ctx, "llama-3.1-8b", "fp8", False, 70),
+            # A first run on a fresh H100 (session 53) passed 45 / 70 s: the 8B at 64% of its requests.
+            latency(ctx, "qwen3-0.6b", "fp8", 60),
+            offline(ctx, "llama-3.1-8b", "fp8", False, 90),
             offline(ctx, "qwen3-0.6b", "kvfp8", False, 60),  # issue 21: 1.10x bf16 in session 44
             host_tier(ctx, "qwen3-0.6b", "48", 150),
             host_tier(ctx, "qwen3-0.6b", "0", 100)]
