@@ -213,9 +213,11 @@ class FirstToken:
     prefetch_waits: int
 
 
-def drive(engine: Engine, workload, tag: str) -> tuple[int, int, float, list[FirstToken]]:
+def drive(engine: Engine, workload, tag: str, clock=time.perf_counter) -> tuple[int, int, float, list[FirstToken]]:
     """Send the workload's requests (follow-ups as their predecessors finish) until all are
-    done. Returns input tokens, output tokens, wall seconds and each request's first token."""
+    done. Returns input tokens, output tokens, wall seconds and each request's first token.
+    `clock` stamps arrivals and first tokens (the CPU replay's modeled device time:
+    `tier_clock.ModeledClock`)."""
     arrival: dict[str, float] = {}
     turns: dict[str, Turn] = {}
     turn_of: dict[str, int] = {}
@@ -229,7 +231,7 @@ def drive(engine: Engine, workload, tag: str) -> tuple[int, int, float, list[Fir
         rid = f"{tag}-{next(ids)}"
         engine.add_request(turn.prompt, SamplingParams(max_tokens=turn.output_len, temperature=turn.temperature,
                                                        seed=turn.seed, ignore_eos=True), request_id=rid)
-        arrival[rid], turns[rid] = time.perf_counter(), turn
+        arrival[rid], turns[rid] = clock(), turn
         turn_of[rid] = sent.get(turn.conversation, 0)
         if turn.conversation is not None:
             sent[turn.conversation] = turn_of[rid] + 1
@@ -241,7 +243,7 @@ def drive(engine: Engine, workload, tag: str) -> tuple[int, int, float, list[Fir
         send(turn)
     while engine.has_unfinished():
         for out in engine.step():
-            now = time.perf_counter()
+            now = clock()
             if out.new_token_ids and out.request_id in arrival:  # its first token
                 rid = out.request_id
                 firsts.append(FirstToken((now - arrival.pop(rid)) * 1e3, turn_of.pop(rid),

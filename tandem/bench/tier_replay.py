@@ -15,6 +15,12 @@ the GPU run only shows its idle. It reports
 
 Run it on both sides of a change, alternating (this box drifts by tens of percent between
 runs). The hit tokens must match between sides that should plan alike.
+
+`--modeled` replays on a modeled device clock instead (`tier_clock.ModeledClock`: steps and
+host-tier copies take the GPU's time, so a load still runs when the next plans are made) and
+adds the modeled run time, output tok/s and TTFT p50 / p90 / p99: a scheduling change's effect
+on the tail, predicted on the CPU (`--experiment NAME=VALUE` for its A/B, `--host-tokens 0` for
+the tier off).
 """
 from __future__ import annotations
 
@@ -29,7 +35,8 @@ from pathlib import Path
 
 from tandem.bench.prefix import MultiTurn, _percentile, census_at, drive
 from tandem.bench.presets import PRESETS
-from tandem.config import EngineConfig
+from tandem.bench.tier_clock import ClockModel, ModeledClock
+from tandem.config import EngineConfig, Experiments
 from tandem.diagnostics.gc_census import full_pass_ms
 from tandem.diagnostics.timeline import CollectorTime
 from tandem.engine import Engine
@@ -42,7 +49,8 @@ def build_engine(args: argparse.Namespace) -> Engine:
     model = Path(tempfile.mkdtemp(prefix="tandem-tier-replay-"))
     (model / "config.json").write_text(json.dumps({**PRESETS["tiny"], "max_position_embeddings": 16384}))
     common = dict(model=str(model), dummy_weights=True, device="cpu", dtype="float32",
-                  max_running_requests=args.running, seed=0)
+                  max_running_requests=args.running, seed=0,
+                  experiments=Experiments.from_overrides(args.experiment))
     probe = Engine(EngineConfig(max_total_tokens=256, **common))
     token_bytes = HostKVPool.bytes_per_token([probe.kv])
     probe.close()
@@ -96,14 +104,19 @@ def replay(args: argparse.Namespace) -> dict:
     drive(engine, MultiTurn(2, 2, args.turn_len, args.turn_len, 8, vocab, seed=1000), "warm")
     engine.reset_prefix_cache()
     probes = Probes(engine)
+    model = ClockModel(args.step_ms, args.prefill_us, args.copy_gb_s or None) if args.modeled else None
+    clock = ModeledClock(engine, model) if model is not None else None
     try:
         with census_at(engine, args.full_pass_at) as mid:
             t0 = time.perf_counter()
-            _, outputs, _, _ = drive(engine, MultiTurn(args.conversations, args.turns, args.turn_len, args.turn_len,
-                                                       args.output_len, vocab, seed=0), "run")
+            _, outputs, _, firsts = drive(engine, MultiTurn(args.conversations, args.turns, args.turn_len,
+                                                            args.turn_len, args.output_len, vocab, seed=0),
+                                          "run", **({"clock": clock.clock} if clock else {}))
             wall = time.perf_counter() - t0
     finally:
         probes.close()
+        if clock is not None:
+            clock.close()
     stats = engine.stats()
     full_pass_end = full_pass_ms()  # the tree at its largest: what a full pass walks
     passes = [(g, ms) for _, ms, g in probes.collector.passes]
@@ -112,12 +125,21 @@ def replay(args: argparse.Namespace) -> dict:
                               "worst_ms": round(max((ms for x, ms in passes if x == g), default=0.0), 2)}
                      for g in (0, 1, 2)}
     engine.close()
-    return {"wall_s": round(wall, 1), "outputs": outputs, "hit_tokens": stats["prefix_cache_hit_tokens"],
+    modeled = {} if clock is None else modeled_figures(clock, outputs, [f.ttft_ms / 1e3 for f in firsts])
+    return {**modeled, "wall_s": round(wall, 1), "outputs": outputs, "hit_tokens": stats["prefix_cache_hit_tokens"],
             "host_hit_tokens": stats["host_cache_hit_tokens"],
             "prefill_plans": _summary([ms for ms, _ in probes.plans]),
             "long_match_plans": _summary([ms for ms, longest in probes.plans if longest >= LONG_MATCH]),
             "stage_ahead": _summary(probes.stages),
             "gc_passes": by_generation, "census_mid": mid.get("census"), "full_pass_end_ms": full_pass_end}
+
+
+def modeled_figures(clock: ModeledClock, outputs: int, ttft_s: list[float]) -> dict:
+    """The modeled run: its time, output tok/s, steps, TTFT percentiles and copy stall."""
+    end = clock.end()
+    return {"modeled_s": round(end, 2), "modeled_output_tok_s": round(outputs / end) if end else None,
+            "modeled_steps": clock.steps, "modeled_stall_s": round(clock.stall_s, 3),
+            "modeled_ttft_s": {f"p{q}": round(_percentile(ttft_s, q), 2) for q in (50, 90, 99)}}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -131,6 +153,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--host-tokens", type=int, default=450_000, help="host tier tokens (~the GPU run's 48 GB)")
     ap.add_argument("--full-pass-at", type=int, default=1500,
                     help="engine step at which what a full pass walks is counted and one pass timed")
+    ap.add_argument("--experiment", action="append", default=[], metavar="NAME=VALUE",
+                    help="an Experiments switch for an A/B run, e.g. host_kv_held_places=0 (repeatable)")
+    ap.add_argument("--modeled", action="store_true",
+                    help="replay on a modeled device clock (steps and copies take the GPU's time) and "
+                         "report the modeled run time and TTFT percentiles")
+    ap.add_argument("--step-ms", type=float, default=ClockModel.step_ms, help="--modeled: a step's fixed cost")
+    ap.add_argument("--prefill-us", type=float, default=ClockModel.prefill_us_per_token,
+                    help="--modeled: the cost of each token of a step with prefill rows")
+    ap.add_argument("--copy-gb-s", type=float, default=ClockModel.copy_gb_s,
+                    help="--modeled: the copy stream's rate, each way (0: copies complete as queued)")
     args = ap.parse_args(argv)
     print(json.dumps(replay(args)))
     return 0
