@@ -46,7 +46,7 @@ class ModeledClock:
     the step launched last (it waited for the one before, which ended then)."""
 
     def __init__(self, engine: Engine, model: ClockModel):
-        self.engine, self.model = engine, model
+        self.engine = engine
         self.now = 0.0
         self.device_free = 0.0  # the end of the last step launched
         self.copy_free = 0.0  # the end of the last copy queued
