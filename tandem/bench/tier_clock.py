@@ -21,9 +21,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tandem.engine import Engine
+import torch
 
-QWEN3_0_6B_TOKEN_BYTES = 28 * 8 * 128 * 2 * 2  # layers x KV heads x head dim x (K, V) x bf16
+from tandem.bench.presets import PRESETS
+from tandem.engine import Engine
+from tandem.memory.kv_cache import KVCache
+
+_QWEN3_0_6B = PRESETS["qwen3-0.6b"]
+QWEN3_0_6B_TOKEN_BYTES = KVCache.bytes_per_token(_QWEN3_0_6B["num_hidden_layers"], _QWEN3_0_6B["num_key_value_heads"],
+                                                 _QWEN3_0_6B["head_dim"], torch.bfloat16)  # the GPU run's bf16 pool
 
 
 @dataclass
