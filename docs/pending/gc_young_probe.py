@@ -10,8 +10,6 @@ import time
 
 from tandem.bench import tier_replay as tr
 
-stats = collections.Counter()
-counts = collections.Counter()
 long_passes = []
 state = {}
 
