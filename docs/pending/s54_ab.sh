@@ -4,7 +4,6 @@ set -u
 DEADLINE=$(( $(date +%s) + ${1:-540} ))
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
-mkdir -p /tmp/gguf && cp .gguf/a/part /tmp/gguf/a  # the suite call carries the second half
 ROOT=$(pwd)
 BASE="--preset qwen3-0.6b --device cuda --workload multiturn --conversations 64 --turns 8 --system-len 1024 --question-len 1024 --output-len 128 --max-running-requests 12 --max-total-tokens 147456"
 i=0
