@@ -59,6 +59,11 @@ def test_record_has_every_section(run):
     assert all(set(f) == {"value", "unit", "better"} for f in record["figures"].values())
     assert {"passed", "failed", "skipped", "errors", "failing"} <= set(record["tests"])
     assert record["tests"]["failing"] == []
+    # Where the part's time went: each pass's wall, the longest files first.
+    assert set(record["tests"]["pass_seconds"]) == {"shared", "whole-gpu"}
+    slowest = record["tests"]["slowest_files"]
+    assert slowest and all(path.endswith(".py") and sec >= 0 for path, sec in slowest)
+    assert [sec for _, sec in slowest] == sorted((sec for _, sec in slowest), reverse=True)
     assert "serve.tiny.rate128.serve_over_engine" in record["figures"]
     # Where a server TTFT goes: the server's own, its front end's load, the client's lag.
     for where in ("server_ttft_p50_ms", "server_ttft_p99_ms", "front_end_cpu_share", "client_lag_p99_ms"):
@@ -139,6 +144,20 @@ def test_a_stopped_driver_is_summed_from_each_pass(tmp_path):
     (tmp_path / "tests-whole-gpu.log").write_text("tests/test_m.py::test_pool PASSED [ 50%]\n")
     s = read_summary(tmp_path)
     assert (s.passed, s.failed, s.failing, s.complete) == (2, 1, ["tests/test_a.py::test_y"], False)
+
+
+def test_the_longest_files_are_summed_over_their_tests_and_passes(tmp_path):
+    """A file's seconds are its tests' (junit `time`), summed across both passes; longest first."""
+    (tmp_path / "tests-shared.xml").write_text(
+        '<testsuites><testsuite><testcase classname="tests.test_a" name="test_x" time="2.5"/>'
+        '<testcase classname="tests.test_a" name="test_y" time="1.0"><failure/></testcase>'
+        '<testcase classname="tests.test_b" name="test_z" time="3.0"/></testsuite></testsuites>')
+    (tmp_path / "tests-whole-gpu.xml").write_text(
+        '<testsuites><testsuite><testcase classname="tests.test_b" name="test_pool" time="4.0"/>'
+        '</testsuite></testsuites>')
+    s = read_summary(tmp_path)
+    assert s.slowest_files == [["tests/test_b.py", 7.0], ["tests/test_a.py", 3.5]]
+    assert (s.passed, s.failed, s.complete) == (3, 1, True)
 
 
 def test_noisy_figures_get_their_measured_tolerance_and_flags_override_it():

@@ -20,6 +20,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 import xml.etree.ElementTree as ET
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -49,15 +50,30 @@ class TestSummary:
     skipped: int = 0
     failing: list[str] = field(default_factory=list)  # ids of failed and errored tests
     complete: bool = True  # False: read from a log cut short (the run timed out)
+    # Where the part's device time goes, to split or spread what holds it up: each pass's wall
+    # seconds, and the files whose tests took longest (a file runs on one worker: `--dist loadfile`).
+    pass_seconds: dict[str, float] = field(default_factory=dict)
+    slowest_files: list[list] = field(default_factory=list)  # [[path, seconds], ...], longest first
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
+SLOWEST_FILES = 10
+
+
+def _slowest(seconds_by_file: dict[str, float]) -> list[list]:
+    ranked = sorted(seconds_by_file.items(), key=lambda kv: -kv[1])[:SLOWEST_FILES]
+    return [[path, round(sec, 1)] for path, sec in ranked]
+
+
 def from_junit(path: Path) -> TestSummary:
     s = TestSummary()
+    seconds_by_file: dict[str, float] = {}
     for case in ET.parse(path).getroot().iter("testcase"):
         tid = _test_id(case)
+        file = tid.split("::", 1)[0]
+        seconds_by_file[file] = seconds_by_file.get(file, 0.0) + float(case.get("time") or 0)
         if case.find("failure") is not None:
             s.failed += 1
             s.failing.append(tid)
@@ -68,6 +84,7 @@ def from_junit(path: Path) -> TestSummary:
             s.skipped += 1
         else:
             s.passed += 1
+    s.slowest_files = _slowest(seconds_by_file)
     return s
 
 
@@ -105,11 +122,16 @@ def from_verbose_log(text: str) -> TestSummary:
 
 def merge(summaries: list[TestSummary]) -> TestSummary:
     out = TestSummary()
+    seconds_by_file: dict[str, float] = {}
     for s in summaries:
         out.passed, out.failed, out.errors = out.passed + s.passed, out.failed + s.failed, out.errors + s.errors
         out.skipped += s.skipped
         out.failing += s.failing
         out.complete = out.complete and s.complete
+        out.pass_seconds.update(s.pass_seconds)
+        for path, sec in s.slowest_files:
+            seconds_by_file[path] = seconds_by_file.get(path, 0.0) + sec
+    out.slowest_files = _slowest(seconds_by_file)
     return out
 
 
@@ -167,12 +189,15 @@ def run_passes(paths: list[str], raw: Path, workers: int) -> int:
             env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // n)))
         log = raw / f"tests-{name}.log"
         print(f"[tests] {name} pass ({marks}), {n} process(es): {log.name}", flush=True)
+        started = time.monotonic()
         with open(log, "w") as out:
             code = subprocess.run(pass_argv(paths, name, marks, n, raw), stdout=out, stderr=subprocess.STDOUT,
                                   env=env).returncode
         s = summarize(raw / f"tests-{name}.xml", log)
+        s.pass_seconds = {name: round(time.monotonic() - started, 1)}
         print(f"[tests] {name}: exit {code}, {s.passed} passed, {s.failed} failed, {s.errors} errors, "
-              f"{s.skipped} skipped", flush=True)
+              f"{s.skipped} skipped in {s.pass_seconds[name]} s; longest files: "
+              + ", ".join(f"{path} {sec} s" for path, sec in s.slowest_files[:5]), flush=True)
         codes.append(0 if code == 5 else code)  # 5: the pass selected nothing
         summaries.append(s)
     total = merge(summaries)
