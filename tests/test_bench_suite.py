@@ -160,6 +160,19 @@ def test_the_longest_files_are_summed_over_their_tests_and_passes(tmp_path):
     assert (s.passed, s.failed, s.complete) == (3, 1, True)
 
 
+def test_a_file_past_one_passs_longest_keeps_its_time_in_the_merged_ranking(tmp_path):
+    """Ranked after summing: a file outside the shared pass's ten longest, whose whole-GPU test is
+    long, still counts its shared seconds."""
+    shared = "".join(f'<testcase classname="tests.test_f{i:02d}" name="t" time="{20 - i}"/>' for i in range(12))
+    (tmp_path / "tests-shared.xml").write_text(f"<testsuites><testsuite>{shared}</testsuite></testsuites>")
+    (tmp_path / "tests-whole-gpu.xml").write_text(
+        '<testsuites><testsuite><testcase classname="tests.test_f11" name="test_pool" time="15"/>'
+        '</testsuite></testsuites>')
+    s = read_summary(tmp_path)
+    assert len(s.slowest_files) == 10
+    assert s.slowest_files[:2] == [["tests/test_f11.py", 24.0], ["tests/test_f00.py", 20.0]]  # 9 shared + 15
+
+
 def test_noisy_figures_get_their_measured_tolerance_and_flags_override_it():
     from tandem.bench.suite_record import tolerance_for
     assert tolerance_for("offline.qwen3-0.6b.output_tok_s", 0.07, {}) == 0.07

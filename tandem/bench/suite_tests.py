@@ -53,7 +53,9 @@ class TestSummary:
     # Where the part's device time goes, to split or spread what holds it up: each pass's wall
     # seconds, and the files whose tests took longest (a file runs on one worker: `--dist loadfile`).
     pass_seconds: dict[str, float] = field(default_factory=dict)
-    slowest_files: list[list] = field(default_factory=list)  # [[path, seconds], ...], longest first
+    # [[path, seconds], ...], longest first: every file in one pass's summary, the SLOWEST_FILES
+    # longest in the merged one (ranked after summing a file's passes, so none loses its time).
+    slowest_files: list[list] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -62,8 +64,8 @@ class TestSummary:
 SLOWEST_FILES = 10
 
 
-def _slowest(seconds_by_file: dict[str, float]) -> list[list]:
-    ranked = sorted(seconds_by_file.items(), key=lambda kv: -kv[1])[:SLOWEST_FILES]
+def _ranked(seconds_by_file: dict[str, float], limit: int | None = None) -> list[list]:
+    ranked = sorted(seconds_by_file.items(), key=lambda kv: -kv[1])[:limit]
     return [[path, round(sec, 1)] for path, sec in ranked]
 
 
@@ -84,7 +86,7 @@ def from_junit(path: Path) -> TestSummary:
             s.skipped += 1
         else:
             s.passed += 1
-    s.slowest_files = _slowest(seconds_by_file)
+    s.slowest_files = _ranked(seconds_by_file)
     return s
 
 
@@ -131,7 +133,7 @@ def merge(summaries: list[TestSummary]) -> TestSummary:
         out.pass_seconds.update(s.pass_seconds)
         for path, sec in s.slowest_files:
             seconds_by_file[path] = seconds_by_file.get(path, 0.0) + sec
-    out.slowest_files = _slowest(seconds_by_file)
+    out.slowest_files = _ranked(seconds_by_file, SLOWEST_FILES)
     return out
 
 
